@@ -1,0 +1,19 @@
+"""titan-audit: bitwise-reproducible training and RL post-training for PyTorch.
+
+The package is layered; each subpackage imports only from the layers below it:
+
+    cli/                    thin click commands
+    bench/                  speed suites (ratios against plain PyTorch in the same run)
+    trainer/  rl/           end-to-end loops
+    golden/  audit/  data/  models/
+    batch_invariant/  deterministic/
+
+See DESIGN.md (shared with the project) for the five guarantees G1-G5.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("titan-audit")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"

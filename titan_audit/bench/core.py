@@ -1,0 +1,142 @@
+"""Timing and reporting shared by every bench suite.
+
+Timing method: a callable is run in batches long enough to dwarf the timer (>= `min_batch_s`);
+the per-call time is the minimum over `repeats` batches, baseline and candidate interleaved batch
+by batch so that machine noise hits both alike. The garbage collector is off while timing.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    quick: bool = False  # small sizes and few repeats: for smoke tests, not for figures
+    repeats: int = 5
+    min_batch_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.min_batch_s <= 0:
+            raise ValueError(f"min_batch_s must be > 0, got {self.min_batch_s}")
+
+
+@dataclass
+class Case:
+    case: str
+    baseline: str
+    candidate: str
+    baseline_s: float
+    candidate_s: float
+    ratio: float
+    target: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def met_target(self) -> bool | None:
+        return None if self.target is None else self.ratio <= self.target
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        extra = out.pop("extra")
+        out["met_target"] = self.met_target
+        out.update(extra)
+        return out
+
+
+@dataclass
+class SuiteResult:
+    suite: str
+    machine: dict[str, Any]
+    cases: list[Case]
+
+    def to_dict(self) -> dict[str, Any]:
+        ratios = [c.ratio for c in self.cases]
+        return {
+            "suite": self.suite,
+            "machine": self.machine,
+            "cases": [c.to_dict() for c in self.cases],
+            "summary": {
+                "geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+                "max_ratio": max(ratios) if ratios else None,
+                "targets_missed": sum(c.met_target is False for c in self.cases),
+            },
+        }
+
+
+def _calibrate(fn: Callable[[], object], min_batch_s: float) -> int:
+    """Smallest power-of-two call count whose batch takes at least min_batch_s."""
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if time.perf_counter() - start >= min_batch_s or calls >= 1 << 20:
+            return calls
+        calls *= 2
+
+
+def _batch_time(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def time_interleaved(fns: list[Callable[[], object]], options: BenchOptions) -> list[float]:
+    """Per-call seconds of each fn: min over `repeats` batches, the fns interleaved batch by batch."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        calls = [_calibrate(fn, options.min_batch_s) for fn in fns]
+        best = [math.inf] * len(fns)
+        for _ in range(options.repeats):
+            for i, fn in enumerate(fns):
+                best[i] = min(best[i], _batch_time(fn, calls[i]))
+        return best
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def compare(
+    case: str,
+    baseline: tuple[str, Callable[[], object]],
+    candidate: tuple[str, Callable[[], object]],
+    options: BenchOptions,
+    *,
+    target: float | None = None,
+    others: dict[str, Callable[[], object]] | None = None,
+) -> Case:
+    """Time baseline and candidate (and any `others`, reported as `<name>_s` extra keys)."""
+    others = others or {}
+    times = time_interleaved([baseline[1], candidate[1], *others.values()], options)
+    extra = {f"{name}_s": t for name, t in zip(others, times[2:])}
+    return Case(
+        case=case,
+        baseline=baseline[0],
+        candidate=candidate[0],
+        baseline_s=times[0],
+        candidate_s=times[1],
+        ratio=times[1] / times[0],
+        target=target,
+        extra=extra,
+    )
+
+
+def run_suite(name: str, options: BenchOptions, progress: Callable[[str], None] | None = None) -> SuiteResult:
+    """Run the registered suite `name`; `progress(case_name)` is called as cases finish."""
+    from titan_audit.bench.registry import SUITES
+    from titan_audit.deterministic import fingerprint
+
+    if name not in SUITES:
+        raise ValueError(f"unknown bench suite {name!r}; available: {', '.join(sorted(SUITES))}")
+    cases = SUITES[name](options, progress or (lambda _case: None))
+    return SuiteResult(suite=name, machine=fingerprint().to_dict(), cases=cases)

@@ -1,0 +1,14 @@
+"""The bench suites by name. A suite: `(options, progress) -> list[Case]`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from titan_audit.bench.core import BenchOptions, Case
+from titan_audit.bench.hash_suite import hash_suite
+
+Suite = Callable[[BenchOptions, Callable[[str], None]], list[Case]]
+
+SUITES: dict[str, Suite] = {
+    "hash": hash_suite,
+}

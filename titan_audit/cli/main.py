@@ -1,0 +1,38 @@
+"""The `titan-audit` click group; each command lives in its own module."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from titan_audit import __version__
+from titan_audit.cli.bench import bench
+from titan_audit.cli.demo import demo
+from titan_audit.cli.env import env
+from titan_audit.cli.errors import AuditGroup
+
+
+@click.group(cls=AuditGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="titan-audit")
+@click.option("-v", "--verbose", count=True, help="More log output; tracebacks for errors.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
+    """Bitwise-reproducible training and RL post-training, and the audits that prove it."""
+    ctx.ensure_object(dict)
+    ctx.obj["verbose"] = verbose
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        stream=sys.stderr,
+    )
+
+
+cli.add_command(env)
+cli.add_command(bench)
+cli.add_command(demo)
+
+
+def main() -> None:
+    cli(prog_name="titan-audit")

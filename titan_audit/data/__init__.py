@@ -1,0 +1,1 @@
+"""data/: the elastically deterministic data loader (not built yet: see issue 6)."""

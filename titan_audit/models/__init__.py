@@ -1,0 +1,1 @@
+"""models/: the one decoder used for training, prefill and decode (not built yet: see issue 4)."""

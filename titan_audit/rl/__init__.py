@@ -1,0 +1,1 @@
+"""rl/: generators, GRPO-style updates and the zero-gap report (not built yet)."""

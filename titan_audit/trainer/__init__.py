@@ -1,0 +1,1 @@
+"""trainer/: the distributed trainer with world-size-invariant trajectories (not built yet: see issue 7)."""
