@@ -1,5 +1,14 @@
-"""audit/: tensor fingerprints now; per-step audit records and run comparison follow (issue 5)."""
+"""audit/: tensor fingerprints and bitwise comparison; per-step audit records follow (issue 5)."""
 
+from titan_audit.audit.bitwise import assert_bitwise_equal, bits, bitwise_equal, describe_difference
 from titan_audit.audit.fingerprint import HEADER_PREFIX, fingerprint, fingerprint_many
 
-__all__ = ["HEADER_PREFIX", "fingerprint", "fingerprint_many"]
+__all__ = [
+    "HEADER_PREFIX",
+    "assert_bitwise_equal",
+    "bits",
+    "bitwise_equal",
+    "describe_difference",
+    "fingerprint",
+    "fingerprint_many",
+]
