@@ -88,7 +88,7 @@ def fingerprint(tensor: torch.Tensor) -> str:
     ):
         tensor = _logical_cpu_tensor(tensor)
     hasher = xxhash.xxh3_128(_header(tensor.dtype, tuple(tensor.shape)))
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = tensor.nbytes
     if nbytes:
         # A view of the tensor's own memory: zero copy. `tensor` stays alive until we return.
         hasher.update((ctypes.c_char * nbytes).from_address(tensor.data_ptr()))

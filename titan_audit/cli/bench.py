@@ -28,17 +28,18 @@ def bench(suite: str, as_json: bool, quick: bool, repeats: int) -> None:
     if as_json:
         print_json(data)
         return
-    table = Table(title=f"bench {suite}", title_justify="left")
-    for column in ("case", "baseline", "candidate", "baseline s", "candidate s", "ratio", "target"):
-        table.add_column(column, justify="right" if column[0] in "brt" and column != "baseline" else "left")
+    table = Table(title=f"bench {suite}: ratio = candidate / baseline time", title_justify="left")
+    for column in ("case", "baseline s", "candidate s", "ratio", "target"):
+        table.add_column(column, justify="left" if column == "case" else "right")
     for case in data["cases"]:
         mark = {True: "ok", False: "MISSED", None: ""}[case["met_target"]]
         target = f"<= {case['target']:.2f} {mark}" if case["target"] is not None else "-"
         table.add_row(
-            case["case"], case["baseline"], case["candidate"],
-            f"{case['baseline_s']:.3g}", f"{case['candidate_s']:.3g}", f"{case['ratio']:.2f}", target,
-        )  # fmt: skip
+            case["case"], f"{case['baseline_s']:.3g}", f"{case['candidate_s']:.3g}", f"{case['ratio']:.2f}", target
+        )
     Console().print(table)
+    for pair in dict.fromkeys((c["baseline"], c["candidate"]) for c in data["cases"]):
+        click.echo(f"baseline {pair[0]!r}, candidate {pair[1]!r}")
     summary = data["summary"]
     click.echo(
         f"geomean ratio {summary['geomean_ratio']:.3f}, max {summary['max_ratio']:.3f}, "
