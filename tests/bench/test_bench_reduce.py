@@ -1,0 +1,17 @@
+"""`bench reduce --quick --json` runs on real gloo ranks and follows the bench schema (not timed)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from titan_audit.cli.main import cli
+
+
+@pytest.mark.slow
+def test_bench_reduce_json_schema():
+    result = CliRunner().invoke(cli, ["bench", "reduce", "--quick", "--repeats", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [c["case"] for c in data["cases"]] == ["reduce W=2 V=8 1MB", "reduce W=4 V=8 1MB"]
+    assert all(c["ratio"] > 0 and c["target"] == 1.25 for c in data["cases"])

@@ -1,0 +1,91 @@
+"""`bench reduce`: the deterministic tree reduction against `all_reduce`, on gloo, W = 2 and 4.
+
+Both sides start from the same V/W fresh per-microbatch gradient buffers on each rank (V = 8) and
+end with the summed gradient on every rank. Baseline: sequential local sum, then
+`dist.all_reduce`. Candidate: `TreeReducer` (local tree merge, all_to_all of partial sums,
+finish the tree per chunk, all_gather). Times are rank 0's, per reduction, min over repeats;
+iteration counts are fixed on rank 0 and broadcast so every rank runs the same collectives.
+Target: <= 1.25x.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from titan_audit.bench.core import BenchOptions, Case
+from titan_audit.trainer.local_ranks import run_local_ranks
+from titan_audit.trainer.reduce import TreeReducer
+
+TARGET_RATIO = 1.25
+NUM_MICROBATCHES = 8
+SIZES_MB = [1, 4, 16, 64]
+QUICK_SIZES_MB = [1]
+
+
+def _time_collective(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _rank_main(rank: int, world_size: int, sizes_mb: list[int], repeats: int) -> list[dict]:
+    out = []
+    for size_mb in sizes_mb:
+        numel = size_mb * (1 << 20) // 4
+        reducer = TreeReducer(NUM_MICROBATCHES)
+        start, stop = reducer.block
+        g = torch.Generator().manual_seed(rank)
+        leaves = [torch.randn(numel, generator=g) for _ in range(stop - start)]
+
+        def baseline() -> None:
+            fresh = [leaf.clone() for leaf in leaves]
+            total = fresh[0]
+            for other in fresh[1:]:
+                total += other
+            dist.all_reduce(total)
+
+        def candidate() -> None:
+            for i, leaf in zip(range(start, stop), leaves):
+                reducer.add(i, leaf.clone())
+            reducer.all_reduce()
+
+        baseline(), candidate()  # warm up
+        calls = torch.tensor([max(1, 64 // size_mb)])
+        dist.broadcast(calls, src=0)
+        base_s = cand_s = float("inf")
+        for _ in range(repeats):  # interleave so noise hits both alike
+            base_s = min(base_s, _time_collective(baseline, int(calls), 1))
+            cand_s = min(cand_s, _time_collective(candidate, int(calls), 1))
+        out.append({"size_mb": size_mb, "baseline_s": base_s, "candidate_s": cand_s})
+    return out
+
+
+def reduce_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
+    cases = []
+    sizes = QUICK_SIZES_MB if options.quick else SIZES_MB
+    for world_size in (2, 4):
+        rank0 = run_local_ranks(_rank_main, world_size, args=(sizes, options.repeats))[0]
+        for row in rank0:
+            name = f"reduce W={world_size} V={NUM_MICROBATCHES} {row['size_mb']}MB"
+            cases.append(
+                Case(
+                    case=name,
+                    baseline="local sum + dist.all_reduce (gloo)",
+                    candidate="TreeReducer.all_reduce (gloo)",
+                    baseline_s=row["baseline_s"],
+                    candidate_s=row["candidate_s"],
+                    ratio=row["candidate_s"] / row["baseline_s"],
+                    target=TARGET_RATIO,
+                )
+            )
+            progress(name)
+    return cases
