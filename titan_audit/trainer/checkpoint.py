@@ -1,0 +1,224 @@
+"""Checkpoints that are atomic, verified on load, and reshardable across world sizes.
+
+Guarantees:
+- Atomic at the directory level. A save writes `checkpoints/.step_XXXXXXXX.partial/` and renames it
+  to `checkpoints/step_XXXXXXXX/` only after every file is written and synced; `hashes.json` is the
+  last file written. A crash at any moment leaves the previous good checkpoint visible and intact.
+- Verified. `hashes.json` holds the fingerprint (audit.fingerprint, the full logical tensor) of
+  every model and optimizer tensor. `load` recomputes them after loading and refuses a checkpoint
+  whose bytes differ, which catches flipped bytes and truncated files; `load_latest(fallback=True)`
+  then falls back to the newest older checkpoint that verifies.
+- Reshardable. Model and optimizer go through torch.distributed.checkpoint (DCP) with FQN state
+  dicts from `get_state_dict`, so a checkpoint written at W ranks loads at any other W, for
+  replicated parameters and for FSDP2 DTensors alike.
+- Rank-agnostic trainer state (step, data-loader state, config, ...) is one JSON blob written by
+  rank 0, the same for every W.
+
+Layout of one checkpoint:
+    step_XXXXXXXX/model_optim/    DCP files
+    step_XXXXXXXX/trainer.json    rank-agnostic state (JSON)
+    step_XXXXXXXX/hashes.json     {"format": 1, "step": N, "tensors": {name: fingerprint}, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from titan_audit.audit.fingerprint import fingerprint
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint directory exists but its contents do not verify."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns on every single-process save/load and logs errors we re-raise with context."""
+    dcp_logger = logging.getLogger("c10d-NullHandler-dcp_logger")
+    previous = dcp_logger.disabled
+    dcp_logger.disabled = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        dcp_logger.disabled = previous
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for directory in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _tensor_hashes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, str], list[dict]]:
+    """Fingerprints of every model/optimizer tensor by FQN, plus the optimizer's scalar groups.
+
+    Collective under FSDP2 (DTensors hash as their full tensor): every rank must call it.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    hashes = {f"model.{name}": fingerprint(t) for name, t in model_sd.items() if isinstance(t, torch.Tensor)}
+    for fqn, state in optim_sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                hashes[f"optim.{fqn}.{key}"] = fingerprint(value)
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optim_sd["param_groups"]]
+    return dict(sorted(hashes.items())), json.loads(json.dumps(groups, default=str))
+
+
+class Checkpointer:
+    """Saves and loads checkpoints under `run_dir/checkpoints`, keeping the last `keep_last`."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Steps of the complete (renamed) checkpoints, ascending. Verification happens on load."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+    def save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any]
+    ) -> Path:
+        """Write checkpoint `step` (collective: every rank calls it). Returns its directory."""
+        final = self.path(step)
+        partial = self.root / f".{final.name}.partial"
+        if final.exists():
+            raise ValueError(f"{final} already exists; refusing to overwrite a checkpoint")
+        if _rank() == 0:
+            if partial.exists():
+                log.info("removing %s left by an interrupted save", partial)
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _quiet_dcp():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial / "model_optim", no_dist=not _distributed())
+        hashes, groups = _tensor_hashes(model, optimizer)
+        if _rank() == 0:
+            _write_json_atomic(partial / "trainer.json", {"format": FORMAT_VERSION, "step": step, **trainer_state})
+            _write_json_atomic(
+                partial / "hashes.json",
+                {"format": FORMAT_VERSION, "step": step, "tensors": hashes, "param_groups": groups},
+            )
+            _fsync_tree(partial)
+            os.replace(partial, final)
+            self._retain()
+        _barrier()
+        return final
+
+    def _retain(self) -> None:
+        for step in self.steps()[: -self.keep_last]:
+            log.info("checkpoint retention (keep_last=%d): removing %s", self.keep_last, self.path(step))
+            shutil.rmtree(self.path(step))
+
+    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load checkpoint `step` into model and optimizer, verify every tensor, return trainer state."""
+        path = self.path(step)
+        hashes_file, trainer_file = path / "hashes.json", path / "trainer.json"
+        if not path.is_dir():
+            raise ValueError(f"{path}: no such checkpoint")
+        for required in (hashes_file, trainer_file, path / "model_optim" / ".metadata"):
+            if not required.is_file():
+                raise CorruptCheckpointError(f"{required}: missing; the checkpoint is incomplete")
+        expected = self._read_json(hashes_file)
+        trainer_state = self._read_json(trainer_file)
+        if expected.get("format", 0) > FORMAT_VERSION or trainer_state.get("format", 0) > FORMAT_VERSION:
+            raise ValueError(f"{path}: written by a newer titan-audit (format > {FORMAT_VERSION})")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            with _quiet_dcp():
+                dcp.load(state, checkpoint_id=path / "model_optim", no_dist=not _distributed())
+        except (Exception, CheckpointException) as error:  # DCP's error types vary; name the checkpoint
+            raise CorruptCheckpointError(f"{path}: cannot read model/optimizer tensors ({error})") from error
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        actual, groups = _tensor_hashes(model, optimizer)
+        differing = sorted(name for name in expected["tensors"].keys() | actual.keys()
+                           if expected["tensors"].get(name) != actual.get(name))  # fmt: skip
+        if differing:
+            raise CorruptCheckpointError(
+                f"{path}: {len(differing)} tensor(s) do not match hashes.json, first {differing[0]}"
+            )
+        if groups != expected["param_groups"]:
+            raise CorruptCheckpointError(f"{path}: optimizer param_groups do not match hashes.json")
+        return trainer_state
+
+    def load_latest(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, fallback: bool = False
+    ) -> dict[str, Any] | None:
+        """Load the newest checkpoint; with `fallback`, skip corrupt ones (logged). None if none."""
+        for step in reversed(self.steps()):
+            try:
+                return self.load(step, model, optimizer)
+            except CorruptCheckpointError as error:
+                if not fallback:
+                    raise
+                log.warning("skipping corrupt checkpoint: %s", error)
+        return None
+
+    @staticmethod
+    def _read_json(path: Path) -> dict[str, Any]:
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CorruptCheckpointError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise CorruptCheckpointError(f"{path}: expected a JSON object")
+        return data
