@@ -1,0 +1,160 @@
+"""Typed dataclass configs from TOML, dicts and `--set section.key=value` overrides.
+
+Guarantee: a config either builds exactly as written or fails before any work with a ValueError
+that names the key (as a dotted path) and, for files, the file. Unknown keys, wrong types
+(bool is not an int, an int is accepted where a float is expected), and malformed overrides are
+all errors; nothing is silently dropped or coerced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such config file")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: invalid TOML ({error})") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value). The value is read as a TOML value
+    (`3`, `1e-3`, `true`, `"x"`, `[1, 2]`); anything that is not valid TOML is taken as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set {text!r}: expected section.key=value")
+    path = [part.strip() for part in key.split(".")]
+    if any(not part for part in path):
+        raise ValueError(f"--set {text!r}: empty key component")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of `data` with each `a.b=value` override set (tables are created as needed)."""
+    out = _deep_copy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {text!r}: {part!r} is not a table")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: tables merge key by key, everything else is replaced."""
+    out = _deep_copy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = _deep_copy(value)
+    return out
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def build(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from `data`, checking every key and type. `where` prefixes key paths."""
+    assert dataclasses.is_dataclass(cls), cls
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown key {_join(where, unknown[0])!r}"
+            + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+            + f"; known keys here: {', '.join(sorted(fields))}"
+        )
+    values = {name: _convert(hints[name], data[name], _join(where, name)) for name in data}
+    try:
+        return cls(**values)
+    except TypeError as error:  # a required field without default is missing
+        raise ValueError(f"{where or 'config'}: {error}") from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain TOML/JSON-able data (tuples become lists)."""
+    return _plain(dataclasses.asdict(config))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, key)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(option, value, key)
+            except ValueError as error:
+                errors.append(str(error))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {hint}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        item = args[0] if args else Any
+        items = [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a table, got {type(value).__name__}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if hint in (int, bool, str):
+        if type(value) is not hint:
+            raise ValueError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {hint} for {key}")
