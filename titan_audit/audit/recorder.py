@@ -1,0 +1,355 @@
+"""`Recorder`: per-step fingerprints of a training run's tensors, written to RUN/audit/.
+
+    recorder = Recorder(run_dir, model, level="full", modules=["layers.*"])
+    for step in ...:
+        recorder.start_step(step)
+        for mb in my_microbatches:             # global virtual-microbatch index
+            recorder.set_microbatch(mb)
+            recorder.record_data(batch)        # phase data
+            loss = loss_fn(model(batch))       # forward hooks: phase forward
+            recorder.record_loss(loss)         # phase loss
+            loss.backward()                    # output-gradient hooks: phase backward
+        reduce_gradients(); recorder.record_grads()      # phase grad (step level, microbatch -1)
+        optimizer.step(); recorder.record_optimizer(optimizer); recorder.record_params()
+        recorder.end_step()                    # flushes every `flush_every_steps` steps
+    recorder.flush()                           # at every checkpoint, and at the end
+    recorder.close()
+
+Guarantees:
+- Works on any `nn.Module` (nothing is assumed about the model): modules are selected by glob
+  patterns over `named_modules()` names; the root module is named "<root>".
+- Levels: `off` records nothing and installs no hook; `params` records the explicit calls (data,
+  rollout, logprob, loss, grad, optim, param, ckpt); `full` adds, for every selected module, the
+  fingerprint of its forward output (phase forward) and of the gradient of that output (phase
+  backward, via a hook on the output tensor, so the module's autograd graph is not changed).
+- Records follow audit.schema (DESIGN.md's columns, plus `seq`, the execution ordinal within
+  (step, microbatch)). A module called k > 0 times before in the same (step, microbatch) records
+  as `name@k`, so keys stay unique; an output that is a tuple/dict records one name per tensor
+  (`name[0]`, `name['logits']`). A backward record carries the step and microbatch of the
+  forward that produced the tensor.
+- Distributed: records with a microbatch >= 0 are written by the rank that processes that
+  microbatch. Step-level records (microbatch -1: grad, optim, param, ckpt) are written by rank
+  `replicated_rank` only (others skip them at no cost), so a DDP run and a single-process run
+  log the same records. A DTensor is recorded as its full logical tensor: `full_tensor()` is a
+  collective, so every rank of its mesh must make the same record calls in the same order; the
+  record is written by the lowest rank of the mesh.
+- Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
+  so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
+- Optionally (`dump_names`, `dump_steps`) full tensor values go to RUN/dumps.zarr (audit.dumps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from titan_audit.audit.dumps import DumpWriter
+from titan_audit.audit.log import AuditLogWriter
+from titan_audit.audit.schema import SCHEMA, check_phase
+from titan_audit.audit.summary import summarize
+
+LEVELS = ("off", "params", "full")
+ROOT_NAME = "<root>"
+STEP_LEVEL = -1
+_HOOK_PHASES = ("forward", "backward")
+
+
+def _dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+class Recorder:
+    """Records fingerprints of a run's tensors per step (see the module docstring)."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        module: torch.nn.Module | None = None,
+        *,
+        level: str = "params",
+        modules: Iterable[str] = ("*",),
+        exclude: Iterable[str] = (),
+        rank: int | None = None,
+        replicated_rank: int = 0,
+        flush_every_steps: int = 50,
+        stats: bool = True,
+        dump_names: Iterable[str] = (),
+        dump_steps: Iterable[int] | None = None,
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"unknown audit level {level!r}; choose one of {', '.join(LEVELS)}")
+        if flush_every_steps < 1:
+            raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
+        self.run_dir = Path(run_dir)
+        self.level = level
+        self.rank = _dist_rank() if rank is None else rank
+        self.replicated_rank = replicated_rank
+        self.flush_every_steps = flush_every_steps
+        self.stats = stats
+        self.patterns = tuple(modules)
+        self.exclude = tuple(exclude)
+        self.dump_names = tuple(dump_names)
+        self.dump_steps = None if dump_steps is None else frozenset(dump_steps)
+        self.module = module
+        self.step: int | None = None
+        self.microbatch = STEP_LEVEL
+        self._paused = False
+        self._columns: dict[str, list] = {name: [] for name in SCHEMA.names}
+        self._seq: dict[int, int] = {}
+        self._calls: dict[tuple[int, str], int] = {}
+        self._steps_since_flush = 0
+        self._handles: list[Any] = []
+        self._param_names: dict[int, str] = {}
+        self._writer: AuditLogWriter | None = None
+        self._dumps: DumpWriter | None = None
+        if level != "off":
+            self._writer = AuditLogWriter(self.run_dir, rank=self.rank)
+        if module is not None:
+            self._param_names = {id(p): name for name, p in module.named_parameters()}
+            if level == "full":
+                self._attach_hooks(module)
+
+    # ----------------------------------------------------------------- driving the recorder
+    def start_step(self, step: int) -> None:
+        """Begin step `step`: the microbatch goes back to -1 (step level)."""
+        self.step = int(step)
+        self.microbatch = STEP_LEVEL
+        self._seq.clear()
+        self._calls.clear()
+
+    def set_microbatch(self, microbatch: int) -> None:
+        """The global virtual-microbatch index the following records belong to (-1: step level)."""
+        if microbatch < STEP_LEVEL:
+            raise ValueError(f"microbatch must be >= -1, got {microbatch}")
+        self.microbatch = int(microbatch)
+
+    def end_step(self) -> Path | None:
+        """End the step; flush when `flush_every_steps` steps have passed since the last flush."""
+        self._steps_since_flush += 1
+        if self._steps_since_flush >= self.flush_every_steps:
+            return self.flush()
+        return None
+
+    def flush(self) -> Path | None:
+        """Write the buffered records as one atomic part; returns its path (None if nothing)."""
+        self._steps_since_flush = 0
+        if self._writer is None or not self._columns["step"]:
+            return None
+        path = self._writer.write(self._columns)
+        self._columns = {name: [] for name in SCHEMA.names}
+        return path
+
+    def close(self) -> None:
+        """Flush and remove every hook; the module is left as it was found."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.flush()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside (e.g. evaluation passes between training steps)."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
+
+    @property
+    def pending(self) -> int:
+        """Records buffered since the last flush."""
+        return len(self._columns["step"])
+
+    # ----------------------------------------------------------------- explicit records
+    def record(self, phase: str, name: str, tensor: torch.Tensor, *, microbatch: int | None = None) -> None:
+        """Record one tensor under (current step, phase, microbatch, name)."""
+        check_phase(phase)
+        if not self._active(phase):
+            return
+        self._record(phase, name, tensor, self.microbatch if microbatch is None else microbatch, self._current_step())
+
+    def record_many(
+        self, phase: str, tensors: Mapping[str, Any], *, prefix: str = "", microbatch: int | None = None
+    ) -> None:
+        """Record every tensor of a (nested) mapping as `prefix + dotted.path`; other values skipped."""
+        check_phase(phase)
+        if not self._active(phase):
+            return
+        step = self._current_step()
+        mb = self.microbatch if microbatch is None else microbatch
+        for name, tensor in _flatten(tensors, prefix):
+            self._record(phase, name, tensor, mb, step)
+
+    def record_data(self, batch: torch.Tensor | Mapping[str, Any], name: str = "input_ids") -> None:
+        """The microbatch's data: a tensor (token ids) or a mapping of tensors (phase data)."""
+        if isinstance(batch, Mapping):
+            self.record_many("data", batch)
+        else:
+            self.record("data", name, batch)
+
+    def record_loss(self, loss: torch.Tensor, name: str = "loss") -> None:
+        self.record("loss", name, loss)
+
+    def record_logprobs(self, logprobs: torch.Tensor, name: str = "logprobs") -> None:
+        self.record("logprob", name, logprobs)
+
+    def record_rollout(self, name: str, tensor: torch.Tensor) -> None:
+        self.record("rollout", name, tensor)
+
+    def record_params(self, module: torch.nn.Module | None = None) -> None:
+        """Every parameter of the module (phase param, step level)."""
+        if not self._active("param"):
+            return
+        for name, param in self._named_parameters(module):
+            self._record("param", name, param, STEP_LEVEL, self._current_step())
+
+    def record_grads(self, module: torch.nn.Module | None = None) -> None:
+        """Every parameter's .grad after reduction (phase grad, step level); None grads skipped."""
+        if not self._active("grad"):
+            return
+        for name, param in self._named_parameters(module):
+            if param.grad is not None:
+                self._record("grad", name, param.grad, STEP_LEVEL, self._current_step())
+
+    def record_optimizer(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> None:
+        """Optimizer state after the step (phase optim, step level): `param_name.state_key`."""
+        if not self._active("optim"):
+            return
+        names = self._param_names if module is None else {id(p): n for n, p in module.named_parameters()}
+        step = self._current_step()
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                pname = names.get(id(param), f"group{g}.param{i}")
+                for key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        self._record("optim", f"{pname}.{key}", value, STEP_LEVEL, step)
+
+    def record_checkpoint(self, state: Mapping[str, Any], prefix: str = "") -> None:
+        """Every tensor of a checkpoint's (nested) state dict (phase ckpt, step level)."""
+        self.record_many("ckpt", state, prefix=prefix, microbatch=STEP_LEVEL)
+
+    # ----------------------------------------------------------------- internals
+    def _active(self, phase: str) -> bool:
+        if self.level == "off" or self._paused:
+            return False
+        return self.level == "full" or phase not in _HOOK_PHASES
+
+    def _current_step(self) -> int:
+        if self.step is None:
+            raise ValueError("Recorder: call start_step(step) before recording")
+        return self.step
+
+    def _named_parameters(self, module: torch.nn.Module | None):
+        module = module if module is not None else self.module
+        if module is None:
+            raise ValueError("Recorder: pass a module (to the Recorder or to this call) to record its parameters")
+        return module.named_parameters()
+
+    def _record(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
+        if _is_dtensor(tensor):
+            import torch.distributed as dist
+
+            writes = dist.get_rank() == int(tensor.device_mesh.mesh.min())
+            tensor = tensor.full_tensor()  # collective: every rank of the mesh takes part
+            if not writes:
+                return
+        elif microbatch == STEP_LEVEL and self.rank != self.replicated_rank:
+            return
+        summary = summarize(tensor, with_stats=self.stats)
+        seq = self._seq.get(microbatch, 0)
+        self._seq[microbatch] = seq + 1
+        c = self._columns
+        c["step"].append(step)
+        c["phase"].append(phase)
+        c["microbatch"].append(microbatch)
+        c["name"].append(name)
+        c["dtype"].append(summary.dtype)
+        c["shape"].append(summary.shape)
+        c["hash"].append(summary.hash)
+        c["absmax"].append(summary.absmax)
+        c["mean"].append(summary.mean)
+        c["rank"].append(self.rank)
+        c["seq"].append(seq)
+        if self.dump_names and (self.dump_steps is None or step in self.dump_steps):
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.dump_names):
+                if self._dumps is None:
+                    self._dumps = DumpWriter(self.run_dir)
+                self._dumps.write(step, phase, microbatch, name, tensor)
+
+    # hooks ------------------------------------------------------------------
+    def selected_modules(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        out = []
+        for qname, sub in module.named_modules():
+            name = qname or ROOT_NAME
+            if any(fnmatch.fnmatchcase(name, p) for p in self.patterns) and not any(
+                fnmatch.fnmatchcase(name, p) for p in self.exclude
+            ):
+                out.append((name, sub))
+        return out
+
+    def _attach_hooks(self, module: torch.nn.Module) -> None:
+        for name, sub in self.selected_modules(module):
+            self._handles.append(sub.register_forward_hook(self._make_forward_hook(name)))
+
+    def _make_forward_hook(self, module_name: str):
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            if self._paused or self.step is None:
+                return
+            step, mb = self.step, self.microbatch
+            count = self._calls.get((mb, module_name), 0)
+            self._calls[(mb, module_name)] = count + 1
+            base = module_name if count == 0 else f"{module_name}@{count}"
+            if isinstance(output, torch.Tensor):
+                leaves = [("", output)]
+            else:
+                flat, _ = tree_flatten_with_path(output)
+                leaves = [(keystr(path), leaf) for path, leaf in flat if isinstance(leaf, torch.Tensor)]
+            for suffix, tensor in leaves:
+                name = base + suffix
+                self._record("forward", name, tensor, mb, step)
+                if tensor.requires_grad:
+                    tensor.register_hook(self._make_grad_hook(name, mb, step))
+
+        return hook
+
+    def _make_grad_hook(self, name: str, microbatch: int, step: int):
+        def hook(grad: torch.Tensor) -> None:
+            if not self._paused:
+                self._record("backward", name, grad, microbatch, step)
+
+        return hook
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, Mapping):
+            yield from _flatten(value, name + ".")
+        elif isinstance(value, (list, tuple)):
+            yield from _flatten({str(i): v for i, v in enumerate(value)}, name + ".")
+
