@@ -1,0 +1,198 @@
+"""Text sources: Parquet files with a text column, and JSONL files with a text key.
+
+Guarantees:
+- Files are taken in a fixed order: the paths as given, a directory expanded to its matching
+  files sorted by relative path. Entry names (in the manifest and in errors) are paths relative to
+  the directory given, or the file name for a file given directly; a duplicate name is an error.
+- Parquet is read one row group at a time (`read_unit`), never the whole file. JSONL is cut into
+  line-aligned byte ranges of about `JSONL_SPLIT_BYTES`, each read on its own.
+- The documents of a source, in order, are: for each file, for each unit, the unit's rows in
+  file order. That order does not depend on who reads the units or how many readers there are.
+- Bad input is a ValueError naming the file (and row group, line or column): a missing file, an
+  empty file, a corrupt Parquet file, a missing or non-string text column, a JSONL line that is
+  not an object with a string under the key, a null text value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from titan_audit.data.manifest import FileEntry, SourceManifest, hash_file
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+JSONL_SPLIT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One independently readable piece of a source: a Parquet row group or a JSONL byte range."""
+
+    name: str  # the file's entry name
+    path: str
+    kind: str  # "parquet" or "jsonl"
+    index: int  # row group number, or split number
+    start: int = 0  # JSONL byte range [start, stop)
+    stop: int = 0
+
+    def describe(self) -> str:
+        return f"{self.name} row group {self.index}" if self.kind == "parquet" else f"{self.name} bytes {self.start}-{self.stop}"
+
+
+def _kind_of(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return None
+
+
+@dataclass(frozen=True)
+class TextSource:
+    kind: str
+    files: tuple[tuple[str, Path], ...]  # (entry name, path), in source order
+    text_column: str
+
+    def manifest(self) -> SourceManifest:
+        entries = []
+        for name, path in self.files:
+            size, digest = hash_file(path)
+            entries.append(FileEntry(name, size, _row_count(self.kind, name, path), digest))
+        entries.sort(key=lambda e: e.name)
+        return SourceManifest(self.kind, tuple(entries), extra={"text_column": self.text_column})
+
+    def units(self) -> list[WorkUnit]:
+        out: list[WorkUnit] = []
+        for name, path in self.files:
+            if self.kind == "parquet":
+                count = _parquet_file(name, path).metadata.num_row_groups
+                out.extend(WorkUnit(name, str(path), "parquet", i) for i in range(count))
+            else:
+                for i, (start, stop) in enumerate(_jsonl_splits(path)):
+                    out.append(WorkUnit(name, str(path), "jsonl", i, start, stop))
+        return out
+
+
+def open_text_source(paths: str | os.PathLike | list[str | os.PathLike], text_column: str = "text") -> TextSource:
+    """Resolve and validate a text source (cheap checks only: existence, schema, first line)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise ValueError("no source paths given")
+    files: list[tuple[str, Path]] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise ValueError(f"{path}: no such file or directory")
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _kind_of(p) is not None)
+            if not found:
+                raise ValueError(f"{path}: directory holds no .parquet or .jsonl files")
+            files.extend((str(p.relative_to(path)), p) for p in found)
+        else:
+            if _kind_of(path) is None:
+                raise ValueError(f"{path}: unknown source type (expected {', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)})")
+            files.append((path.name, path))
+    kinds = {_kind_of(p) for _, p in files}
+    if len(kinds) != 1:
+        raise ValueError(f"a source must be all Parquet or all JSONL, got both: {', '.join(n for n, _ in files)}")
+    names = [n for n, _ in files]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate source file name(s) {', '.join(duplicates)}; give their common directory instead")
+    kind = kinds.pop()
+    assert kind is not None
+    for name, path in files:
+        _validate(kind, name, path, text_column)
+    return TextSource(kind, tuple(files), text_column)
+
+
+def _parquet_file(name: str, path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as error:
+        raise ValueError(f"{name}: not a readable Parquet file ({error})") from None
+
+
+def _validate(kind: str, name: str, path: Path, text_column: str) -> None:
+    if path.stat().st_size == 0:
+        raise ValueError(f"{name}: empty file")
+    if kind == "parquet":
+        meta = _parquet_file(name, path)
+        schema = meta.schema_arrow
+        if text_column not in schema.names:
+            raise ValueError(f"{name}: no text column {text_column!r} (columns: {', '.join(schema.names)})")
+        column_type = schema.field(text_column).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise ValueError(f"{name}: column {text_column!r} has type {column_type}, expected string")
+        if meta.metadata.num_rows == 0:
+            raise ValueError(f"{name}: empty file (0 rows)")
+    else:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    _jsonl_text(line, name, number, text_column)
+                    return
+        raise ValueError(f"{name}: empty file (no records)")
+
+
+def _row_count(kind: str, name: str, path: Path) -> int:
+    if kind == "parquet":
+        return _parquet_file(name, path).metadata.num_rows
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _jsonl_splits(path: Path) -> list[tuple[int, int]]:
+    """Line-aligned byte ranges of about JSONL_SPLIT_BYTES covering the file."""
+    size = path.stat().st_size
+    bounds = [0]
+    with open(path, "rb") as f:
+        while bounds[-1] + JSONL_SPLIT_BYTES < size:
+            f.seek(bounds[-1] + JSONL_SPLIT_BYTES)
+            f.readline()  # to the start of the next line
+            position = f.tell()
+            if position >= size:
+                break
+            bounds.append(position)
+    bounds.append(size)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _jsonl_text(line: bytes, name: str, number: int | str, key: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} line {number}: not valid JSON ({error.msg})") from None
+    if not isinstance(record, dict) or key not in record:
+        raise ValueError(f"{name} line {number}: no key {key!r} in the record")
+    text = record[key]
+    if not isinstance(text, str):
+        raise ValueError(f"{name} line {number}: {key!r} is {type(text).__name__}, expected a string")
+    return text
+
+
+def read_unit(unit: WorkUnit, text_column: str) -> list[str]:
+    """The documents (texts) of one work unit, in file order."""
+    if unit.kind == "parquet":
+        table = _parquet_file(unit.name, Path(unit.path)).read_row_group(unit.index, columns=[text_column])
+        column = table.column(text_column)
+        if column.null_count:
+            first = column.is_null().to_numpy(zero_copy_only=False).argmax()
+            raise ValueError(f"{unit.describe()}: null text in column {text_column!r} at row {int(first)} of the group")
+        return column.to_pylist()
+    with open(unit.path, "rb") as f:
+        f.seek(unit.start)
+        data = f.read(unit.stop - unit.start)
+    texts = []
+    for number, line in enumerate(data.splitlines(), start=1):
+        if line.strip():
+            texts.append(_jsonl_text(line, unit.name, f"{number} of {unit.describe()}", text_column))
+    return texts
