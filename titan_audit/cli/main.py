@@ -9,6 +9,7 @@ import click
 
 from titan_audit import __version__
 from titan_audit.cli.bench import bench
+from titan_audit.cli.data import data
 from titan_audit.cli.demo import demo
 from titan_audit.cli.env import env
 from titan_audit.cli.errors import AuditGroup
@@ -31,6 +32,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
 
 cli.add_command(env)
 cli.add_command(bench)
+cli.add_command(data)
 cli.add_command(demo)
 
 

@@ -42,7 +42,7 @@ class WorkUnit:
     stop: int = 0
 
     def describe(self) -> str:
-        return f"{self.name} row group {self.index}" if self.kind == "parquet" else f"{self.name} bytes {self.start}-{self.stop}"
+        return f"{self.path} row group {self.index}" if self.kind == "parquet" else f"{self.path} bytes {self.start}-{self.stop}"
 
 
 def _kind_of(path: Path) -> str | None:
@@ -109,8 +109,8 @@ def open_text_source(paths: str | os.PathLike | list[str | os.PathLike], text_co
         raise ValueError(f"duplicate source file name(s) {', '.join(duplicates)}; give their common directory instead")
     kind = kinds.pop()
     assert kind is not None
-    for name, path in files:
-        _validate(kind, name, path, text_column)
+    for _, path in files:
+        _validate(kind, str(path), path, text_column)
     return TextSource(kind, tuple(files), text_column)
 
 
@@ -182,7 +182,7 @@ def _jsonl_text(line: bytes, name: str, number: int | str, key: str) -> str:
 def read_unit(unit: WorkUnit, text_column: str) -> list[str]:
     """The documents (texts) of one work unit, in file order."""
     if unit.kind == "parquet":
-        table = _parquet_file(unit.name, Path(unit.path)).read_row_group(unit.index, columns=[text_column])
+        table = _parquet_file(unit.path, Path(unit.path)).read_row_group(unit.index, columns=[text_column])
         column = table.column(text_column)
         if column.null_count:
             first = column.is_null().to_numpy(zero_copy_only=False).argmax()
@@ -194,5 +194,5 @@ def read_unit(unit: WorkUnit, text_column: str) -> list[str]:
     texts = []
     for number, line in enumerate(data.splitlines(), start=1):
         if line.strip():
-            texts.append(_jsonl_text(line, unit.name, f"{number} of {unit.describe()}", text_column))
+            texts.append(_jsonl_text(line, unit.path, f"{number} of bytes {unit.start}-{unit.stop}", text_column))
     return texts
