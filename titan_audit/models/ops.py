@@ -1,0 +1,107 @@
+"""The numerics the model runs on: batch-invariant ops in BI mode, native torch ops otherwise.
+
+Every matmul, norm, softmax, reduction, activation and attention call of models/ goes through
+this file, so there is one switch point. In batch-invariant mode
+(`titan_audit.batch_invariant.is_enabled()`) each function calls the batch-invariant version
+(`titan_audit.batch_invariant.linear`, `rms_norm`, `softmax`, `log_softmax`, `sum`, `attention`)
+and the position-independent pointwise functions of `pointwise.py`; outside it, the native torch
+kernels (`F.linear`, `F.rms_norm`, SDPA, ...). The two paths compute the same mathematics.
+
+Guarantee in BI mode: a row's result depends only on that row's inputs (and, for attention, on
+its visible keys/values and their positions), never on the batch size or on other rows. Outside
+BI mode nothing beyond torch's own behaviour is promised.
+
+Attention semantics (both modes): queries `q_BHTD` sit at absolute positions `q_pos`; key `j`
+sits at absolute position `j`; key `j` is visible to a query at position `p` iff `j <= p` and,
+with `key_doc_ids`, `key_doc_ids[b, j] == key_doc_ids[b, p] >= 0`. A query with no visible key
+(a padding position) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_audit import batch_invariant
+from titan_audit.models import pointwise
+
+
+def bi_mode() -> bool:
+    """True while batch-invariant mode is on (the model then uses the batch-invariant ops)."""
+    return batch_invariant.is_enabled()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if bi_mode():
+        return batch_invariant.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-style RMSNorm: normalise in float32, cast back to x's dtype, then scale by `weight`."""
+    x32 = x.float()
+    if bi_mode():
+        normed = batch_invariant.rms_norm(x32, None, eps)
+    else:
+        normed = F.rms_norm(x32, (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return pointwise.silu(x) if bi_mode() else F.silu(x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return pointwise.sigmoid(x) if bi_mode() else torch.sigmoid(x)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return batch_invariant.softmax(x, dim) if bi_mode() else torch.softmax(x, dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return batch_invariant.log_softmax(x, dim) if bi_mode() else torch.log_softmax(x, dim)
+
+
+def sum_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """Sum over the last dimension."""
+    if bi_mode():
+        return batch_invariant.sum(x, -1, keepdim=keepdim)
+    return x.sum(-1, keepdim=keepdim)
+
+
+def attention(
+    q_BHTD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    v_BHTD: torch.Tensor,
+    q_pos_BT: torch.Tensor,
+    key_doc_ids_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal grouped-query attention with absolute query positions; see the module doc.
+
+    q [B, Hq, T, D], k/v [B, Hkv, S, D] (Hq a multiple of Hkv), q_pos_BT [B, T] long,
+    key_doc_ids_BS [B, S] long or None. Returns [B, Hq, T, D] in q's dtype.
+    """
+    batch, _, seq_q, _ = q_BHTD.shape
+    seq_k = k_BHTD.shape[2]
+    assert q_pos_BT.shape == (batch, seq_q), (q_pos_BT.shape, q_BHTD.shape)
+    assert key_doc_ids_BS is None or key_doc_ids_BS.shape == (batch, seq_k)
+    if bi_mode():
+        out = batch_invariant.attention(
+            q_BHTD, k_BHTD, v_BHTD, causal=True, q_positions=q_pos_BT, doc_ids=key_doc_ids_BS
+        )
+    else:
+        key_pos_S = torch.arange(seq_k, device=q_BHTD.device)
+        visible_BTS = key_pos_S[None, None, :] <= q_pos_BT[:, :, None]
+        if key_doc_ids_BS is not None:
+            query_doc_BT = key_doc_ids_BS.gather(1, q_pos_BT)
+            same_doc_BTS = key_doc_ids_BS[:, None, :] == query_doc_BT[:, :, None]
+            visible_BTS = visible_BTS & same_doc_BTS & (key_doc_ids_BS[:, None, :] >= 0)
+        out = F.scaled_dot_product_attention(
+            q_BHTD, k_BHTD, v_BHTD, attn_mask=visible_BTS[:, None], enable_gqa=True
+        )
+    if key_doc_ids_BS is not None:
+        # A padding query sees no key; its output is defined as zeros in both modes.
+        query_is_real_BT = key_doc_ids_BS.gather(1, q_pos_BT) >= 0
+        out = torch.where(query_is_real_BT[:, None, :, None], out, torch.zeros((), dtype=out.dtype))
+    return out

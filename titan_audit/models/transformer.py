@@ -1,0 +1,219 @@
+"""The decoder: embedding, N pre-norm blocks (attention + SwiGLU MLP or MoE), final norm, LM head.
+
+    logits = model(tokens, positions=None, cache=None, doc_ids=None)
+
+One forward for every use:
+- training / scoring: `tokens` [B, T]; positions default to 0..T-1;
+- packed documents: `doc_ids` [B, T] (a document = a run of equal ids, < 0 = padding); attention
+  stays inside each document and positions default to the index inside the document;
+- prefill / decode: `cache` is a `ContiguousKVCache` (or `.rows(...)` of one) or a
+  `PagedKVCache.batch(...)`; the T new tokens of each row are appended after the row's cached
+  tokens, positions default to the cache slots.
+`tokens` may also be 1-D [T] (one sequence; logits [T, V]).
+
+Guarantees (batch-invariant mode, `titan_audit.batch_invariant.enabled()`): every op but
+attention acts on one token's row through `ops` (BI matmuls/norms/softmax, position-independent
+activations, table RoPE), and attention follows the BI attention contract. Hence a token's
+logits are bitwise the same from a full forward, a chunked prefill or a decode step from either
+cache, alone or in any batch, packed or not. Outside BI mode the same math runs on native kernels
+(parity with HF transformers within float32 tolerance).
+
+Switches: `set_activation_checkpointing(True)` recomputes each block in backward (the model has
+no randomness, so the recompute is bitwise the forward); `set_compile(True)` compiles each block:
+in BI mode with the `aot_eager` backend (graph capture, the same kernels, tested bitwise equal to
+eager), outside BI mode with inductor, which fuses kernels and is NOT bitwise equal to eager (a
+warning says so once).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from titan_audit.models import ops
+from titan_audit.models.attention import Attention
+from titan_audit.models.config import ModelConfig
+from titan_audit.models.mlp import FeedForward
+from titan_audit.models.moe import MoE
+from titan_audit.models.norm import RMSNorm
+from titan_audit.models.packing import PackedLayout
+from titan_audit.models.rope import RotaryTable
+
+BI_COMPILE_BACKEND = "aot_eager"
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.qk_norm,
+            config.rms_norm_eps,
+        )
+        if config.is_moe_layer(layer):
+            self.mlp: nn.Module = MoE(
+                config.hidden_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.moe_intermediate_size,
+                config.norm_topk_prob,
+                config.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = FeedForward(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTd: torch.Tensor,
+        sin_BTd: torch.Tensor,
+        cache_step: object | None = None,
+        packing: PackedLayout | None = None,
+    ) -> torch.Tensor:
+        attn = self.self_attn(
+            self.input_layernorm(x_BTD), cos_BTd, sin_BTd, self.layer, cache_step, packing
+        )
+        h_BTD = x_BTD + attn
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rope = RotaryTable(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.activation_checkpointing = False
+        self.compile_enabled = False
+        self._compiled: dict[tuple[int, bool], nn.Module] = {}
+        self._warned_inductor = False
+
+    # -- switches -------------------------------------------------------------------------------
+    def set_activation_checkpointing(self, enabled: bool) -> Transformer:
+        """Recompute each block's activations in backward (training without a cache only)."""
+        self.activation_checkpointing = bool(enabled)
+        return self
+
+    def set_compile(self, enabled: bool) -> Transformer:
+        """torch.compile each block; see the module doc for what stays bitwise."""
+        self.compile_enabled = bool(enabled)
+        self._compiled = {}
+        return self
+
+    @staticmethod
+    def compile_is_bitwise() -> bool:
+        """True iff compiled blocks now run with the backend that keeps eager bits (BI mode)."""
+        return ops.bi_mode()
+
+    def _block_fn(self, layer: int) -> nn.Module:
+        if not self.compile_enabled:
+            return self.layers[layer]
+        bi = ops.bi_mode()
+        key = (layer, bi)
+        if key not in self._compiled:
+            if not bi and not self._warned_inductor:
+                warnings.warn(
+                    "titan_audit.models: torch.compile outside batch-invariant mode uses inductor, "
+                    "whose fused kernels are NOT bitwise equal to eager; enable batch-invariant "
+                    f"mode to compile with the bitwise-preserving {BI_COMPILE_BACKEND!r} backend",
+                    stacklevel=3,
+                )
+                self._warned_inductor = True
+            backend = BI_COMPILE_BACKEND if bi else "inductor"
+            self._compiled[key] = torch.compile(self.layers[layer], backend=backend, dynamic=True)
+        return self._compiled[key]
+
+    # -- forward --------------------------------------------------------------------------------
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: object | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        squeeze = tokens.dim() == 1
+        tokens_BT = self._check_tokens(tokens)
+        batch, seq = tokens_BT.shape
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("doc_ids (packed documents) cannot be combined with a KV cache")
+            doc_ids = doc_ids.unsqueeze(0) if squeeze and doc_ids.dim() == 1 else doc_ids
+            if doc_ids.shape != tokens_BT.shape or doc_ids.is_floating_point():
+                raise ValueError(
+                    f"doc_ids must be an integer tensor shaped like tokens {tuple(tokens_BT.shape)}, "
+                    f"got {doc_ids.dtype} {tuple(doc_ids.shape)}"
+                )
+
+        cache_step = packing = None
+        if cache is not None:
+            cache_step = cache.begin(seq)
+            if cache_step.q_pos_BT.shape[0] != batch:
+                raise ValueError(
+                    f"the cache holds {cache_step.q_pos_BT.shape[0]} rows but tokens have {batch}"
+                )
+            default_positions = cache_step.q_pos_BT
+        elif doc_ids is not None:
+            packing = PackedLayout(doc_ids.long())
+            default_positions = packing.rope_positions_BT
+        else:
+            default_positions = torch.arange(seq, device=tokens_BT.device).expand(batch, seq)
+        positions_BT = default_positions if positions is None else self._check_positions(positions, batch, seq)
+        cos_BTd, sin_BTd = self.rope.lookup(positions_BT.to(tokens_BT.device))
+
+        h_BTD = F.embedding(tokens_BT, self.embed_tokens.weight)
+        for layer in range(len(self.layers)):
+            block = self._block_fn(layer)
+            if self.activation_checkpointing and cache_step is None and torch.is_grad_enabled():
+                h_BTD = checkpoint(block, h_BTD, cos_BTd, sin_BTd, None, packing, use_reentrant=False)
+            else:
+                h_BTD = block(h_BTD, cos_BTd, sin_BTd, cache_step, packing)
+        logits_BTV = ops.linear(self.norm(h_BTD), self.output_weight)
+        if cache_step is not None:
+            cache_step.commit()
+        return logits_BTV[0] if squeeze else logits_BTV
+
+    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be int64 or int32, got {tokens.dtype}")
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be [B, T] or [T] with T > 0, got {tuple(tokens.shape)}")
+        vocab = self.config.vocab_size
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}), got [{int(tokens.min())}, {int(tokens.max())}]")
+        return tokens
+
+    @staticmethod
+    def _check_positions(positions: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        if positions.is_floating_point():
+            raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
+        if positions.shape == (seq,):
+            return positions.long().expand(batch, seq)
+        if positions.shape != (batch, seq):
+            raise ValueError(f"positions must be [T] or [B, T] = [{batch}, {seq}], got {tuple(positions.shape)}")
+        return positions.long()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
