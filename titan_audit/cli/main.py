@@ -9,6 +9,8 @@ import click
 
 from titan_audit import __version__
 from titan_audit.cli.bench import bench
+from titan_audit.cli.bisect import bisect
+from titan_audit.cli.compare import compare
 from titan_audit.cli.data import data
 from titan_audit.cli.demo import demo
 from titan_audit.cli.env import env
@@ -32,6 +34,8 @@ def cli(ctx: click.Context, verbose: int) -> None:
 
 cli.add_command(env)
 cli.add_command(bench)
+cli.add_command(compare)
+cli.add_command(bisect)
 cli.add_command(data)
 cli.add_command(demo)
 

@@ -1,0 +1,212 @@
+"""Op-level logs through PyTorch's DebugMode, and the first aten op at which two logs part.
+
+    result, path = record_op_log(lambda: train_step(batch), run_dir, "step_7")
+    comparison = compare_op_logs(run_a / "oplogs/step_7.parquet", run_b / "oplogs/step_7.parquet")
+
+Guarantees:
+- `record_op_log` runs a callable under `torch.utils._debug_mode.DebugMode` with
+  `record_nn_module=True` and `DebugMode.log_tensor_hashes(hash_fn=audit.fingerprint,
+  hash_inputs=True)`: every aten op on real tensors (forward and backward) is logged in execution
+  order with the xxh3-128 fingerprint of each output and input tensor (raw bits, as everywhere in
+  titan-audit), the op's arguments as DebugMode renders them, and the module it ran in: the
+  innermost module of DebugMode's ModTracker at that moment, forward or backward (`phase`).
+  Module paths are ModTracker's: the root module's class name, then the `named_modules` path.
+- The log is saved as `RUN/oplogs/<label>.parquet`, atomically (temp + rename), and never
+  overwritten (an existing label is a ValueError).
+- `compare_op_logs` walks two logs in order. If the sequences of ops part (another op at the
+  same index, or one log ends early), that is reported as a structural divergence at that index.
+  Otherwise the first op whose output fingerprints differ is named, with its module path, and
+  with whether its inputs were bitwise identical in both logs: identical inputs and different
+  outputs mean that op itself is not reproducible; different inputs mean the difference came in
+  from outside the recorded region (an input, a parameter) and this is its first consumer.
+- Per-rank: on a DTensor program each rank logs the ops on its local tensors; compare the logs of
+  the same rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from titan_audit.audit.fingerprint import fingerprint
+
+OPLOG_DIR = "oplogs"
+OPLOG_SCHEMA = pa.schema(
+    [
+        pa.field("index", pa.int64(), nullable=False),  # position among the logged ops
+        pa.field("op", pa.string(), nullable=False),  # e.g. aten::addmm
+        pa.field("module", pa.string(), nullable=False),  # innermost module ("" outside any)
+        pa.field("phase", pa.string(), nullable=False),  # forward | backward
+        pa.field("depth", pa.int32(), nullable=False),
+        pa.field("call", pa.string(), nullable=False),  # DebugMode's rendering, without hashes
+        pa.field("output_paths", pa.list_(pa.string()), nullable=False),
+        pa.field("output_hashes", pa.list_(pa.string()), nullable=False),
+        pa.field("input_hashes", pa.list_(pa.string()), nullable=False),
+    ],
+    metadata={b"titan-audit.oplog": b"1"},
+)
+
+
+def _hash(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_meta:
+        return fingerprint(value)
+    return None
+
+
+def _flat_hashes(tree: Any) -> tuple[list[str], list[str]]:
+    flat, _ = tree_flatten_with_path(tree)
+    paths, hashes = [], []
+    for path, leaf in flat:
+        if leaf is not None:
+            paths.append(keystr(path))
+            hashes.append(str(leaf))
+    return paths, hashes
+
+
+def oplog_path(run_dir: str | os.PathLike, label: str) -> Path:
+    if not label or "/" in label or label.startswith("."):
+        raise ValueError(f"invalid op-log label {label!r}: use a plain file name such as 'step_7'")
+    return Path(run_dir) / OPLOG_DIR / f"{label}.parquet"
+
+
+def record_op_log(fn: Callable[[], Any], run_dir: str | os.PathLike, label: str) -> tuple[Any, Path]:
+    """Run `fn()` under DebugMode with xxh3 op hashing; save the log to RUN/oplogs/<label>.parquet."""
+    from torch.utils._debug_mode import DebugMode, _OpCall
+
+    path = oplog_path(run_dir, label)
+    if path.exists():
+        raise ValueError(f"{path}: an op log with this label exists; op logs are never overwritten")
+    mode = DebugMode(record_nn_module=True, record_tensor_attributes=[], record_output=True)
+    tracker = mode.module_tracker
+    assert tracker is not None
+
+    def where(func, types, args, kwargs, result) -> dict[str, Any]:
+        parents = [p for p in tracker.parents if p != "Global"]
+        innermost = max(parents, key=lambda p: (p.count("."), len(p)), default="")
+        return {"module": innermost, "phase": "backward" if tracker.is_bw else "forward"}
+
+    with mode, DebugMode.dispatch_hooks(record_hook=where), DebugMode.log_tensor_hashes(
+        hash_fn=_hash, hash_inputs=True
+    ):
+        result = fn()
+
+    columns: dict[str, list] = {name: [] for name in OPLOG_SCHEMA.names}
+    index = 0
+    for call in mode.operators:
+        if not isinstance(call, _OpCall) or not call.log or "hash" not in call.log:
+            continue
+        log = call.log
+        out_paths, out_hashes = _flat_hashes(log["hash"])
+        _, in_hashes = _flat_hashes(log.get("input_hash", ()))
+        info = call.record or {}
+        rendering = call.render([])
+        columns["index"].append(index)
+        columns["op"].append(_op_name(call.op))
+        columns["module"].append(info.get("module", ""))
+        columns["phase"].append(info.get("phase", "forward"))
+        columns["depth"].append(call.call_depth)
+        columns["call"].append(rendering.split("  # {", 1)[0])
+        columns["output_paths"].append(out_paths)
+        columns["output_hashes"].append(out_hashes)
+        columns["input_hashes"].append(in_hashes)
+        index += 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(pa.Table.from_pydict(columns, schema=OPLOG_SCHEMA), f, compression="zstd")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return result, path
+
+
+def _op_name(op: Any) -> str:
+    if isinstance(op, torch._ops.OpOverload):
+        return op.name()
+    return getattr(op, "__qualname__", None) or str(op)
+
+
+def read_op_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a saved op log; ValueError naming the file when it is missing or unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such op log")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
+    missing = [n for n in OPLOG_SCHEMA.names if n not in table.schema.names]
+    if missing:
+        raise ValueError(f"{path}: not an op log (missing columns {', '.join(missing)})")
+    return table.to_pylist()
+
+
+@dataclass
+class OpLogComparison:
+    log_a: str
+    log_b: str
+    ops_a: int
+    ops_b: int
+    identical: bool
+    kind: str | None  # None (identical), "structure" or "output"
+    index: int | None
+    op: str | None
+    module: str | None
+    phase: str | None
+    inputs_identical: bool | None
+    differing_outputs: list[str]
+    call_a: str | None
+    call_b: str | None
+    differing_ops: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare_op_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> OpLogComparison:
+    """The first op at which two op logs part (see the module docstring)."""
+    a, b = read_op_log(path_a), read_op_log(path_b)
+    base = {"log_a": str(path_a), "log_b": str(path_b), "ops_a": len(a), "ops_b": len(b)}
+    first: dict[str, Any] | None = None
+    differing = 0
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        if ra["op"] != rb["op"] or ra["module"] != rb["module"] or ra["output_paths"] != rb["output_paths"]:
+            return OpLogComparison(
+                **base, identical=False, kind="structure", index=i, op=f"{ra['op']} vs {rb['op']}",
+                module=ra["module"] if ra["module"] == rb["module"] else f"{ra['module']} vs {rb['module']}",
+                phase=ra["phase"], inputs_identical=None, differing_outputs=[], call_a=ra["call"],
+                call_b=rb["call"], differing_ops=differing,
+            )
+        if ra["output_hashes"] != rb["output_hashes"]:
+            differing += 1
+            if first is None:
+                outs = [p for p, ha, hb in zip(ra["output_paths"], ra["output_hashes"], rb["output_hashes"]) if ha != hb]
+                first = dict(
+                    kind="output", index=i, op=ra["op"], module=ra["module"], phase=ra["phase"],
+                    inputs_identical=ra["input_hashes"] == rb["input_hashes"], differing_outputs=outs,
+                    call_a=ra["call"], call_b=rb["call"],
+                )
+    if first is None and len(a) != len(b):
+        i = min(len(a), len(b))
+        longer = a if len(a) > len(b) else b
+        return OpLogComparison(
+            **base, identical=False, kind="structure", index=i,
+            op=f"{'A' if len(a) > len(b) else 'B'} continues with {longer[i]['op']}; the other log ends",
+            module=longer[i]["module"], phase=longer[i]["phase"], inputs_identical=None, differing_outputs=[],
+            call_a=a[i]["call"] if i < len(a) else None, call_b=b[i]["call"] if i < len(b) else None,
+            differing_ops=differing,
+        )
+    if first is None:
+        return OpLogComparison(
+            **base, identical=True, kind=None, index=None, op=None, module=None, phase=None,
+            inputs_identical=None, differing_outputs=[], call_a=None, call_b=None, differing_ops=0,
+        )
+    return OpLogComparison(**base, identical=False, differing_ops=differing, **first)

@@ -1,0 +1,80 @@
+"""`titan-audit bisect A B`: the first aten op at which two recorded DebugMode op logs part.
+
+A and B are op-log files (`RUN/oplogs/<label>.parquet`, written by
+`titan_audit.audit.oplog.record_op_log`) or run directories holding one. Thin wrapper over
+`titan_audit.audit.oplog.compare_op_logs`. Re-running step N of two runs from their checkpoints
+needs the trainer and is not available yet: asking for it exits 2 and says so.
+Exit 0 identical, 1 different, 2 bad input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from titan_audit.audit.oplog import OPLOG_DIR, compare_op_logs, oplog_path
+from titan_audit.cli.errors import EXIT_DIFFERENT
+from titan_audit.cli.output import print_json
+
+RERUN_UNAVAILABLE = (
+    "re-running step {step} of both runs from their checkpoints under DebugMode needs the trainer, "
+    "which is not available yet; record op logs with titan_audit.audit.record_op_log(fn, RUN, 'step_{step}') "
+    "and run `titan-audit bisect` on them"
+)
+
+
+def _resolve(target: Path, label: str | None, step: int | None) -> Path:
+    if target.is_file():
+        return target
+    if not target.is_dir():
+        raise ValueError(f"{target}: no such op log or run directory")
+    if label is None and step is not None:
+        label = f"step_{step}"
+    if label is not None:
+        path = oplog_path(target, label)
+        if path.is_file():
+            return path
+        if step is not None:
+            raise ValueError(f"{path}: no recorded op log; " + RERUN_UNAVAILABLE.format(step=step))
+        raise ValueError(f"{path}: no such op log")
+    logs = sorted((target / OPLOG_DIR).glob("*.parquet"))
+    if len(logs) == 1:
+        return logs[0]
+    if not logs:
+        raise ValueError(f"{target}: no op logs ({OPLOG_DIR}/*.parquet not found); pass op-log files or --step")
+    names = ", ".join(p.stem for p in logs)
+    raise ValueError(f"{target}: several op logs ({names}); choose one with --log NAME")
+
+
+@click.command(short_help="Name the first aten op at which two DebugMode op logs differ.")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--step", type=int, default=None, help="Use the op logs recorded for step N (oplogs/step_N.parquet).")
+@click.option("--log", "label", default=None, metavar="NAME", help="Use oplogs/NAME.parquet of each run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def bisect(a: Path, b: Path, step: int | None, label: str | None, as_json: bool) -> None:
+    """Compare two op logs (files, or run directories holding them); exit 1 if they differ."""
+    result = compare_op_logs(_resolve(a, label, step), _resolve(b, label, step))
+    data = result.to_dict()
+    if as_json:
+        print_json(data)
+    elif result.identical:
+        click.echo(f"identical: {data['ops_a']} ops, every output hash equal")
+    elif data["kind"] == "structure":
+        click.echo(f"the op sequences part at op #{data['index']}: {data['op']} (module {data['module'] or '-'})")
+        click.echo(f"  A: {data['call_a']}\n  B: {data['call_b']}")
+    else:
+        cause = (
+            "its inputs are bitwise identical in both logs: this op is not reproducible"
+            if data["inputs_identical"]
+            else "its inputs already differ: the difference came from outside the recorded ops"
+        )
+        click.echo(
+            f"first differing op: #{data['index']} {data['op']} in module {data['module'] or '-'} "
+            f"({data['phase']}); {cause}"
+        )
+        click.echo(f"  call: {data['call_a']}")
+        click.echo(f"  {data['differing_ops']} of {data['ops_a']} ops have differing outputs")
+    if not result.identical:
+        raise SystemExit(EXIT_DIFFERENT)
