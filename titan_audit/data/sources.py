@@ -182,7 +182,10 @@ def _jsonl_text(line: bytes, name: str, number: int | str, key: str) -> str:
 def read_unit(unit: WorkUnit, text_column: str) -> list[str]:
     """The documents (texts) of one work unit, in file order."""
     if unit.kind == "parquet":
-        table = _parquet_file(unit.path, Path(unit.path)).read_row_group(unit.index, columns=[text_column])
+        try:
+            table = _parquet_file(unit.path, Path(unit.path)).read_row_group(unit.index, columns=[text_column])
+        except (pa.ArrowException, OSError) as error:
+            raise ValueError(f"{unit.describe()}: corrupt Parquet data ({error})") from None
         column = table.column(text_column)
         if column.null_count:
             first = column.is_null().to_numpy(zero_copy_only=False).argmax()
