@@ -1,9 +1,45 @@
-"""batch_invariant/: batch-invariant ops and the aten override mode (built in issue 3).
+"""batch_invariant/: ops whose per-row bits do not depend on the batch, and a mode that installs
+them in place of the aten ops (guarantee G2).
 
-Until the mode exists it is never on; `is_enabled()` is the one name lower layers read.
+Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`,
+`log_softmax`, `rms_norm`, `attention`. Mode: `enabled()` (context manager), `enable()`,
+`disable()`, `is_enabled()` (read by the numerics fingerprint; it reports the overrides actually
+installed). Kernels come from a backend chosen by device (`backend.backend_for`): plain torch on
+CPU; on CUDA a clear NotImplementedError until the Triton backend lands.
 """
 
+from titan_audit.batch_invariant.backend import backend_for, register_backend
+from titan_audit.batch_invariant.mode import disable, enable, enabled, is_enabled
+from titan_audit.batch_invariant.ops import (
+    addmm,
+    attention,
+    bmm,
+    linear,
+    log_softmax,
+    matmul,
+    mean,
+    mm,
+    rms_norm,
+    softmax,
+    sum,
+)
 
-def is_enabled() -> bool:
-    """True while the batch-invariant override mode is active in this process."""
-    return False
+__all__ = [
+    "addmm",
+    "attention",
+    "backend_for",
+    "bmm",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
+    "linear",
+    "log_softmax",
+    "matmul",
+    "mean",
+    "mm",
+    "register_backend",
+    "rms_norm",
+    "softmax",
+    "sum",
+]

@@ -1,0 +1,62 @@
+"""Backend selection by device: the one place that maps a tensor's device to kernels.
+
+Guarantee: an op on a device without a batch-invariant backend raises `NotImplementedError`;
+it never falls back to a native (batch-variant) kernel. CPU -> `batch_invariant.cpu` (plain
+torch). CUDA -> the Triton backend, added by a later issue by registering it here with
+`register_backend("cuda", module)`; callers (ops, the override mode) do not change.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    """The kernels a backend provides; all forward-only, below autograd, float32 compute."""
+
+    NAME: str
+    KEY_CHUNK: int
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor: ...
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor: ...
+    def sum_dims(self, x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor: ...
+    def tree_sum(self, x: torch.Tensor) -> torch.Tensor: ...
+    def softmax(self, x: torch.Tensor) -> torch.Tensor: ...
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor: ...
+    def softmax_backward(self, grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def log_softmax_backward(self, grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def rms_norm(self, x, weight, eps): ...  # noqa: ANN001, ANN201
+    def rms_norm_backward(self, grad, x, weight, rstd): ...  # noqa: ANN001, ANN201
+    def attention_forward(self, q, k, v, scale, causal, q_positions, doc_ids, extra_mask=None): ...  # noqa: ANN001, ANN201, E501
+    def attention_backward(self, grad_out, q, k, v, out, lse, scale, causal, q_positions, doc_ids, extra_mask=None): ...  # noqa: ANN001, ANN201, E501
+
+
+_BACKENDS: dict[str, ModuleType] = {}
+
+
+def register_backend(device_type: str, module: ModuleType) -> None:
+    """Make `module` (providing the `Backend` names) the kernels for tensors on `device_type`."""
+    _BACKENDS[device_type] = module
+
+
+def backend_for(*tensors: torch.Tensor | None) -> Backend:
+    """The backend for the device of `tensors` (all on one device type)."""
+    types = {t.device.type for t in tensors if t is not None}
+    if len(types) != 1:
+        raise ValueError(f"batch_invariant: tensors must be on one device type, got {sorted(types)}")
+    device_type = types.pop()
+    if device_type not in _BACKENDS and device_type == "cpu":
+        from titan_audit.batch_invariant import cpu
+
+        register_backend("cpu", cpu)
+    if device_type not in _BACKENDS:
+        if device_type == "cuda":
+            raise NotImplementedError(
+                "batch_invariant: no CUDA backend yet (the Triton kernels come in a later issue); "
+                "refusing to fall back to native CUDA ops, which are not batch-invariant"
+            )
+        raise NotImplementedError(f"batch_invariant: no backend for device type {device_type!r}")
+    return _BACKENDS[device_type]  # type: ignore[return-value]

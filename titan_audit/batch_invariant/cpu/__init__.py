@@ -1,0 +1,39 @@
+"""The CPU backend: batch-invariant kernels in plain torch (MKL gemm with a fixed kernel family,
+fixed-tree reductions, fixed-chunk attention). Every kernel here is forward-only and works below
+autograd; `titan_audit.batch_invariant.ops` adds autograd and input checks on top.
+
+The backend interface (what a GPU backend must provide, by these names and signatures) is the
+`Backend` protocol in `titan_audit.batch_invariant.backend`.
+"""
+
+from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backward, attention_forward
+from titan_audit.batch_invariant.cpu.matmul import bmm, mm
+from titan_audit.batch_invariant.cpu.reductions import (
+    log_softmax,
+    log_softmax_backward,
+    rms_norm,
+    rms_norm_backward,
+    softmax,
+    softmax_backward,
+    sum_dims,
+    tree_sum,
+)
+
+NAME = "cpu"
+
+__all__ = [
+    "KEY_CHUNK",
+    "NAME",
+    "attention_backward",
+    "attention_forward",
+    "bmm",
+    "log_softmax",
+    "log_softmax_backward",
+    "mm",
+    "rms_norm",
+    "rms_norm_backward",
+    "softmax",
+    "softmax_backward",
+    "sum_dims",
+    "tree_sum",
+]

@@ -1,0 +1,209 @@
+"""The override mode: aten ops replaced, per device, by the batch-invariant kernels (torch.library).
+
+While the mode is on, unmodified code (`torch.nn.functional`, `nn.Module`s, `x @ w`) runs the
+batch-invariant kernels for: `mm`, `addmm`, `bmm` (so `matmul` and `linear`, which decompose
+into them), `_softmax`, `_log_softmax` and their backward ops, `sum.dim_IntList`, `mean.dim`
+(so `rms_norm`, which is a CompositeImplicitAutograd op over `mean.dim` in torch 2.13 and has no
+kernel of its own to override), and `scaled_dot_product_attention` (through its CPU kernel
+`_scaled_dot_product_flash_attention_for_cpu` and its backward). The overrides sit below
+autograd, so autograd's backward formulas call the overridden ops too.
+
+State guarantee: the overrides are installed iff the mode is on, and `is_enabled()` reads the
+installed state itself (no separate flag that could disagree). `enabled()` restores the state
+it found on exit, also on an exception, so an inner block's exit never drops the overrides of an
+outer block (the bug of the public library, whose context manager disables unconditionally).
+`enable()` and `disable()` are idempotent switches. The kernels never re-enter the mode: they
+reach the gemm through the `out=` overloads, which are not overridden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from titan_audit.batch_invariant.backend import backend_for
+
+_LOCK = threading.RLock()
+_LIBRARIES: list[torch.library.Library] = []
+DEVICE_KEYS = ("CPU",)  # the Triton issue adds "CUDA" here together with its backend
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    return backend_for(self, mat2).mm(self, mat2)
+
+
+def _bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    return backend_for(self, mat2).bmm(self, mat2)
+
+
+def _addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    out = backend_for(mat1, mat2).mm(mat1, mat2)
+    if alpha != 1:
+        out = out * alpha
+    if beta != 0:
+        out = out + (self if beta == 1 else self * beta)
+    return _cast(out, mat1.dtype)
+
+
+def _softmax_impl(log: bool) -> Callable[..., torch.Tensor]:
+    def impl(self: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        dim = dim % max(self.dim(), 1)
+        be = backend_for(self)
+        x = self.movedim(dim, -1) if self.dim() else self.reshape(1)
+        y = be.log_softmax(x) if log else be.softmax(x)
+        dtype = torch.float32 if half_to_float else self.dtype
+        return _cast(y, dtype).movedim(-1, dim).reshape(self.shape).contiguous()
+
+    return impl
+
+
+def _softmax_backward_impl(log: bool) -> Callable[..., torch.Tensor]:
+    def impl(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype) -> torch.Tensor:
+        dim = dim % max(output.dim(), 1)
+        be = backend_for(output)
+        g = grad_output.movedim(dim, -1).float() if grad_output.dtype != torch.float64 else grad_output.movedim(dim, -1)
+        y = output.movedim(dim, -1).to(g.dtype)
+        out = be.log_softmax_backward(g, y) if log else be.softmax_backward(g, y)
+        return _cast(out, input_dtype).movedim(-1, dim).contiguous()
+
+    return impl
+
+
+def _dims(self: torch.Tensor, dim: list[int] | None) -> list[int]:
+    if dim is None or len(dim) == 0:
+        return list(range(self.dim()))
+    return sorted({d % max(self.dim(), 1) for d in dim})
+
+
+def _sum_impl(mean: bool) -> Callable[..., torch.Tensor]:
+    native = torch.ops.aten.mean.out if mean else torch.ops.aten.sum.IntList_out
+
+    def impl(self: torch.Tensor, dim: list[int] | None = None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        x = self if dtype is None else self.to(dtype)
+        if not x.is_floating_point() or self.dim() == 0:
+            # Integer and bool sums are exact (associative), so any order gives the same bits.
+            out = torch.empty(0, dtype=dtype or (torch.int64 if not x.is_floating_point() else x.dtype))
+            return native(x, dim, keepdim, dtype=dtype, out=out)
+        dims = _dims(x, dim)
+        out = backend_for(x).sum_dims(x, dims, keepdim)
+        if mean:
+            count = 1
+            for d in dims:
+                count *= x.shape[d]
+            out = out / count
+        return _cast(out, x.dtype)
+
+    return impl
+
+
+def _sdpa_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """SDPA's attn_mask as a bool 'may attend' mask [B|1, H|1, Tq, Tk]; additive masks must be 0/-inf."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype != torch.bool:
+        finite = attn_mask == 0
+        if not bool((finite | (attn_mask == float("-inf"))).all()):
+            raise NotImplementedError(
+                "batch_invariant: SDPA with an additive float attn_mask other than 0/-inf is not supported"
+            )
+        attn_mask = finite
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask.unsqueeze(0)
+    return attn_mask.expand(attn_mask.shape[0], attn_mask.shape[1], q.shape[2], k.shape[2])
+
+
+def _sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+    is_causal: bool = False, *, attn_mask: torch.Tensor | None = None, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if dropout_p != 0.0:
+        raise NotImplementedError("batch_invariant: scaled_dot_product_attention with dropout is not supported")
+    batch, _, tq, dim = query.shape
+    positions = torch.arange(tq).expand(batch, tq)  # SDPA's causal mask is top-left aligned
+    scale = dim**-0.5 if scale is None else scale
+    out, lse = backend_for(query, key, value).attention_forward(
+        query, key, value, scale, is_causal, positions, None, _sdpa_mask(attn_mask, query, key)
+    )
+    return _cast(out, query.dtype), lse
+
+
+def _sdpa_backward(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+    logsumexp: torch.Tensor, dropout_p: float, is_causal: bool, *,
+    attn_mask: torch.Tensor | None = None, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, _, tq, dim = query.shape
+    positions = torch.arange(tq).expand(batch, tq)
+    scale = dim**-0.5 if scale is None else scale
+    dq, dk, dv = backend_for(query, key, value).attention_backward(
+        grad_out, query, key, value, out, logsumexp, scale, is_causal, positions, None,
+        _sdpa_mask(attn_mask, query, key),
+    )
+    return _cast(dq, query.dtype), _cast(dk, key.dtype), _cast(dv, value.dtype)
+
+
+OVERRIDES: dict[str, Callable[..., Any]] = {
+    "mm": _mm,
+    "addmm": _addmm,
+    "bmm": _bmm,
+    "_softmax": _softmax_impl(log=False),
+    "_log_softmax": _softmax_impl(log=True),
+    "_softmax_backward_data": _softmax_backward_impl(log=False),
+    "_log_softmax_backward_data": _softmax_backward_impl(log=True),
+    "sum.dim_IntList": _sum_impl(mean=False),
+    "mean.dim": _sum_impl(mean=True),
+    "_scaled_dot_product_flash_attention_for_cpu": _sdpa,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_backward,
+}
+
+
+def is_enabled() -> bool:
+    """True while the batch-invariant overrides are installed in this process."""
+    return bool(_LIBRARIES)
+
+
+def enable() -> None:
+    """Install the overrides (no-op when already on)."""
+    with _LOCK:
+        if _LIBRARIES:
+            return
+        library = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():  # overriding the native kernel is the point
+                warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+                for key in DEVICE_KEYS:
+                    for name, fn in OVERRIDES.items():
+                        library.impl(name, fn, key)
+        except BaseException:
+            library._destroy()
+            raise
+        _LIBRARIES.append(library)
+
+
+def disable() -> None:
+    """Remove the overrides (no-op when already off)."""
+    with _LOCK:
+        while _LIBRARIES:
+            _LIBRARIES.pop()._destroy()
+
+
+@contextlib.contextmanager
+def enabled(on: bool = True) -> Iterator[None]:
+    """Turn the mode on (or off, with on=False) for the block; restore the previous state after."""
+    with _LOCK:
+        was_on = is_enabled()
+        enable() if on else disable()
+    try:
+        yield
+    finally:
+        with _LOCK:
+            enable() if was_on else disable()

@@ -1,0 +1,362 @@
+"""The batch-invariant functional ops: input checks, autograd, and dispatch to a device backend.
+
+Guarantee: for every op here, the bits of a row of the output depend only on that row's input
+(and the shared operand: weight, keys/values), never on how many rows are computed together.
+"Row" means: a row of `a` for the matmul family; a slice along the non-reduced dims for the
+reductions; a query row (b, h, i) for attention. The backward is deterministic (fixed order,
+fixed shapes) and the input gradient is batch-invariant in the same sense; gradients of shared
+operands (weight, bias, keys/values) are sums over rows, so they are deterministic but
+necessarily depend on which rows were in the batch. Why each kernel is invariant is written
+next to the kernel (batch_invariant/cpu/*.py).
+
+Compute dtype: float32 (float64 inputs stay float64); bfloat16/float16 are upcast and the
+result is rounded once to the input dtype.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from titan_audit.batch_invariant.backend import backend_for
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a floating tensor (float32, bfloat16, float16, float64), got {t.dtype}")
+
+
+def _check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {n: t.dtype for n, t in tensors.items() if t is not None}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"dtypes must match, got {', '.join(f'{n}={d}' for n, d in dtypes.items())}")
+
+
+# ---------------------------------------------------------------- matmul family
+
+
+class _MM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return backend_for(a, b).mm(a, b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        be = backend_for(a, b)
+        grad_a = be.mm(grad, b.t()) if ctx.needs_input_grad[0] else None  # per row of a
+        grad_b = be.mm(a.t(), grad) if ctx.needs_input_grad[1] else None  # a sum over rows
+        return grad_a, grad_b
+
+
+class _BMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return backend_for(a, b).bmm(a, b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        be = backend_for(a, b)
+        grad_a = be.bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        grad_b = be.bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N]; row i of the result depends only on a[i] and b."""
+    _check_float("a", a), _check_float("b", b), _check_same_dtype(a=a, b=b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"mm: expected a [M, K] and b [K, N], got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    return _MM.apply(a, b)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N]; row (j, i) depends only on a[j, i] and b[j]."""
+    _check_float("a", a), _check_float("b", b), _check_same_dtype(a=a, b=b)
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"bmm: expected a [B, M, K] and b [B, K, N], got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    return _BMM.apply(a, b)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul semantics (1-D, 2-D and broadcast batched operands) on the invariant kernels."""
+    _check_float("a", a), _check_float("b", b), _check_same_dtype(a=a, b=b)
+    if a.dim() == 0 or b.dim() == 0:
+        raise ValueError(f"matmul: operands must be at least 1-D, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    k = a.shape[-1]
+    k_b = b.shape[0] if b.dim() == 1 else b.shape[-2]
+    if k != k_b:
+        raise ValueError(f"matmul: a {tuple(a.shape)} and b {tuple(b.shape)} do not agree on the contracted dim")
+    if b.dim() <= 2:
+        b2 = b.unsqueeze(-1) if b.dim() == 1 else b
+        out = mm(a.reshape(-1, k), b2).reshape(*a.shape[:-1], b2.shape[-1])
+        return out.squeeze(-1) if b.dim() == 1 else out
+    a3 = a.unsqueeze(0) if a.dim() == 1 else a
+    batch = torch.broadcast_shapes(a3.shape[:-2], b.shape[:-2])
+    m, n = a3.shape[-2], b.shape[-1]
+    out = bmm(
+        a3.expand(*batch, m, k).reshape(-1, m, k),
+        b.expand(*batch, k, n).reshape(-1, k, n),
+    ).reshape(*batch, m, n)
+    return out.squeeze(-2) if a.dim() == 1 else out
+
+
+def addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
+    """beta * bias + alpha * (a @ b), the product by `mm`, the rest element-wise (per row)."""
+    _check_float("bias", bias)
+    out = mm(a, b)
+    if alpha != 1:
+        out = out * alpha
+    if beta == 0:
+        return out
+    try:
+        torch.broadcast_shapes(bias.shape, out.shape)
+    except RuntimeError:
+        raise ValueError(f"addmm: bias {tuple(bias.shape)} does not broadcast to {tuple(out.shape)}") from None
+    return out + (bias if beta == 1 else bias * beta)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias [N]); every row of x independently."""
+    _check_float("x", x), _check_float("weight", weight), _check_same_dtype(x=x, weight=weight, bias=bias)
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: expected x [..., K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    out = matmul(x, weight.t())
+    return out if bias is None else out + bias
+
+
+# ---------------------------------------------------------------- reductions
+
+
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dims: list[int], keepdim: bool, mean: bool) -> torch.Tensor:
+        ctx.shape, ctx.dims, ctx.keepdim = x.shape, dims, keepdim
+        count = 1
+        for d in dims:
+            count *= x.shape[d]
+        ctx.scale = 1.0 / count if mean else 1.0
+        out = backend_for(x).sum_dims(x, dims, keepdim)
+        if mean:
+            out = out / count
+        return out.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if not ctx.keepdim:
+            for d in sorted(ctx.dims):
+                grad = grad.unsqueeze(d)
+        grad = grad * ctx.scale if ctx.scale != 1.0 else grad
+        return grad.expand(ctx.shape).contiguous(), None, None, None
+
+
+def _norm_dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
+    if not isinstance(dim, int) or not -max(x.dim(), 1) <= dim < max(x.dim(), 1):
+        raise ValueError(f"{name}={dim!r} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % max(x.dim(), 1)
+
+
+def sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:  # noqa: A001
+    """Sum over `dim` by a fixed pairwise tree over that dim's length."""
+    _check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("sum: x must be at least 1-D, got a 0-d tensor")
+    return _Sum.apply(x, [_norm_dim(x, dim)], keepdim, False)
+
+
+def mean(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Mean over `dim`: the fixed-tree sum divided by the length."""
+    _check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("mean: x must be at least 1-D, got a 0-d tensor")
+    return _Sum.apply(x, [_norm_dim(x, dim)], keepdim, True)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, log: bool) -> torch.Tensor:
+        be = backend_for(x)
+        y = be.log_softmax(x) if log else be.softmax(x)
+        ctx.save_for_backward(y)
+        ctx.log, ctx.dtype = log, x.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (y,) = ctx.saved_tensors
+        be = backend_for(y)
+        out = be.log_softmax_backward(grad, y) if ctx.log else be.softmax_backward(grad, y)
+        return out.to(ctx.dtype), None
+
+
+def _softmax_along(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    _check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("softmax: x must be at least 1-D, got a 0-d tensor")
+    dim = _norm_dim(x, dim)
+    moved = x.movedim(dim, -1)
+    return _Softmax.apply(moved, log).movedim(-1, dim)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax along `dim`: exact row max, element-wise exp, fixed-tree sum."""
+    return _softmax_along(x, dim, log=False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Log-softmax along `dim`: x - max - log(fixed-tree sum of exp(x - max))."""
+    return _softmax_along(x, dim, log=True)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        y, rstd = backend_for(x, weight).rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = backend_for(x, weight).rms_norm_backward(grad, x, weight, rstd)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        return grad_x.to(x.dtype), grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(mean(x^2, last dim) + eps) * weight, the mean by the fixed tree."""
+    _check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("rms_norm: x must be at least 1-D, got a 0-d tensor")
+    if weight is not None:
+        _check_float("weight", weight)
+        if tuple(weight.shape) != (x.shape[-1],):
+            raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    return _RMSNorm.apply(x, weight, float(eps))
+
+
+# ---------------------------------------------------------------- attention
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        causal: bool,
+        q_positions: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out, lse = backend_for(q, k, v).attention_forward(q, k, v, scale, causal, q_positions, doc_ids)
+        ctx.save_for_backward(q, k, v, out, lse, q_positions, doc_ids)
+        ctx.scale, ctx.causal = scale, causal
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, q_positions, doc_ids = ctx.saved_tensors
+        dq, dk, dv = backend_for(q, k, v).attention_backward(
+            grad, q, k, v, out, lse, ctx.scale, ctx.causal, q_positions, doc_ids
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _positions(q_positions: torch.Tensor | None, batch: int, tq: int, tk: int) -> torch.Tensor:
+    if q_positions is None:
+        return torch.arange(tk - tq, tk).expand(batch, tq)
+    if not isinstance(q_positions, torch.Tensor) or q_positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError("q_positions must be an integer (long) tensor of shape [Tq] or [B, Tq]")
+    if q_positions.shape not in (torch.Size([tq]), torch.Size([batch, tq])):
+        raise ValueError(f"q_positions must have shape [{tq}] or [{batch}, {tq}], got {tuple(q_positions.shape)}")
+    if q_positions.numel() and int(q_positions.min()) < 0:
+        raise ValueError("q_positions must be >= 0")
+    return q_positions.long().cpu().expand(batch, tq)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_positions: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention with a key-chunked, position-aligned reduction order.
+
+    q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D] with Hq % Hkv == 0 (query head h uses kv head
+    h // (Hq // Hkv)). Key j sits at absolute position j. `q_positions` (None: the last Tq
+    positions, Tk - Tq + i) is a LongTensor [Tq] or [B, Tq]. causal: key j visible iff
+    j <= position. `doc_ids` [B, Tk]: a query sees only keys of its own document; ids < 0 are
+    padding keys, never visible. A query with no visible key gets zeros. Output [B, Hq, Tq, D]
+    in q's dtype; its row (b, h, i) is bitwise independent of B, Tq, Tk and invisible keys.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"attention: {name} must be 4-D [B, H, T, D], got {tuple(t.shape)}")
+    _check_same_dtype(q=q, k=k, v=v)
+    batch, hq, tq, dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != dim:
+        raise ValueError(
+            f"attention: expected k and v [B={batch}, Hkv, Tk, D={dim}], got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    hkv, tk = k.shape[1], k.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"attention: query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if q_positions is None and tq > tk:
+        raise ValueError(f"attention: Tq={tq} > Tk={tk} needs explicit q_positions")
+    positions = _positions(q_positions, batch, tq, tk)
+    if doc_ids is not None:
+        if not isinstance(doc_ids, torch.Tensor) or doc_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError("doc_ids must be an integer (long) tensor of shape [B, Tk]")
+        if tuple(doc_ids.shape) != (batch, tk):
+            raise ValueError(f"doc_ids must have shape [{batch}, {tk}], got {tuple(doc_ids.shape)}")
+        if positions.numel() and int(positions.max()) >= tk:
+            raise ValueError(f"attention: with doc_ids every query position must be < Tk={tk}")
+        doc_ids = doc_ids.long()
+    if scale is None:
+        scale = dim**-0.5
+    return _Attention.apply(q, k, v, float(scale), bool(causal), positions.contiguous(), doc_ids)
+
+
+__all__ = [
+    "addmm",
+    "attention",
+    "bmm",
+    "linear",
+    "log_softmax",
+    "matmul",
+    "mean",
+    "mm",
+    "rms_norm",
+    "softmax",
+    "sum",
+]
+_ = builtins  # `sum` shadows the builtin in this module on purpose (the public op name)
