@@ -1,0 +1,173 @@
+"""Recorder: levels, module selection, hook naming, explicit records, schema, clean detach."""
+
+import math
+
+import pyarrow as pa
+import pytest
+import torch
+from torch import nn
+
+from audit._audit_runs import MODULE_NAMES, PARAM_NAMES, Tiny, train
+from titan_audit.audit import SCHEMA, Recorder, fingerprint, read_audit_log
+from titan_audit.audit.schema import DESIGN_COLUMNS
+
+
+def _rows(run_dir):
+    return read_audit_log(run_dir).to_pylist()
+
+
+def test_schema_has_design_columns_exactly_plus_seq(tmp_path):
+    train(tmp_path, steps=1)
+    table = read_audit_log(tmp_path)
+    assert tuple(table.schema.names[: len(DESIGN_COLUMNS)]) == DESIGN_COLUMNS
+    assert table.schema.names == ["step", "phase", "microbatch", "name", "dtype", "shape", "hash",
+                                  "absmax", "mean", "rank", "seq"]  # fmt: skip
+    types = {f.name: f.type for f in table.schema}
+    assert types["step"] == pa.int64() and types["microbatch"] == pa.int32() and types["rank"] == pa.int32()
+    assert types["absmax"] == pa.float64() and types["mean"] == pa.float64() and types["seq"] == pa.int64()
+    assert table.schema.equals(SCHEMA, check_metadata=False)
+
+
+def test_full_level_records_every_phase_and_module(tmp_path):
+    train(tmp_path, steps=2, microbatches=2)
+    rows = _rows(tmp_path)
+    keys = [(r["step"], r["phase"], r["microbatch"], r["name"]) for r in rows]
+    assert len(keys) == len(set(keys)), "keys are unique"
+    forward = {r["name"] for r in rows if r["phase"] == "forward" and r["step"] == 0 and r["microbatch"] == 0}
+    backward = {r["name"] for r in rows if r["phase"] == "backward" and r["step"] == 0 and r["microbatch"] == 0}
+    assert forward == set(MODULE_NAMES)
+    assert backward == set(MODULE_NAMES)  # every output requires grad (the embedding weight does)
+    grads = {r["name"] for r in rows if r["phase"] == "grad" and r["step"] == 1}
+    assert grads == set(PARAM_NAMES)
+    optim = {r["name"] for r in rows if r["phase"] == "optim" and r["step"] == 1}
+    assert optim == {f"{p}.{k}" for p in PARAM_NAMES for k in ("step", "exp_avg", "exp_avg_sq")}
+    assert {r["microbatch"] for r in rows if r["phase"] in ("grad", "optim", "param")} == {-1}
+    assert {r["phase"] for r in rows} == {"data", "forward", "loss", "backward", "grad", "optim", "param"}
+    # seq is the execution order within (step, microbatch): forward children before parents
+    mb0 = sorted((r for r in rows if r["step"] == 0 and r["microbatch"] == 0), key=lambda r: r["seq"])
+    order = [r["name"] for r in mb0 if r["phase"] == "forward"]
+    assert order.index("blocks.0.fc1") < order.index("blocks.0.act") < order.index("blocks.0") < order.index("<root>")
+    assert [r["seq"] for r in mb0] == list(range(len(mb0)))
+
+
+def test_params_level_records_no_activations_and_off_records_nothing(tmp_path):
+    train(tmp_path / "params", level="params")
+    phases = {r["phase"] for r in _rows(tmp_path / "params")}
+    assert phases == {"data", "loss", "grad", "optim", "param"}
+    train(tmp_path / "off", level="off")
+    assert not (tmp_path / "off" / "audit").exists()
+
+
+def test_off_installs_no_hooks_and_close_removes_them(tmp_path):
+    model = Tiny()
+    Recorder(tmp_path, model, level="off")
+    assert all(not m._forward_hooks for m in model.modules())
+    recorder = Recorder(tmp_path, model, level="full", modules=["blocks.*.fc?"])
+    hooked = [name for name, m in model.named_modules() if m._forward_hooks]
+    assert hooked == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
+    recorder.close()
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_module_globs_and_exclude(tmp_path):
+    train(tmp_path, steps=1, modules=("blocks.1.*",))
+    names = {r["name"] for r in _rows(tmp_path) if r["phase"] == "forward"}
+    assert names == {"blocks.1.norm", "blocks.1.fc1", "blocks.1.act", "blocks.1.fc2"}
+
+
+class _Twice(nn.Module):
+    """A module reused within one forward, and a tuple output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(self.lin(x))
+        return y, {"double": 2 * y}
+
+
+def test_repeated_calls_and_structured_outputs_get_unique_names(tmp_path):
+    model = _Twice()
+    with Recorder(tmp_path, model, level="full") as recorder:
+        recorder.start_step(0)
+        recorder.set_microbatch(0)
+        out, extra = model(torch.ones(2, 3))
+        (out.sum() + extra["double"].sum()).backward()
+    rows = _rows(tmp_path)
+    forward = [r["name"] for r in sorted(rows, key=lambda r: r["seq"]) if r["phase"] == "forward"]
+    assert forward == ["lin", "lin@1", "<root>[0]", "<root>[1]['double']"]
+    backward = {r["name"] for r in rows if r["phase"] == "backward"}
+    assert backward == {"lin", "lin@1", "<root>[0]", "<root>[1]['double']"}
+
+
+def test_record_values_match_fingerprint_and_stats(tmp_path):
+    t = torch.tensor([[1.5, -4.0], [0.25, 2.0]])
+    with Recorder(tmp_path, level="params") as recorder:
+        recorder.start_step(3)
+        recorder.set_microbatch(5)
+        recorder.record("logprob", "lp", t)
+        recorder.record_checkpoint({"model": {"w": t.bfloat16()}, "epoch": 3})
+    rows = {r["name"]: r for r in _rows(tmp_path)}
+    lp = rows["lp"]
+    assert (lp["step"], lp["phase"], lp["microbatch"], lp["dtype"], lp["shape"]) == (3, "logprob", 5, "float32", "[2, 2]")
+    assert lp["hash"] == fingerprint(t)
+    assert lp["absmax"] == 4.0 and lp["mean"] == pytest.approx(-0.0625, abs=0)
+    ck = rows["model.w"]
+    assert (ck["phase"], ck["microbatch"], ck["dtype"], ck["hash"]) == ("ckpt", -1, "bfloat16", fingerprint(t.bfloat16()))
+    assert "epoch" not in rows
+
+
+def test_stats_of_special_tensors(tmp_path):
+    with Recorder(tmp_path, level="params") as recorder:
+        recorder.start_step(0)
+        recorder.record("data", "empty", torch.empty(0))
+        recorder.record("data", "nan", torch.tensor([1.0, math.nan]))
+        recorder.record("data", "ids", torch.tensor([3, -7, 2]))
+    rows = {r["name"]: r for r in _rows(tmp_path)}
+    assert math.isnan(rows["empty"]["absmax"]) and math.isnan(rows["empty"]["mean"])
+    assert math.isnan(rows["nan"]["absmax"])
+    assert rows["ids"]["absmax"] == 7.0 and rows["ids"]["mean"] == pytest.approx(-2 / 3)
+
+
+def test_user_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown audit level"):
+        Recorder(tmp_path, level="everything")
+    recorder = Recorder(tmp_path, level="params")
+    with pytest.raises(ValueError, match="start_step"):
+        recorder.record("loss", "loss", torch.ones(()))
+    recorder.start_step(0)
+    with pytest.raises(ValueError, match="unknown audit phase 'fwd'"):
+        recorder.record("fwd", "x", torch.ones(()))
+    with pytest.raises(ValueError, match="pass a module"):
+        recorder.record_params()
+
+
+def test_paused_records_nothing_and_flush_cadence(tmp_path):
+    model = nn.Linear(2, 2)
+    recorder = Recorder(tmp_path, model, level="full", flush_every_steps=2)
+    recorder.start_step(0)
+    with recorder.paused():
+        model(torch.ones(1, 2))
+    assert recorder.pending == 0
+    model(torch.ones(1, 2))
+    assert recorder.pending == 1
+    assert recorder.end_step() is None  # 1 step since the last flush
+    recorder.start_step(1)
+    model(torch.ones(1, 2))
+    path = recorder.end_step()
+    assert path is not None and path.name == "part-r00000-00000000.parquet"
+    assert recorder.pending == 0
+    assert read_audit_log(tmp_path).num_rows == 2
+    recorder.close()
+
+
+def test_step_level_records_only_on_replicated_rank(tmp_path):
+    model = nn.Linear(2, 2)
+    with Recorder(tmp_path, model, level="params", rank=1) as recorder:
+        recorder.start_step(0)
+        recorder.record_params()  # step level: rank 0 writes these, rank 1 skips
+        recorder.set_microbatch(3)
+        recorder.record_loss(torch.ones(()))
+    rows = _rows(tmp_path)
+    assert [(r["phase"], r["rank"], r["microbatch"]) for r in rows] == [("loss", 1, 3)]
