@@ -1,0 +1,199 @@
+"""G2 for the model, in batch-invariant mode, bitwise (raw bits, never allclose):
+
+- KV-cache decode (contiguous and paged, random chunked prefill + decode splits) gives the same
+  logits as one full forward over the same tokens, for dense, MoE and MoE with shared expert;
+- a sequence's logits are the same alone or in a batch with other sequences of other lengths
+  (right-padded with doc_ids = -1, or decoded together from a paged cache);
+- a packed document's logits are the same as running it alone;
+- token_logprobs of a row do not depend on the other rows.
+
+Each property has a negative control showing the same comparison differs here without BI mode
+(or, for packing, with attention over absolute packed positions), so the checks can fail.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titan_audit import models
+from titan_audit.audit import assert_bitwise_equal, bitwise_equal
+from titan_audit.batch_invariant import enabled
+from titan_audit.models import ops
+
+MODELS = ["dense_model", "moe_model", "moe_shared_model"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    return request.getfixturevalue(request.param)
+
+
+def _chunked_decode(model, tokens, chunks, cache):
+    pieces, start = [], 0
+    for size in chunks:
+        pieces.append(model(tokens[:, start : start + size], cache=cache))
+        start += size
+    return torch.cat(pieces, 1)
+
+
+def _splits(total_max=70):
+    """(prefill length, list of later chunk sizes): chunked prefill then decode steps."""
+    return st.tuples(
+        st.integers(1, 40),
+        st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    )
+
+
+@settings(max_examples=12)
+@given(split=_splits(), seed=st.integers(0, 2**16))
+@torch.no_grad()
+def test_contiguous_cache_decode_is_bitwise_full_forward(model, make_tokens, split, seed):
+    prefill, chunks = split
+    chunks = [prefill, *chunks]
+    tokens = make_tokens(seed, 2, sum(chunks))
+    with enabled():
+        full = model(tokens)
+        cache = models.ContiguousKVCache(model.config, 2, sum(chunks) + 3)
+        assert_bitwise_equal(_chunked_decode(model, tokens, chunks, cache), full, "decode vs full")
+
+
+@settings(max_examples=12)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=3),
+    decode_steps=st.integers(1, 6),
+    block_size=st.sampled_from([1, 3, 8, 16]),
+    seed=st.integers(0, 2**16),
+)
+@torch.no_grad()
+def test_paged_cache_batched_decode_is_bitwise_alone_full_forward(
+    model, make_tokens, lengths, decode_steps, block_size, seed
+):
+    """Prompts of different lengths prefilled one by one, decoded together from a paged cache:
+    every step's logits equal the full forward of that sequence alone."""
+    tokens = make_tokens(seed, len(lengths), max(lengths) + decode_steps)
+    seqs = list(range(len(lengths)))
+    with enabled():
+        cache = models.PagedKVCache(model.config, num_blocks=64, block_size=block_size)
+        outputs = {s: [] for s in seqs}
+        for s, n in enumerate(lengths):
+            cache.add(s)
+            outputs[s].append(model(tokens[s : s + 1, :n], cache=cache.batch([s]))[0])
+        for step in range(decode_steps):
+            new = torch.stack([tokens[s, lengths[s] + step] for s in seqs])[:, None]
+            logits = model(new, cache=cache.batch(seqs))
+            for s in seqs:
+                outputs[s].append(logits[s])
+        for s, n in enumerate(lengths):
+            alone = model(tokens[s : s + 1, : n + decode_steps])[0]
+            assert_bitwise_equal(torch.cat(outputs[s]), alone, f"paged decode of sequence {s}")
+
+
+@settings(max_examples=12)
+@given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=4), seed=st.integers(0, 2**16))
+@torch.no_grad()
+def test_sequence_alone_or_in_padded_batch(model, make_tokens, lengths, seed):
+    width = max(lengths)
+    tokens = make_tokens(seed, len(lengths), width)
+    doc_ids = torch.full((len(lengths), width), -1)
+    for row, n in enumerate(lengths):
+        doc_ids[row, :n] = 0
+    with enabled():
+        batched = model(tokens, doc_ids=doc_ids)
+        for row, n in enumerate(lengths):
+            alone = model(tokens[row : row + 1, :n])[0]
+            assert_bitwise_equal(batched[row, :n], alone, f"row {row} of a padded batch vs alone")
+        assert torch.isfinite(batched).all()
+        # Same-length rows need no doc_ids at all: one row alone == that row in the batch.
+        same = model(tokens[:, : min(lengths)])
+        assert_bitwise_equal(same[-1], model(tokens[-1:, : min(lengths)])[0], "equal-length batch")
+
+
+@settings(max_examples=12)
+@given(
+    docs=st.lists(st.integers(1, 25), min_size=1, max_size=5),
+    row_width=st.integers(25, 60),
+    seed=st.integers(0, 2**16),
+)
+@torch.no_grad()
+def test_packed_document_is_bitwise_alone(model, make_tokens, docs, row_width, seed):
+    """Greedy packing of random documents into rows (padding at row ends)."""
+    rows, current = [], []
+    for doc, n in enumerate(docs):
+        if sum(m for _, m in current) + n > row_width:
+            rows.append(current)
+            current = []
+        current.append((doc, n))
+    rows.append(current)
+    stream = make_tokens(seed, sum(docs))
+    offsets = torch.tensor([0, *docs]).cumsum(0).tolist()
+    tokens = torch.zeros(len(rows), row_width, dtype=torch.long)
+    doc_ids = torch.full((len(rows), row_width), -1)
+    where = {}
+    for r, row in enumerate(rows):
+        col = 0
+        for doc, n in row:
+            tokens[r, col : col + n] = stream[offsets[doc] : offsets[doc] + n]
+            doc_ids[r, col : col + n] = doc
+            where[doc] = (r, col, n)
+            col += n
+    with enabled():
+        packed = model(tokens, doc_ids=doc_ids)
+        for doc, (r, col, n) in where.items():
+            alone = model(stream[offsets[doc] : offsets[doc] + n][None])[0]
+            assert_bitwise_equal(packed[r, col : col + n], alone, f"document {doc} packed vs alone")
+
+
+@torch.no_grad()
+def test_token_logprobs_row_invariant(dense_model, make_tokens):
+    tokens = make_tokens(7, 5, 33)
+    with enabled():
+        logits = dense_model(tokens)
+        batched = models.token_logprobs(logits[:, :-1], tokens[:, 1:])
+        for row in range(5):
+            single = models.token_logprobs(logits[row, :-1], tokens[row, 1:])
+            assert_bitwise_equal(single, batched[row], f"log-probs of row {row}")
+
+
+# --- negative controls: the same comparisons differ without batch-invariant mode ---------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_negative_control_decode_differs_without_bi(request, make_tokens, name):
+    model = request.getfixturevalue(name)
+    tokens = make_tokens(3, 3, 70)
+    with enabled(False):
+        full = model(tokens)
+        cache = models.ContiguousKVCache(model.config, 3, 70)
+        decoded = _chunked_decode(model, tokens, [33] + [1] * 37, cache)
+    assert not bitwise_equal(decoded, full)
+    torch.testing.assert_close(decoded, full, atol=1e-5, rtol=0)  # same math, other bits
+
+
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_negative_control_batch_differs_without_bi(request, make_tokens, name):
+    model = request.getfixturevalue(name)
+    tokens = make_tokens(3, 3, 70)
+    with enabled(False):
+        batched = model(tokens)
+        alone = model(tokens[1:2, :50])[0]
+    assert not bitwise_equal(alone, batched[1, :50])
+
+
+@torch.no_grad()
+def test_negative_control_packing_needs_per_document_attention(make_tokens):
+    """Attention over the packed row at absolute positions (a doc mask instead of per-document
+    segments) gives a document at an offset other bits than alone, even in BI mode: the BI
+    kernel reduces keys in chunks aligned to absolute positions. Hence the segment layout."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 90, 16, generator=generator) for _ in range(3))
+    doc_ids = torch.tensor([[0] * 20 + [1] * 70])
+    positions = torch.arange(90)[None]
+    with enabled():
+        assert ops.bi_mode()
+        masked = ops.attention(q, k, v, positions, doc_ids)[:, :, 20:]
+        alone = ops.attention(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], positions[:, :70])
+    torch.testing.assert_close(masked, alone, atol=1e-5, rtol=0)
+    assert not bitwise_equal(masked, alone)
