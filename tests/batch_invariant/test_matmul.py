@@ -1,0 +1,152 @@
+"""The matmul family (mm, matmul, linear, addmm, bmm) is row-invariant, bitwise.
+
+Proves: row i of a batched product equals the product of row i alone (and of any slice holding
+it) for random shapes, batch sizes 1..512, row positions, float32 and bfloat16, and thread
+counts 1 and 2; the bits do not change between 1 and 2 threads for the bench's LLM shapes;
+results are within float32 tolerance of a float64 reference. Negative controls: plain torch
+(MKL) gives different bits for the same rows on this machine, so the checks can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batch_invariant._helpers import DTYPES, num_threads, randn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import titan_audit.batch_invariant as bi
+from titan_audit.audit import assert_bitwise_equal, bitwise_equal
+
+LLM_SHAPES = [(1024, 1024), (1024, 4096), (4096, 1024)]
+
+
+def _slice(data: st.DataObject, batch: int) -> tuple[int, int]:
+    start = data.draw(st.integers(0, batch - 1), label="start")
+    length = data.draw(st.integers(1, batch - start), label="length")
+    return start, length
+
+
+@settings(max_examples=200)
+@given(data=st.data())
+def test_linear_rows_do_not_depend_on_the_batch(data: st.DataObject) -> None:
+    batch = data.draw(st.integers(1, 512), label="batch")
+    k = data.draw(st.integers(1, 80), label="K")
+    n = data.draw(st.integers(1, 80), label="N")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    threads = data.draw(st.sampled_from([1, 2]), label="threads")
+    with_bias = data.draw(st.booleans(), label="bias")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    x = randn(batch, k, seed=seed, dtype=dtype)
+    w = randn(n, k, seed=seed + 1, dtype=dtype)
+    b = randn(n, seed=seed + 2, dtype=dtype) if with_bias else None
+    start, length = _slice(data, batch)
+    with num_threads(threads):
+        full = bi.linear(x, w, b)
+        assert_bitwise_equal(bi.linear(x[start : start + length], w, b), full[start : start + length], "slice")
+        assert_bitwise_equal(bi.linear(x[start : start + 1], w, b), full[start : start + 1], "single row")
+
+
+@settings(max_examples=200)
+@given(data=st.data())
+def test_mm_matmul_addmm_rows_do_not_depend_on_the_batch(data: st.DataObject) -> None:
+    batch = data.draw(st.integers(1, 512), label="batch")
+    k = data.draw(st.integers(1, 80), label="K")
+    n = data.draw(st.integers(1, 80), label="N")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    transposed_b = data.draw(st.booleans(), label="b transposed")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    a = randn(batch, k, seed=seed, dtype=dtype)
+    b = randn(n, k, seed=seed + 1, dtype=dtype).t() if transposed_b else randn(k, n, seed=seed + 1, dtype=dtype)
+    bias = randn(n, seed=seed + 2, dtype=dtype)
+    start, length = _slice(data, batch)
+    rows = slice(start, start + length)
+    assert_bitwise_equal(bi.mm(a[rows], b), bi.mm(a, b)[rows], "mm")
+    assert_bitwise_equal(bi.addmm(bias, a[rows], b, beta=0.5, alpha=2.0), bi.addmm(bias, a, b, beta=0.5, alpha=2.0)[rows], "addmm")
+    a3 = a.reshape(1, batch, k)
+    assert_bitwise_equal(bi.matmul(a3[:, rows], b), bi.matmul(a3, b)[:, rows], "matmul 3-D @ 2-D")
+    assert_bitwise_equal(bi.matmul(a[start], b), bi.mm(a, b)[start], "matmul 1-D @ 2-D")
+
+
+@settings(max_examples=200)
+@given(data=st.data())
+def test_bmm_rows_do_not_depend_on_batch_or_rows(data: st.DataObject) -> None:
+    nb = data.draw(st.integers(1, 8), label="B")
+    m = data.draw(st.integers(1, 64), label="M")
+    k = data.draw(st.integers(1, 48), label="K")
+    n = data.draw(st.integers(1, 48), label="N")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    a = randn(nb, m, k, seed=seed, dtype=dtype)
+    b = randn(nb, k, n, seed=seed + 1, dtype=dtype)
+    j = data.draw(st.integers(0, nb - 1), label="j")
+    start, length = _slice(data, m)
+    full = bi.bmm(a, b)
+    assert_bitwise_equal(bi.bmm(a[j : j + 1, start : start + length], b[j : j + 1]), full[j : j + 1, start : start + length])
+    assert_bitwise_equal(bi.matmul(a[j, start : start + length], b[j]), full[j, start : start + length], "bmm vs 2-D matmul")
+
+
+@pytest.mark.parametrize(("k", "n"), LLM_SHAPES)
+def test_llm_shapes_rows_and_threads(k: int, n: int) -> None:
+    """The bench shapes: every M in 1..12 and a few larger, 1 and 2 threads, all the same bits."""
+    x = randn(260, k, seed=1)
+    w = randn(n, k, seed=2)
+    with num_threads(1):
+        ref = bi.linear(x, w)
+    with num_threads(2):
+        assert_bitwise_equal(bi.linear(x, w), ref, "1 vs 2 threads")
+        for m in [*range(1, 13), 31, 64, 255]:
+            assert_bitwise_equal(bi.linear(x[3 : 3 + m], w), ref[3 : 3 + m], f"M={m}")
+
+
+def test_negative_control_native_mkl_rows_differ() -> None:
+    """Plain torch gives a row different bits alone than in a batch: for M < 4 at 1 thread and
+    for M in 5..11 at 2 threads (the rows past the last multiple of 4); bi.linear does not."""
+    x = randn(64, 1024, seed=3)
+    w = randn(1024, 1024, seed=4)
+    with num_threads(2):
+        full = x @ w.t()
+        differs = [m for m in range(1, 13) if not bitwise_equal(x[:m] @ w.t(), full[:m])]
+        assert set(differs) >= {1, 2, 3, 5, 6, 7, 9, 10, 11}, differs
+        for m in differs:
+            assert_bitwise_equal(bi.linear(x[:m], w), bi.linear(x, w)[:m], f"M={m}")
+    with num_threads(1):
+        full = x @ w.t()
+        assert not bitwise_equal(x[:1] @ w.t(), full[:1])
+
+
+def test_negative_control_small_n() -> None:
+    """With N <= 11 columns MKL's row bits depend on M even at multiples of 4; bi pads N."""
+    x = randn(300, 31, seed=5)
+    w = randn(7, 31, seed=6)
+    full = x @ w.t()
+    native_differs = any(not bitwise_equal(x[i : i + m] @ w.t(), full[i : i + m]) for i, m in ((5, 7), (13, 40), (2, 100), (1, 299), (0, 1)))
+    assert native_differs
+    ours = bi.linear(x, w)
+    for i, m in ((5, 7), (13, 40), (2, 100), (1, 299), (0, 1)):
+        assert_bitwise_equal(bi.linear(x[i : i + m], w), ours[i : i + m])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accuracy_against_float64(dtype: torch.dtype) -> None:
+    x = randn(33, 300, seed=7, dtype=dtype)
+    w = randn(70, 300, seed=8, dtype=dtype)
+    b = randn(70, seed=9, dtype=dtype)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)
+    torch.testing.assert_close(bi.linear(x, w, b).double(), ref, **tol)
+    a3 = randn(3, 17, 40, seed=10, dtype=dtype)
+    b3 = randn(3, 40, 9, seed=11, dtype=dtype)
+    torch.testing.assert_close(bi.bmm(a3, b3).double(), a3.double() @ b3.double(), **tol)
+    assert bi.linear(x, w, b).dtype == dtype
+
+
+def test_bad_input_names_argument_and_shape() -> None:
+    with pytest.raises(ValueError, match=r"mm: expected a \[M, K\].*\(3, 4\).*\(5, 2\)"):
+        bi.mm(torch.randn(3, 4), torch.randn(5, 2))
+    with pytest.raises(ValueError, match="weight"):
+        bi.linear(torch.randn(3, 4), torch.randn(2, 5))
+    with pytest.raises(ValueError, match="dtypes must match"):
+        bi.mm(torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="floating"):
+        bi.matmul(torch.ones(3, 4, dtype=torch.long), torch.ones(4, 2, dtype=torch.long))
