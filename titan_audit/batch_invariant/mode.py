@@ -179,7 +179,7 @@ def enable() -> None:
         library = torch.library.Library("aten", "IMPL")
         try:
             with warnings.catch_warnings():  # overriding the native kernel is the point
-                warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+                warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
                 for key in DEVICE_KEYS:
                     for name, fn in OVERRIDES.items():
                         library.impl(name, fn, key)
