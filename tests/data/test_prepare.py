@@ -84,3 +84,38 @@ def test_corrupt_stores_are_named(tmp_path, corpus, store):
     with pytest.raises(ValueError, match=r"bad\.zarr: corrupt zarr store"):
         TokenStore(bad)
     np.testing.assert_equal(TokenStore(store).doc(5), TokenStore(store).doc(5))  # the original is intact
+
+
+@pytest.mark.parametrize("vocab", [300, 70_000])  # uint16 and uint32 stores
+def test_direct_chunk_reads_equal_zarr_reads(tmp_path, vocab):
+    from titan_audit.data import write_token_store
+    from titan_audit.data.token_store import CHUNK_TOKENS
+
+    rng = np.random.default_rng(vocab)
+    docs = [rng.integers(0, vocab - 2, size=n).astype(np.uint32) for n in rng.integers(1, 5000, size=60)]
+    docs.append(np.zeros(CHUNK_TOKENS * 2, dtype=np.uint32))  # an all-zero chunk: zarr does not write its file
+    write_token_store(tmp_path / "s.zarr", docs, vocab_size=vocab, eos_id=vocab - 2, pad_id=vocab - 1)
+    store = TokenStore(tmp_path / "s.zarr")
+    assert store._direct is not None  # the fast path is taken for the writer's own layout
+    whole = store.tokens_array[:]
+    assert np.array_equal(whole, np.concatenate(docs))
+    for start in range(0, store.num_tokens, store.chunk):
+        stop = min(start + store.chunk, store.num_tokens)
+        assert np.array_equal(store.read(start, stop), whole[start:stop])
+        assert store.read(start, stop).dtype == whole.dtype
+    assert np.array_equal(store.read(100, CHUNK_TOKENS + 50), whole[100 : CHUNK_TOKENS + 50])  # across a chunk edge
+    # a layout the fast path does not know goes through zarr, with the same result
+    meta_path = tmp_path / "s.zarr" / "tokens" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["codecs"][1]["configuration"]["checksum"] = False
+    meta["storage_transformers"] = [{"name": "unknown"}]
+    assert _direct_is_refused(meta, tmp_path)
+
+
+def _direct_is_refused(meta, tmp_path):
+    from titan_audit.data.token_store import _direct_reader
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "zarr.json").write_text(json.dumps(meta))
+    return _direct_reader(other, np.dtype(np.uint16), meta["chunk_grid"]["configuration"]["chunk_shape"][0]) is None
