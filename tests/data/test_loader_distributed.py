@@ -11,8 +11,8 @@ and a different seed give different bytes, so the comparisons can fail.
 
 import torch
 import torch.distributed as dist
-
 from distributed import run_ranks
+
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState
 from titan_audit.data.microbatch import TENSOR_FIELDS

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from titan_audit.data import (
-    ByteTokenizer, PrepareConfig, SyntheticConfig, TokenStore, prepare, store_manifest, write_synthetic_parquet,
+    ByteTokenizer,
+    PrepareConfig,
+    SyntheticConfig,
+    TokenStore,
+    prepare,
+    store_manifest,
+    write_synthetic_parquet,
 )  # fmt: skip
 from titan_audit.data import sources as sources_module
 from titan_audit.data.synthetic import make_record

@@ -30,7 +30,8 @@ def prepare(sources: tuple[str, ...], out: str, text_column: str, tokenizer_path
     """Tokenize SOURCES (files or directories) once into the token store OUT."""
     from dataclasses import asdict
 
-    from titan_audit.data import PrepareConfig, TokenStore, TokenizerSpec, prepare as run_prepare
+    from titan_audit.data import PrepareConfig, TokenizerSpec, TokenStore
+    from titan_audit.data import prepare as run_prepare
 
     config = PrepareConfig(sources=sources, out=out, text_column=text_column,
                            tokenizer=TokenizerSpec(tokenizer_path, eos_token), workers=workers, overwrite=overwrite)  # fmt: skip
