@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, PrepareConfig, prepare
@@ -204,3 +206,21 @@ def test_bad_numbers_fail_before_any_work(store, overrides, kwargs, match):
 
 def test_microbatch_tensor_fields_are_the_documented_ones():
     assert TENSOR_FIELDS == ("sequence_ids", "tokens", "targets", "positions", "doc_ids", "loss_mask")
+
+
+@settings(max_examples=15)
+@given(st.sampled_from([(1, 1), (2, 1), (3, 2), (4, 1), (6, 1), (8, 2), (12, 1)]), st.data())
+def test_rank_blocks_tile_the_global_batch_for_any_divisor(store, v_m, data):
+    """In-process (explicit rank, W): for any V, M and W dividing V, the ranks' blocks tile the step."""
+    v, m = v_m
+    world_size = data.draw(st.sampled_from([w for w in range(1, v + 1) if v % w == 0]))
+    config = _config(store, global_batch_size=v * m, microbatch_size=m, seq_len=24)
+    with ElasticLoader(config, rank=0, world_size=1) as reference:
+        step = data.draw(st.integers(0, reference.steps_per_epoch - 1))
+        expected = reference.global_batch(0, step)
+        got = []
+        for rank in range(world_size):
+            with ElasticLoader(config, rank=rank, world_size=world_size) as loader:
+                loader.seek(step)
+                got.extend(_take(loader, v // world_size))
+    _assert_same(expected, got, f"V={v} M={m} W={world_size} step {step}")
