@@ -65,7 +65,7 @@ def test_prefetch_workers_and_depth_do_not_change_the_bytes(store):
     steps = 6
     with ElasticLoader(_config(store)) as loader:
         reference = _take(loader, steps * 4)
-    variants = [dict(workers=1, prefetch=1), dict(workers=4, prefetch=3), dict(workers=4, prefetch=1),
+    variants = [dict(workers=0, worker_type="process"), dict(workers=1, prefetch=1), dict(workers=4, prefetch=3), dict(workers=4, prefetch=1),
                 dict(workers=2, prefetch=2, worker_type="process")]  # fmt: skip
     for variant in variants:
         with ElasticLoader(_config(store, **variant)) as loader:

@@ -111,7 +111,7 @@ class ElasticLoader:
             self._resume(state, allow_source_change)
         if config.num_epochs is not None and self.epoch >= config.num_epochs:
             raise ValueError(f"state epoch {self.epoch} is past num_epochs={config.num_epochs}")
-        if config.worker_type == "process":
+        if config.worker_type == "process" and config.workers > 0:
             self._prefetcher = Prefetcher(_worker_compute, workers=config.workers, depth=config.prefetch, kind="process",
                                           initializer=_worker_init, initargs=(os.fspath(config.store), spec))  # fmt: skip
         else:
