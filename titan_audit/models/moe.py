@@ -43,6 +43,7 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
+    @torch.compiler.disable  # data-dependent group sizes: runs eagerly inside compiled blocks
     def forward(self, x_ND: torch.Tensor, experts_NK: torch.Tensor) -> torch.Tensor:
         """Expert outputs [N, K, D]: out[n, j] = expert experts_NK[n, j] applied to x_ND[n]."""
         num_tokens, k = experts_NK.shape

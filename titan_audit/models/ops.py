@@ -70,6 +70,15 @@ def sum_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     return x.sum(-1, keepdim=keepdim)
 
 
+@torch.compiler.disable
+def _bi_attention(q_BHTD, k_BHTD, v_BHTD, q_pos_BT, key_doc_ids_BS):
+    # Opaque to torch.compile: a kernel with data-dependent control flow; compiling around it
+    # keeps its bits and avoids tracing (and re-tracing per shape) into it.
+    return batch_invariant.attention(
+        q_BHTD, k_BHTD, v_BHTD, causal=True, q_positions=q_pos_BT, doc_ids=key_doc_ids_BS
+    )
+
+
 def attention(
     q_BHTD: torch.Tensor,
     k_BHTD: torch.Tensor,
@@ -87,9 +96,7 @@ def attention(
     assert q_pos_BT.shape == (batch, seq_q), (q_pos_BT.shape, q_BHTD.shape)
     assert key_doc_ids_BS is None or key_doc_ids_BS.shape == (batch, seq_k)
     if bi_mode():
-        out = batch_invariant.attention(
-            q_BHTD, k_BHTD, v_BHTD, causal=True, q_positions=q_pos_BT, doc_ids=key_doc_ids_BS
-        )
+        out = _bi_attention(q_BHTD, k_BHTD, v_BHTD, q_pos_BT, key_doc_ids_BS)
     else:
         key_pos_S = torch.arange(seq_k, device=q_BHTD.device)
         visible_BTS = key_pos_S[None, None, :] <= q_pos_BT[:, :, None]
