@@ -43,3 +43,16 @@ def test_task_subset_and_bad_config():
         SyntheticConfig(0)
     with pytest.raises(ValueError, match="not a sorting prompt"):
         solve("sorting", "Compute: 1 + 1 =")
+
+
+def test_prepare_synthetic_builds_parquet_and_store(tmp_path):
+    from titan_audit.data import ByteTokenizer, ElasticLoader, LoaderConfig, TokenStore, prepare_synthetic
+
+    built = prepare_synthetic(tmp_path, SyntheticConfig(200, seed=5, row_group_size=50))
+    store = TokenStore(built.store)
+    assert store.num_docs == 200 and store.origin.entries[0].name == "tasks.parquet"
+    assert ByteTokenizer().decode(store.doc(17)) == make_record(5, 17).text
+    with ElasticLoader(LoaderConfig(store=str(built.store), seq_len=32, global_batch_size=4, microbatch_size=2)) as loader:
+        assert next(iter(loader)).tokens.shape == (2, 32)
+    with pytest.raises(ValueError, match="already exists"):
+        prepare_synthetic(tmp_path, SyntheticConfig(200, seed=5))

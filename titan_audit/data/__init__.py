@@ -10,7 +10,7 @@ Pieces, one concern per module: sources (Parquet/JSONL), manifest (what the data
 (byte-level or HF tokenizer.json), token_store (zarr v3), prepare (text -> store, parallel),
 packing (concat / best_fit), permutation (Feistel, O(1) state), plan (global batch -> ranks),
 batches (pure (epoch, step, microbatch) -> arrays), prefetch (ordered workers), loader, state,
-microbatch, synthetic (verifiable-task corpora as Parquet).
+microbatch, synthetic (verifiable-task corpora as Parquet), builtin (synthetic corpus + store).
 """
 
 import importlib
@@ -26,6 +26,8 @@ from titan_audit.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerSpec
 # Names are imported on first use, so that a worker process that only tokenizes (prepare.py)
 # does not import torch.
 _EXPORTS = {
+    "BuiltinData": "titan_audit.data.builtin",
+    "prepare_synthetic": "titan_audit.data.builtin",
     "BatchPlan": "titan_audit.data.plan",
     "BatchSpec": "titan_audit.data.batches",
     "BestFitPacker": "titan_audit.data.packing",
@@ -69,6 +71,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # static tools see the real imports
+    from titan_audit.data.builtin import BuiltinData, prepare_synthetic
     from titan_audit.data.batches import BatchSpec, GlobalBatches
     from titan_audit.data.loader import ElasticLoader, LoaderConfig
     from titan_audit.data.manifest import FileEntry, SourceManifest, check_unchanged
