@@ -197,3 +197,29 @@ def test_negative_control_packing_needs_per_document_attention(make_tokens):
         alone = ops.attention(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], positions[:, :70])
     torch.testing.assert_close(masked, alone, atol=1e-5, rtol=0)
     assert not bitwise_equal(masked, alone)
+
+
+@pytest.mark.parametrize("bi", [True, False], ids=["bi", "negative-control-default"])
+@torch.no_grad()
+def test_bfloat16_moe_paged_decode(make_tokens, bi):
+    """bfloat16 weights and cache (MoE, expert width 36: pointwise tails occur): bitwise in BI
+    mode; the same comparison differs without it."""
+    config = models.ModelConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=100, max_position_embeddings=128,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=36,
+    )
+    model = models.build(config, seed=4, dtype=torch.bfloat16).eval()
+    tokens = make_tokens(8, 3, 40)
+    with enabled(bi):
+        full = model(tokens)
+        cache = models.PagedKVCache(config, num_blocks=32, block_size=8, dtype=torch.bfloat16)
+        pieces = []
+        for s in range(3):
+            cache.add(s)
+            pieces.append(model(tokens[s : s + 1, :15], cache=cache.batch([s])))
+        prefill = torch.cat(pieces)
+        steps = [model(tokens[:, t : t + 1], cache=cache.batch([0, 1, 2])) for t in range(15, 40)]
+        decoded = torch.cat([prefill, *steps], 1)
+    assert full.dtype == torch.bfloat16
+    assert bitwise_equal(decoded, full) == bi

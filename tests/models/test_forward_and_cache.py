@@ -159,3 +159,17 @@ def test_token_logprobs(make_tokens):
         models.token_logprobs(logits, targets + 7)
     with pytest.raises(ValueError, match="integer tensor"):
         models.token_logprobs(logits, targets.float())
+
+
+@torch.no_grad()
+def test_packed_documents_match_alone_in_tolerance(model, make_tokens):
+    tokens = make_tokens(6, 2, 30)
+    doc_ids = torch.tensor([[0] * 7 + [1] * 15 + [2] * 8, [5] * 26 + [-1] * 4])
+    packed = model(tokens, doc_ids=doc_ids)
+    for row, start, end in [(0, 0, 7), (0, 7, 22), (0, 22, 30), (1, 0, 26)]:
+        alone = model(tokens[row : row + 1, start:end])[0]
+        torch.testing.assert_close(packed[row, start:end], alone, **TOL)
+    # explicit positions override the per-document default
+    shifted = model(tokens, doc_ids=doc_ids, positions=torch.arange(30))
+    assert not torch.allclose(shifted[0, 7:22], packed[0, 7:22])
+    assert torch.allclose(shifted[0, :7], packed[0, :7])

@@ -145,3 +145,18 @@ def test_parity_check_can_fail(tmp_path, make_tokens):
         ours.layers[1].self_attn.k_norm.weight[3] += 1e-3
     with pytest.raises(AssertionError, match="max abs logit diff"):
         _compare(hf_model, ours, make_tokens(11, 3, 37, vocab=128))
+
+
+@pytest.mark.parametrize("fixture", ["dense_model", "moe_model", "moe_shared_model"])
+def test_own_round_trip_is_bitwise(request, fixture, tmp_path, make_tokens):
+    """save_pretrained -> from_pretrained keeps every weight and every logit bit (incl. the
+    shared-expert extension and mixed dense/MoE layers)."""
+    model = request.getfixturevalue(fixture)
+    models.save_pretrained(model, tmp_path)
+    loaded = models.from_pretrained(tmp_path).eval()
+    assert loaded.config == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert_bitwise_equal(a, b, name)
+    tokens = make_tokens(14, 2, 19)
+    with torch.no_grad():
+        assert_bitwise_equal(loaded(tokens), model(tokens), "logits after round trip")
