@@ -171,3 +171,27 @@ def test_step_level_records_only_on_replicated_rank(tmp_path):
         recorder.record_loss(torch.ones(()))
     rows = _rows(tmp_path)
     assert [(r["phase"], r["rank"], r["microbatch"]) for r in rows] == [("loss", 1, 3)]
+
+
+def test_stats_policy_default_skips_bulk_step_level_phases(tmp_path):
+    model = nn.Linear(2, 2)
+    for name, stats in (("default", None), ("all", True), ("none", False)):
+        kwargs = {} if stats is None else {"stats": stats}
+        with Recorder(tmp_path / name, model, level="params", **kwargs) as recorder:
+            recorder.start_step(0)
+            recorder.set_microbatch(0)
+            recorder.record_loss(torch.tensor(-2.5))
+            recorder.record_params()
+    rows = {
+        name: {r["phase"]: r for r in _rows(tmp_path / name) if r["name"] in ("loss", "weight")}
+        for name in ("default", "all", "none")
+    }
+    assert rows["default"]["loss"]["absmax"] == 2.5 and rows["default"]["param"]["absmax"] is None
+    weight = model.weight.detach()
+    assert rows["all"]["param"]["absmax"] == float(weight.abs().max())
+    assert rows["all"]["param"]["mean"] == pytest.approx(float(weight.double().mean()), rel=1e-6)
+    assert rows["none"]["loss"]["absmax"] is None and rows["none"]["loss"]["mean"] is None
+    # the hash never depends on the statistics
+    assert rows["default"]["param"]["hash"] == rows["all"]["param"]["hash"] == rows["none"]["param"]["hash"]
+    with pytest.raises(ValueError, match="unknown audit phase"):
+        Recorder(tmp_path / "bad", stats=("forwards",))

@@ -36,6 +36,9 @@ Guarantees:
 - Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
 - Optionally (`dump_names`, `dump_steps`) full tensor values go to RUN/dumps.zarr (audit.dumps).
+- `absmax`/`mean` (informational, never compared) are computed for the phases in `stats`
+  (default: all but grad, optim, param and ckpt, where they would cost three extra passes over
+  the model's memory each step; `stats=True` for all); elsewhere they are null.
 """
 
 from __future__ import annotations
@@ -52,13 +55,17 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from titan_audit.audit.dumps import DumpWriter
 from titan_audit.audit.log import AuditLogWriter
-from titan_audit.audit.schema import SCHEMA, check_phase
+from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
 from titan_audit.audit.summary import summarize
 
 LEVELS = ("off", "params", "full")
 ROOT_NAME = "<root>"
 STEP_LEVEL = -1
 _HOOK_PHASES = ("forward", "backward")
+# absmax/mean by default for everything but the bulk step-level phases (every parameter, its
+# gradient and optimizer state each step): there they would triple the cost of the `params`
+# level (three more passes over the model's memory per tensor; measured by `bench audit`).
+DEFAULT_STATS_PHASES = ("rollout", "data", "forward", "logprob", "loss", "backward")
 
 
 def _dist_rank() -> int:
@@ -89,7 +96,7 @@ class Recorder:
         rank: int | None = None,
         replicated_rank: int = 0,
         flush_every_steps: int = 50,
-        stats: bool = True,
+        stats: bool | Iterable[str] = DEFAULT_STATS_PHASES,
         dump_names: Iterable[str] = (),
         dump_steps: Iterable[int] | None = None,
     ) -> None:
@@ -102,7 +109,9 @@ class Recorder:
         self.rank = _dist_rank() if rank is None else rank
         self.replicated_rank = replicated_rank
         self.flush_every_steps = flush_every_steps
-        self.stats = stats
+        self.stats_phases = frozenset(PHASES if stats is True else () if stats is False else stats)
+        for phase in self.stats_phases:
+            check_phase(phase)
         self.patterns = tuple(modules)
         self.exclude = tuple(exclude)
         self.dump_names = tuple(dump_names)
@@ -117,12 +126,14 @@ class Recorder:
         self._steps_since_flush = 0
         self._handles: list[Any] = []
         self._param_names: dict[int, str] = {}
+        self._params: list[tuple[str, torch.nn.Parameter]] = []
         self._writer: AuditLogWriter | None = None
         self._dumps: DumpWriter | None = None
         if level != "off":
             self._writer = AuditLogWriter(self.run_dir, rank=self.rank)
         if module is not None:
-            self._param_names = {id(p): name for name, p in module.named_parameters()}
+            self._params = list(module.named_parameters())
+            self._param_names = {id(p): name for name, p in self._params}
             if level == "full":
                 self._attach_hooks(module)
 
@@ -263,10 +274,11 @@ class Recorder:
         return self.step
 
     def _named_parameters(self, module: torch.nn.Module | None):
-        module = module if module is not None else self.module
-        if module is None:
+        if module is not None:
+            return module.named_parameters()
+        if self.module is None:
             raise ValueError("Recorder: pass a module (to the Recorder or to this call) to record its parameters")
-        return module.named_parameters()
+        return self._params  # the Recorder's module's parameters, listed once at construction
 
     def _record(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
         if _is_dtensor(tensor):
@@ -278,7 +290,7 @@ class Recorder:
                 return
         elif microbatch == STEP_LEVEL and self.rank != self.replicated_rank:
             return
-        summary = summarize(tensor, with_stats=self.stats)
+        summary = summarize(tensor, with_stats=phase in self.stats_phases)
         seq = self._seq.get(microbatch, 0)
         self._seq[microbatch] = seq + 1
         c = self._columns

@@ -4,7 +4,8 @@ Guarantees:
 - `hash` is `audit.fingerprint` of the logical tensor (raw bytes; see fingerprint.py), so two
   summaries have the same hash iff the tensors are bitwise equal (up to xxh3-128 collisions).
 - `absmax` and `mean` are informational (they are never compared; the hash is): float64
-  numbers, NaN when the tensor is empty, NaN/inf propagated from the data. They are computed with
+  numbers, NaN when the tensor is empty, NaN/inf propagated from the data, None (null in the
+  log) when the caller asked for no statistics. They are computed with
   the cheapest exact-enough kernels measured on CPU: numpy's SIMD min/max over the tensor's own
   memory (no copy) for the dtypes numpy has, `torch.aminmax` otherwise, and one torch sum that
   accumulates in float32 (float64 for float64 and integer tensors) for the mean. Measured on one
@@ -32,8 +33,8 @@ class Summary(NamedTuple):
     dtype: str
     shape: str
     hash: str
-    absmax: float
-    mean: float
+    absmax: float | None
+    mean: float | None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,8 +90,14 @@ def stats(tensor: torch.Tensor) -> tuple[float, float]:
     return absmax, total / numel
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def summarize(tensor: torch.Tensor, *, with_stats: bool = True) -> Summary:
     """dtype, shape, fingerprint and (optionally) absmax/mean of the logical tensor."""
-    plain = plain_cpu(tensor)
-    absmax, mean = stats(plain) if with_stats else (math.nan, math.nan)
+    if type(tensor) in _PLAIN_TYPES and tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+        plain = tensor.detach()  # fast path: read in place
+    else:
+        plain = plain_cpu(tensor)
+    absmax, mean = stats(plain) if with_stats else (None, None)
     return Summary(dtype_name(plain.dtype), shape_text(plain.shape), fingerprint(plain), absmax, mean)
