@@ -41,6 +41,7 @@ def test_input_forms(dense_model, make_tokens):
             "cannot be combined with a KV cache",
         ),
         (lambda m, t: m(t, cache=models.ContiguousKVCache(m.config, 3, 16)), "cache holds 3 rows"),
+        (lambda m, t: m(t, cache=models.PagedKVCache(m.config, 4, 4)), r"PagedKVCache.batch\(...\)"),
     ],
 )
 def test_bad_inputs(dense_model, make_tokens, call, match):

@@ -35,6 +35,7 @@ def test_activation_checkpointing_is_bitwise(request, make_tokens, name, bi):
             model.eval()
     assert_bitwise_equal(loss_ckpt, loss_plain, "loss")
     for param_name, grad in grads_plain.items():
+        assert torch.isfinite(grad).all(), param_name
         assert grad.abs().sum() > 0 or "experts" in param_name, param_name
         assert_bitwise_equal(grads_ckpt[param_name], grad, f"grad of {param_name}")
 

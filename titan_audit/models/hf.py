@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -174,7 +175,7 @@ def from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype | None = No
     return model
 
 
-def _write_atomic(target: Path, write: callable) -> None:
+def _write_atomic(target: Path, write: Callable[[Path], object]) -> None:
     temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         write(temp)

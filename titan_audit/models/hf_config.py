@@ -53,8 +53,10 @@ def config_from_hf(data: dict[str, Any], source: str) -> ModelConfig:
         "num_attention_heads": heads,
         "num_key_value_heads": int(data.get("num_key_value_heads") or heads),
         "head_dim": int(data.get("head_dim") or hidden // heads),
-        "intermediate_size": int(data["intermediate_size"]) if is_moe and "intermediate_size" in data
-        else (0 if is_moe else int(need("intermediate_size"))),
+        # An MoE model needs intermediate_size only for its dense layers (ModelConfig checks).
+        "intermediate_size": int(data.get("intermediate_size") or 0)
+        if is_moe
+        else int(need("intermediate_size")),
         "max_position_embeddings": int(
             data.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]
         ),

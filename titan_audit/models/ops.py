@@ -104,6 +104,9 @@ def attention(
             query_doc_BT = key_doc_ids_BS.gather(1, q_pos_BT)
             same_doc_BTS = key_doc_ids_BS[:, None, :] == query_doc_BT[:, :, None]
             visible_BTS = visible_BTS & same_doc_BTS & (key_doc_ids_BS[:, None, :] >= 0)
+            # A padding query sees itself here (its output is zeroed below): no fully masked
+            # row, so no NaN that some SDPA kernels would otherwise put into gradients.
+            visible_BTS = visible_BTS | (key_pos_S[None, None, :] == q_pos_BT[:, :, None])
         out = F.scaled_dot_product_attention(
             q_BHTD, k_BHTD, v_BHTD, attn_mask=visible_BTS[:, None], enable_gqa=True
         )

@@ -167,6 +167,11 @@ class Transformer(nn.Module):
 
         cache_step = packing = None
         if cache is not None:
+            if not hasattr(cache, "begin"):
+                raise ValueError(
+                    f"cache must be a ContiguousKVCache, ContiguousKVCache.rows(...) or "
+                    f"PagedKVCache.batch(...), got {type(cache).__name__}"
+                )
             cache_step = cache.begin(seq)
             if cache_step.q_pos_BT.shape[0] != batch:
                 raise ValueError(
