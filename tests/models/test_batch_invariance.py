@@ -223,3 +223,41 @@ def test_bfloat16_moe_paged_decode(make_tokens, bi):
         decoded = torch.cat([prefill, *steps], 1)
     assert full.dtype == torch.bfloat16
     assert bitwise_equal(decoded, full) == bi
+
+
+@pytest.mark.parametrize("bi", [True, False], ids=["bi", "negative-control-default"])
+@torch.no_grad()
+def test_generator_logprobs_equal_packed_trainer_recomputation(moe_model, make_tokens, bi):
+    """The G4 flow at model level: greedy continuous-batching decode from a paged cache records
+    the log-prob of each chosen token; the trainer recomputes them from a packed batch of the
+    full sequences. Bitwise equal in BI mode; not without it."""
+    prompts = [make_tokens(30 + i, n) for i, n in enumerate([5, 11, 8])]
+    new_tokens = 6
+    with enabled(bi):
+        cache = models.PagedKVCache(moe_model.config, num_blocks=32, block_size=4)
+        last_logits, sequences, reported = [], [], [[] for _ in prompts]
+        for s, prompt in enumerate(prompts):
+            cache.add(s)
+            last_logits.append(moe_model(prompt[None], cache=cache.batch([s]))[0, -1])
+            sequences.append(prompt.tolist())
+        for _ in range(new_tokens):
+            logits = torch.stack(last_logits)
+            chosen = logits.argmax(-1)
+            logprobs = models.token_logprobs(logits, chosen)
+            for s in range(len(prompts)):
+                sequences[s].append(int(chosen[s]))
+                reported[s].append(logprobs[s])
+            step = moe_model(chosen[:, None], cache=cache.batch(range(len(prompts))))
+            last_logits = list(step[:, -1])
+        # trainer: one packed row with all sequences, log-probs of the generated tokens
+        row = torch.tensor([t for seq in sequences for t in seq])
+        doc_ids = torch.cat([torch.full((len(seq),), s) for s, seq in enumerate(sequences)])
+        logits = moe_model(row[None], doc_ids=doc_ids[None])[0]
+        start, matches = 0, []
+        for s, seq in enumerate(sequences):
+            prompt_len = len(prompts[s])
+            positions = torch.arange(start + prompt_len - 1, start + len(seq) - 1)
+            recomputed = models.token_logprobs(logits[positions], row[positions + 1])
+            matches.append(bitwise_equal(recomputed, torch.stack(reported[s])))
+            start += len(seq)
+    assert all(matches) if bi else not all(matches)

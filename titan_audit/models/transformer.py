@@ -21,8 +21,10 @@ cache, alone or in any batch, packed or not. Outside BI mode the same math runs 
 Switches: `set_activation_checkpointing(True)` recomputes each block in backward (the model has
 no randomness, so the recompute is bitwise the forward); `set_compile(True)` compiles each block:
 in BI mode with the `aot_eager` backend (graph capture, the same kernels, tested bitwise equal to
-eager), outside BI mode with inductor, which fuses kernels and is NOT bitwise equal to eager (a
-warning says so once).
+eager; the BI attention kernel and the grouped experts, which have data-dependent control flow,
+stay opaque and run eagerly), outside BI mode with inductor, which fuses kernels and is NOT
+bitwise equal to eager (a warning says so once). On CPU, compiling brings no speed-up for these
+sizes; it is there for GPU runs.
 """
 
 from __future__ import annotations
