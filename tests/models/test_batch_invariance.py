@@ -261,3 +261,24 @@ def test_generator_logprobs_equal_packed_trainer_recomputation(moe_model, make_t
             matches.append(bitwise_equal(recomputed, torch.stack(reported[s])))
             start += len(seq)
     assert all(matches) if bi else not all(matches)
+
+
+@torch.no_grad()
+def test_forked_sequences_decode_bitwise_as_alone(moe_model, make_tokens):
+    """n samples of one prompt: prefill once, fork, decode the forks together with different
+    continuations; each equals the full forward of its own sequence (BI mode)."""
+    prompt = make_tokens(40, 13)
+    continuations = make_tokens(41, 3, 5)
+    with enabled():
+        cache = models.PagedKVCache(moe_model.config, num_blocks=24, block_size=4)
+        cache.add(0)
+        prefill = moe_model(prompt[None], cache=cache.batch([0]))[0]
+        for s in (1, 2):
+            cache.fork(0, s)
+        steps = [moe_model(continuations[:, t : t + 1], cache=cache.batch([0, 1, 2])) for t in range(5)]
+        decoded = torch.cat(steps, 1)
+        for s in range(3):
+            full = moe_model(torch.cat([prompt, continuations[s]])[None])[0]
+            assert_bitwise_equal(prefill, full[:13], "prefill")
+            assert_bitwise_equal(decoded[s], full[13:], f"fork {s}")
+    assert len({tuple(cache.block_tables[s]) for s in range(3)}) == 3

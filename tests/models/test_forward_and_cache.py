@@ -174,3 +174,18 @@ def test_packed_documents_match_alone_in_tolerance(model, make_tokens):
     shifted = model(tokens, doc_ids=doc_ids, positions=torch.arange(30))
     assert not torch.allclose(shifted[0, 7:22], packed[0, 7:22])
     assert torch.allclose(shifted[0, :7], packed[0, :7])
+
+
+def test_paged_fork_bookkeeping(dense_model, make_tokens):
+    cache = models.PagedKVCache(dense_model.config, num_blocks=5, block_size=4)
+    cache.add("p")
+    dense_model(make_tokens(9, 1, 6), cache=cache.batch(["p"]))
+    cache.fork("p", "q")
+    assert cache.length("q") == 6 and cache.num_free_blocks == 1
+    assert torch.equal(cache.k[:, cache.block_tables["q"]], cache.k[:, cache.block_tables["p"]])
+    with pytest.raises(ValueError, match="already in the cache"):
+        cache.fork("p", "q")
+    with pytest.raises(ValueError, match="fork needs 2 blocks, 1 free"):
+        cache.fork("p", "r")
+    with pytest.raises(ValueError, match="unknown sequence"):
+        cache.fork("zzz", "r")

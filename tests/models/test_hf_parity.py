@@ -160,3 +160,28 @@ def test_own_round_trip_is_bitwise(request, fixture, tmp_path, make_tokens):
     tokens = make_tokens(14, 2, 19)
     with torch.no_grad():
         assert_bitwise_equal(loaded(tokens), model(tokens), "logits after round trip")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+def test_parity_against_hf_eager_attention_top3(family, tmp_path, make_tokens):
+    """HF's eager attention (explicit softmax) and top-3 routing (HF sums experts in index order,
+    we in rank order): other rounding, same model within float32 tolerance."""
+    common = {**COMMON, "intermediate_size": 96}
+    if family == "qwen3":
+        cls, config = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**common)
+    elif family == "llama":
+        cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    else:
+        cls = transformers.Qwen3MoeForCausalLM
+        config = transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=3, norm_topk_prob=True
+        )
+    config._attn_implementation = "eager"
+    hf_model = _hf_model(cls, config)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    hf_model.save_pretrained(tmp_path)
+    diff = _compare(hf_model, models.from_pretrained(tmp_path).eval(), make_tokens(15, 3, 64, vocab=128))
+    print(f"{family} vs HF eager attention: max abs logit diff {diff:.3e}")

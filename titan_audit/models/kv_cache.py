@@ -19,7 +19,7 @@ Guarantees:
 buffers; `cache.rows([i, ...])` is a view over some rows (prefill sequences one at a time, then
 decode them together). `PagedKVCache(config, num_blocks, block_size)` holds fixed-size blocks that
 sequences (any hashable id) take from a free list as they grow, as a continuous-batching generator
-needs: `add(seq)`, `batch([seq, ...]).begin(T)`, `release(seq)`.
+needs: `add(seq)`, `batch([seq, ...]).begin(T)`, `fork(seq, new_seq)`, `release(seq)`.
 """
 
 from __future__ import annotations
@@ -150,6 +150,29 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq!r} is already in the cache")
         self.block_tables[seq] = []
         self.lengths[seq] = 0
+
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """Start sequence `dst` as a copy of `src`'s cached tokens (e.g. n samples of one prompt).
+
+        The blocks are copied (no sharing, so later writes of either sequence never touch the
+        other); the copy is exact, so `dst` decodes bitwise as `src` would.
+        """
+        self._check(src)
+        if dst in self.lengths:
+            raise ValueError(f"sequence {dst!r} is already in the cache")
+        blocks = self.block_tables[src]
+        if len(blocks) > len(self._free):
+            raise ValueError(
+                f"paged KV cache full: fork needs {len(blocks)} blocks, {len(self._free)} free"
+            )
+        copies = [heapq.heappop(self._free) for _ in blocks]
+        if blocks:
+            source = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+            target = torch.tensor(copies, dtype=torch.long, device=self.k.device)
+            self.k[:, target] = self.k[:, source]
+            self.v[:, target] = self.v[:, source]
+        self.block_tables[dst] = copies
+        self.lengths[dst] = self.lengths[src]
 
     def release(self, seq: Hashable) -> None:
         """Drop sequence `seq` and return its blocks to the free list."""
