@@ -28,11 +28,11 @@ import fnmatch
 import json
 import math
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
@@ -44,15 +44,8 @@ from titan_audit.audit.tensor_diff import tensor_diff
 Key = tuple[int, str, int, str]
 _VALUE_COLUMNS = ("hash", "dtype", "shape", "absmax", "mean", "rank", "seq")
 EXAMPLES = 20
-
-
-@dataclass
-class _Side:
-    """One run's records: key -> row (first occurrence), plus keys recorded with several hashes."""
-
-    rows: dict[Key, dict[str, Any]]
-    conflicts: dict[Key, list[str]]
-    total: int
+# which kind names a key that is several: a conflict explains a hash difference, not the reverse
+_KIND_PRIORITY = ("conflict_in_a", "conflict_in_b", "differing", "only_in_a", "only_in_b")
 
 
 @dataclass
@@ -114,37 +107,51 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
-def _load(run_dir: Path, phase: str | None, names: str | None) -> _Side:
+def _load(run_dir: Path, phase: str | None, names: str | None) -> pa.Table:
     expr = None if phase is None else ds.field("phase") == phase
     table = read_audit_log(run_dir, columns=list(KEY + _VALUE_COLUMNS), filter=expr)
     if names is not None:
         unique = pc.unique(table["name"]).to_pylist()
-        keep = [n for n in unique if fnmatch.fnmatchcase(n, names)]
-        table = table.filter(pc.is_in(table["name"], value_set=_string_array(keep)))
-    cols = table.to_pydict()
-    rows: dict[Key, dict[str, Any]] = {}
-    conflicts: dict[Key, list[str]] = {}
-    for i in range(table.num_rows):
-        key = (cols["step"][i], cols["phase"][i], cols["microbatch"][i], cols["name"][i])
-        row = rows.get(key)
-        if row is None:
-            rows[key] = {c: cols[c][i] for c in _VALUE_COLUMNS}
-        elif row["hash"] != cols["hash"][i]:
-            seen = conflicts.setdefault(key, [row["hash"]])
-            if cols["hash"][i] not in seen:
-                seen.append(cols["hash"][i])
-    return _Side(rows, conflicts, table.num_rows)
+        keep = pa.array([n for n in unique if fnmatch.fnmatchcase(n, names)], type=pa.string())
+        table = table.filter(pc.is_in(table["name"], value_set=keep))
+    return table
 
 
-def _string_array(values: list[str]):
-    import pyarrow as pa
+def _dedup(table: pa.Table) -> pa.Table:
+    """One row per key. Repeats with the same hash collapse; `n_hashes` > 1 marks a conflict
+    (the row's values are then those of the smallest hash; the hashes are listed separately)."""
+    keys = table.group_by(list(KEY)).aggregate([])
+    if keys.num_rows == table.num_rows:  # the usual case: every key once, nothing to collapse
+        return table.append_column("n_hashes", pa.array([1] * table.num_rows, type=pa.int64()))
+    grouped = table.group_by(list(KEY), use_threads=False).aggregate(
+        [("hash", "min"), ("hash", "count_distinct")] + [(c, "min") for c in _VALUE_COLUMNS if c != "hash"]
+    )
+    renamed = {f"{c}_min": c for c in _VALUE_COLUMNS} | {"hash_count_distinct": "n_hashes"}
+    return grouped.rename_columns([renamed.get(n, n) for n in grouped.column_names])
 
-    return pa.array(values, type=pa.string())
+
+def _conflicting_hashes(table: pa.Table, key: Key) -> list[str]:
+    mask = None
+    for column, value in zip(KEY, key):
+        term = pc.equal(table[column], value)
+        mask = term if mask is None else pc.and_(mask, term)
+    return list(dict.fromkeys(table.filter(mask)["hash"].to_pylist()))
 
 
-def _order(key: Key, seq: int) -> tuple:
-    step, phase, microbatch, name = key
-    return (step, PHASE_RANK.get(phase, len(PHASES)), phase, microbatch, seq, name)
+def _side_row(row: dict[str, Any], suffix: str) -> dict[str, Any] | None:
+    if row[f"hash{suffix}"] is None:
+        return None
+    return {c: row[f"{c}{suffix}"] for c in _VALUE_COLUMNS}
+
+
+def _sorted(table: pa.Table) -> pa.Table:
+    """Rows in execution order: step, phase order, microbatch, seq (then name, for ties)."""
+    rank = pc.fill_null(pc.index_in(table["phase"], value_set=pa.array(PHASES)), len(PHASES))
+    seq = pc.coalesce(table["seq_a"], table["seq_b"])
+    table = table.append_column("_phase_rank", rank).append_column("_seq", seq)
+    order = [("step", "ascending"), ("_phase_rank", "ascending"), ("phase", "ascending"),
+             ("microbatch", "ascending"), ("_seq", "ascending"), ("name", "ascending")]  # fmt: skip
+    return table.sort_by(order)
 
 
 def _key_dict(key: Key) -> dict[str, Any]:
@@ -200,68 +207,73 @@ def compare_runs(
     if phase is not None:
         check_phase(phase)
     warnings, note = fingerprint_check(run_a, run_b)
-    a, b = _load(run_a, phase, names), _load(run_b, phase, names)
+    raw_a, raw_b = _load(run_a, phase, names), _load(run_b, phase, names)
+    joined = _dedup(raw_a).join(
+        _dedup(raw_b), keys=list(KEY), join_type="full outer", left_suffix="_a", right_suffix="_b"
+    )
+    in_a, in_b = pc.is_valid(joined["hash_a"]), pc.is_valid(joined["hash_b"])
+    both = pc.and_(in_a, in_b)
+    differ = pc.fill_null(pc.and_(both, pc.not_equal(joined["hash_a"], joined["hash_b"])), False)
+    only_a, only_b = pc.and_(in_a, pc.invert(in_b)), pc.and_(in_b, pc.invert(in_a))
+    conflict_a = pc.fill_null(pc.greater(joined["n_hashes_a"], 1), False)
+    conflict_b = pc.fill_null(pc.greater(joined["n_hashes_b"], 1), False)
+    flags = {"compared": both, "differing": differ, "only_in_a": only_a, "only_in_b": only_b,
+             "conflict_in_a": conflict_a, "conflict_in_b": conflict_b}  # fmt: skip
+    for name, flag in flags.items():
+        joined = joined.append_column(f"_{name}", pc.cast(flag, pa.int64()))
+    counts = {name: int(pc.sum(joined[f"_{name}"]).as_py() or 0) for name in flags}
 
-    events: list[tuple[tuple, str, Key]] = []
-    compared = differing = 0
-    per_step: dict[int, dict[str, int]] = defaultdict(lambda: {"compared": 0, "differing": 0, "only_in_a": 0, "only_in_b": 0})
-    for key, row_a in a.rows.items():
-        row_b = b.rows.get(key)
-        if row_b is None:
-            events.append((_order(key, row_a["seq"]), "only_in_a", key))
-            per_step[key[0]]["only_in_a"] += 1
-            continue
-        compared += 1
-        per_step[key[0]]["compared"] += 1
-        if row_a["hash"] != row_b["hash"]:
-            differing += 1
-            per_step[key[0]]["differing"] += 1
-            events.append((_order(key, row_a["seq"]), "hash", key))
-    only_b = [key for key in b.rows if key not in a.rows]
-    for key in only_b:
-        events.append((_order(key, b.rows[key]["seq"]), "only_in_b", key))
-        per_step[key[0]]["only_in_b"] += 1
-    for side, label in ((a, "conflict_in_a"), (b, "conflict_in_b")):
-        for key in side.conflicts:
-            events.append((_order(key, side.rows[key]["seq"]), label, key))
-    events.sort(key=lambda e: e[0])
-
+    event = pc.or_(pc.or_(pc.or_(differ, only_a), pc.or_(only_b, conflict_a)), conflict_b)
+    events = _sorted(joined.filter(event))
     first = None
     spread: list[dict[str, int]] = []
-    if events:
-        _, kind, key = events[0]
-        first = _describe(kind, key, a, b, run_a, run_b, with_dumps)
-        spread = [{"step": step, **counts} for step, counts in sorted(per_step.items()) if step >= key[0]]
-    only_a_keys = sorted((k for k in a.rows if k not in b.rows), key=lambda k: _order(k, a.rows[k]["seq"]))
-    only_b_keys = sorted(only_b, key=lambda k: _order(k, b.rows[k]["seq"]))
+    if events.num_rows:
+        row = events.slice(0, 1).to_pylist()[0]
+        kind = next(k for k in _KIND_PRIORITY if row[f"_{k}"])
+        kind = "hash" if kind == "differing" else kind
+        first = _describe(kind, row, raw_a, raw_b, run_a, run_b, with_dumps)
+        later = joined.filter(pc.greater_equal(joined["step"], row["step"]))
+        per_step = later.group_by("step").aggregate([(f"_{n}", "sum") for n in ("compared", "differing", "only_in_a", "only_in_b")])
+        spread = sorted(
+            ({"step": r["step"], **{n: r[f"_{n}_sum"] for n in ("compared", "differing", "only_in_a", "only_in_b")}}
+             for r in per_step.to_pylist()),
+            key=lambda r: r["step"],
+        )  # fmt: skip
+    examples = {}
+    for side, flag in (("a", only_a), ("b", only_b)):
+        rows = _sorted(joined.filter(flag)).slice(0, EXAMPLES).select(list(KEY)).to_pylist()
+        examples[side] = rows
     return CompareResult(
         run_a=str(run_a),
         run_b=str(run_b),
         filters={"phase": phase, "names": names},
-        records_a=a.total,
-        records_b=b.total,
-        compared=compared,
-        differing=differing,
-        only_in_a=len(only_a_keys),
-        only_in_b=len(only_b_keys),
-        conflicts_a=len(a.conflicts),
-        conflicts_b=len(b.conflicts),
+        records_a=raw_a.num_rows,
+        records_b=raw_b.num_rows,
+        compared=counts["compared"],
+        differing=counts["differing"],
+        only_in_a=counts["only_in_a"],
+        only_in_b=counts["only_in_b"],
+        conflicts_a=counts["conflict_in_a"],
+        conflicts_b=counts["conflict_in_b"],
         first_divergence=first,
         spread=spread,
-        only_in_a_examples=[_key_dict(k) for k in only_a_keys[:EXAMPLES]],
-        only_in_b_examples=[_key_dict(k) for k in only_b_keys[:EXAMPLES]],
+        only_in_a_examples=examples["a"],
+        only_in_b_examples=examples["b"],
         fingerprint_warnings=warnings,
         fingerprint_note=note,
     )
 
 
-def _describe(kind: str, key: Key, a: _Side, b: _Side, run_a: Path, run_b: Path, with_dumps: bool) -> dict[str, Any]:
+def _describe(
+    kind: str, row: dict[str, Any], raw_a: pa.Table, raw_b: pa.Table, run_a: Path, run_b: Path, with_dumps: bool
+) -> dict[str, Any]:
+    key: Key = tuple(row[c] for c in KEY)  # type: ignore[assignment]
     out: dict[str, Any] = {"kind": kind, **_key_dict(key)}
-    for label, side in (("a", a), ("b", b)):
-        row = side.rows.get(key)
-        out[label] = None if row is None else {c: row[c] for c in _VALUE_COLUMNS}
-        if row is not None and key in side.conflicts:
-            out[label]["conflicting_hashes"] = side.conflicts[key]
+    for label, raw in (("a", raw_a), ("b", raw_b)):
+        side = _side_row(row, f"_{label}")
+        if side is not None and (row[f"n_hashes_{label}"] or 0) > 1:
+            side["conflicting_hashes"] = _conflicting_hashes(raw, key)
+        out[label] = side
     out["dump_diff"] = None
     if with_dumps and kind == "hash" and has_dump(run_a, *key) and has_dump(run_b, *key):
         ta, tb = read_dump(run_a, *key), read_dump(run_b, *key)
