@@ -41,23 +41,26 @@ def test_activation_checkpointing_is_bitwise(request, make_tokens, name, bi):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense_model", "moe_shared_model"])
 @torch.no_grad()
-def test_compile_in_bi_mode_is_bitwise_eager(dense_model, make_tokens):
+def test_compile_in_bi_mode_is_bitwise_eager(request, make_tokens, name):
     """One layer keeps the compile time down (each block compiles separately, ~20 s on 2 cores)."""
-    dense_model = models.build(dense_model.config.replace(num_hidden_layers=1), seed=5).eval()
+    config = request.getfixturevalue(name).config
+    config = config.replace(num_hidden_layers=1, mlp_only_layers=())
+    model = models.build(config, seed=5).eval()
     tokens = make_tokens(22, 2, 24)
     with enabled():
-        eager_full = dense_model(tokens)
-        cache = models.ContiguousKVCache(dense_model.config, 2, 32)
-        eager_decode = [dense_model(tokens[:, :20], cache=cache), dense_model(tokens[:, 20:21], cache=cache)]
+        eager_full = model(tokens)
+        cache = models.ContiguousKVCache(model.config, 2, 32)
+        eager_decode = [model(tokens[:, :20], cache=cache), model(tokens[:, 20:21], cache=cache)]
         try:
-            dense_model.set_compile(True)
-            assert dense_model.compile_is_bitwise()
-            compiled_full = dense_model(tokens)
-            cache = models.ContiguousKVCache(dense_model.config, 2, 32)
-            compiled_decode = [dense_model(tokens[:, :20], cache=cache), dense_model(tokens[:, 20:21], cache=cache)]
+            model.set_compile(True)
+            assert model.compile_is_bitwise()
+            compiled_full = model(tokens)
+            cache = models.ContiguousKVCache(model.config, 2, 32)
+            compiled_decode = [model(tokens[:, :20], cache=cache), model(tokens[:, 20:21], cache=cache)]
         finally:
-            dense_model.set_compile(False)
+            model.set_compile(False)
     assert_bitwise_equal(compiled_full, eager_full, "compiled vs eager full forward")
     for compiled, eager in zip(compiled_decode, eager_decode, strict=True):
         assert_bitwise_equal(compiled, eager, "compiled vs eager prefill/decode")
