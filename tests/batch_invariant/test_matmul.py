@@ -150,3 +150,27 @@ def test_bad_input_names_argument_and_shape() -> None:
         bi.mm(torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="floating"):
         bi.matmul(torch.ones(3, 4, dtype=torch.long), torch.ones(4, 2, dtype=torch.long))
+
+
+@settings(max_examples=200)
+@given(data=st.data())
+def test_layout_facts_the_attention_kernel_relies_on(data: st.DataObject) -> None:
+    """Two measured MKL facts: (1) the row stride of A (lda) does not change bits, so strided row
+    views skip a copy; (2) a chunk of output columns (64-aligned) has the same bits whatever
+    other columns are computed with it, so attention scores for a group of key chunks come from
+    one gemm. Controls: none possible for a property that holds; (2)'s contrast is that the
+    reduction dim is never split this way (p @ v stays one gemm per chunk)."""
+    nb = data.draw(st.integers(1, 8), label="B")
+    m = data.draw(st.sampled_from([1, 3, 4, 8, 12, 64, 128]), label="M")
+    k = data.draw(st.sampled_from([4, 8, 16, 64, 100, 128]), label="K")
+    chunks = data.draw(st.integers(1, 12), label="chunks")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    wide = randn(nb, m, 3 * k, seed=seed)
+    a = wide[:, :, k : 2 * k]
+    keys = randn(nb, chunks * 64, k, seed=seed + 1)
+    full = bi.bmm(a, keys.transpose(1, 2))
+    assert_bitwise_equal(full, bi.bmm(a.contiguous(), keys.transpose(1, 2)), "strided rows")
+    c0 = data.draw(st.integers(0, chunks - 1), label="c0")
+    n = data.draw(st.integers(1, chunks - c0), label="n")
+    part = bi.bmm(a, keys[:, c0 * 64 : (c0 + n) * 64].transpose(1, 2))
+    assert_bitwise_equal(part, full[:, :, c0 * 64 : (c0 + n) * 64], "column chunks")

@@ -35,6 +35,8 @@ from titan_audit.batch_invariant.cpu.matmul import bmm
 from titan_audit.batch_invariant.cpu.reductions import tree_sum
 
 KEY_CHUNK = 64
+QUERY_BLOCK = 128
+CHUNK_GROUP = 8
 
 
 def _chunks(num_keys: int) -> int:
@@ -77,30 +79,39 @@ class _Masker:
             return 0
         return int(torch.searchsorted(self.reach, start))
 
-    def visible(self, r0: int, start: int) -> torch.Tensor:
-        """bool [B, Tq - r0, C]: may query row r0+i see key start+j."""
-        keys = torch.arange(start, start + KEY_CHUNK)
-        pos = self.q_positions[:, r0:, None]
-        vis = (keys < self.num_keys).expand(pos.shape[0], pos.shape[1], KEY_CHUNK)
+    def key_limit(self, r0: int, r1: int) -> int:
+        """Keys at or past this are invisible to rows [r0, r1) (causal), or past the cache."""
+        if not self.causal or r1 <= r0:
+            return self.num_keys
+        return min(self.num_keys, int(self.q_positions[:, r0:r1].max()) + 1)
+
+    def visible(self, r0: int, r1: int, start: int, n: int = 1) -> torch.Tensor:
+        """bool [B, r1 - r0, n*C]: may query row r0+i see key start+j."""
+        width = n * KEY_CHUNK
+        keys = torch.arange(start, start + width)
+        pos = self.q_positions[:, r0:r1, None]
+        vis = (keys < self.num_keys).expand(pos.shape[0], pos.shape[1], width)
         if self.causal:
             vis = vis & (keys <= pos)
         if self.doc_ids is not None:
-            stop = min(start + KEY_CHUNK, self.num_keys)
-            docs = torch.full((pos.shape[0], KEY_CHUNK), -1, dtype=torch.long)
+            stop = min(start + width, self.num_keys)
+            docs = torch.full((pos.shape[0], width), -1, dtype=torch.long)
             docs[:, : stop - start] = self.doc_ids[:, start:stop]
-            vis = vis & (docs[:, None, :] == self.q_doc[:, r0:, None]) & (docs[:, None, :] >= 0)
+            vis = vis & (docs[:, None, :] == self.q_doc[:, r0:r1, None]) & (docs[:, None, :] >= 0)
         return vis
 
-    def visible_heads(self, r0: int, start: int, hkv: int, groups: int) -> torch.Tensor:
-        """bool broadcastable to [B, Hkv, G, Tq - r0, C]."""
-        vis = self.visible(r0, start)[:, None, None]
+    def visible_heads(self, r0: int, r1: int, start: int, n: int, hkv: int, groups: int) -> torch.Tensor:
+        """bool broadcastable to [B, Hkv, G, r1 - r0, n, C] (n chunks from key `start`)."""
+        b, rows = self.q_positions.shape[0], r1 - r0
+        vis = self.visible(r0, r1, start, n).view(b, 1, 1, rows, n, KEY_CHUNK)
         if self.extra_mask is not None:
-            stop = min(start + KEY_CHUNK, self.num_keys)
-            m = self.extra_mask[:, :, r0:, start:stop]
-            full = torch.zeros((*m.shape[:3], KEY_CHUNK), dtype=torch.bool)
+            width = n * KEY_CHUNK
+            stop = min(start + width, self.num_keys)
+            m = self.extra_mask[:, :, r0:r1, start:stop]
+            full = torch.zeros((*m.shape[:3], width), dtype=torch.bool)
             full[..., : stop - start] = m
-            b, h = full.shape[:2]
-            full = full.reshape(b, hkv if h != 1 else 1, groups if h != 1 else 1, *full.shape[2:])
+            mb, mh = full.shape[:2]
+            full = full.view(mb, hkv if mh != 1 else 1, groups if mh != 1 else 1, rows, n, KEY_CHUNK)
             vis = vis & full
         return vis
 
@@ -109,6 +120,28 @@ def _rows(x: torch.Tensor, r0: int) -> torch.Tensor:
     """[B, Hkv, G, Tq, X] -> [B*Hkv, G*(Tq-r0), X]: the gemm rows of one kv head."""
     b, hkv, g, _, width = x.shape
     return x[:, :, :, r0:].reshape(b * hkv, -1, width)
+
+
+def _keys(x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Keys [start, start + count) of [B, H, Tk, D] as [B*H, count, D]: a view when they are all
+    in the cache, else a zero-padded copy (so every chunk has its full length C)."""
+    b, h, tk, d = x.shape
+    stop = min(start + count, tk)
+    if stop - start == count:
+        return x[:, :, start:stop].reshape(b * h, count, d)
+    out = x.new_zeros((b, h, count, d))
+    out[:, :, : stop - start] = x[:, :, start:stop]
+    return out.reshape(b * h, count, d)
+
+
+def _apply_mask(s: torch.Tensor, hidden: torch.Tensor) -> None:
+    """s = -inf where `hidden` (broadcastable, rows on dim -2) is True, in place, touching only
+    the leading rows that have such keys (a row with every key visible is unchanged anyway)."""
+    rows = hidden.reshape(-1, *hidden.shape[-2:]).any(dim=-1).any(dim=0)
+    if not bool(rows.any()):
+        return
+    last = int(rows.nonzero().max()) + 1
+    s[..., :last, :].masked_fill_(hidden[..., :last, :], float("-inf"))
 
 
 def attention_forward(
@@ -121,43 +154,55 @@ def attention_forward(
     doc_ids: torch.Tensor | None,
     extra_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Hq, Tq, D] float32, lse [B, Hq, Tq] float32; -inf where no key is visible)."""
+    """(out [B, Hq, Tq, D] float32, lse [B, Hq, Tq] float32; -inf where no key is visible).
+
+    Loop structure (speed only; the arithmetic per row and chunk is the one in the module
+    docstring): query rows in blocks of QUERY_BLOCK so a block's scores stay in cache; chunks
+    in groups of CHUNK_GROUP so the gemms, max and exp of a group run as one batched op; the
+    running max of a group's chunks is a cumulative max (exact, so equal to the chunk-by-chunk
+    maximum); only the rescale-and-add recurrence walks the chunks one by one, ascending.
+    """
     batch, hq, tq, dim = q.shape
     hkv, tk, dim_v = k.shape[1], k.shape[2], v.shape[3]
-    groups = hq // hkv
-    nchunks = _chunks(tk)
+    groups, bh = hq // hkv, batch * hkv
     masker = _Masker(q_positions, tk, causal, doc_ids, extra_mask)
     qs = (q.float() * scale).reshape(batch, hkv, groups, tq, dim)
-    k = _pad_keys(k.float(), nchunks * KEY_CHUNK)
-    v_aug = torch.ones((batch, hkv, nchunks * KEY_CHUNK, dim_v + 1))
-    v_aug[:, :, :tk, :dim_v] = v
-    v_aug[:, :, tk:, :dim_v] = 0.0
-    if doc_ids is not None:
-        v_aug[:, :, :tk, :dim_v].masked_fill_((doc_ids < 0)[:, None, :, None], 0.0)
-    m = torch.full((batch, hkv, groups, tq), float("-inf"))
-    acc = torch.zeros((batch, hkv, groups, tq, dim_v + 1))
-    for c in range(nchunks):
-        start = c * KEY_CHUNK
-        r0 = masker.first_row(start)
-        if r0 >= tq:
-            break
-        rows = tq - r0
-        k_c = k[:, :, start : start + KEY_CHUNK].reshape(batch * hkv, KEY_CHUNK, dim)
-        s = bmm(_rows(qs, r0), k_c.transpose(1, 2)).view(batch, hkv, groups, rows, KEY_CHUNK)
-        s = s.masked_fill(~masker.visible_heads(r0, start, hkv, groups), float("-inf"))
-        m_old = m[:, :, :, r0:]
-        m_new = torch.maximum(m_old, s.amax(dim=-1)) + 0.0
-        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-        p = torch.exp(s - m_safe.unsqueeze(-1))
-        alpha = torch.exp(m_old - m_safe)
-        v_c = v_aug[:, :, start : start + KEY_CHUNK].reshape(batch * hkv, KEY_CHUNK, dim_v + 1)
-        pv = bmm(p.reshape(batch * hkv, groups * rows, KEY_CHUNK), v_c)
-        acc_rows = acc[:, :, :, r0:]
-        acc_rows.mul_(alpha.unsqueeze(-1)).add_(pv.view(batch, hkv, groups, rows, dim_v + 1))
-        m_old.copy_(m_new)
-    denom = acc[..., dim_v:]
-    out = torch.where(denom > 0, acc[..., :dim_v] / denom, 0.0) + 0.0
-    lse = torch.where(denom[..., 0] > 0, m + torch.log(denom[..., 0]), float("-inf"))
+    k, v = k.float(), v.float()
+    if doc_ids is not None:  # padding keys may hold anything (NaN); they meet an exact zero p
+        v = v.masked_fill((doc_ids < 0)[:, None, :, None], 0.0)
+    out = torch.empty((batch, hkv, groups, tq, dim_v))
+    lse = torch.empty((batch, hkv, groups, tq))
+    for r0 in range(0, tq, QUERY_BLOCK):
+        r1 = min(r0 + QUERY_BLOCK, tq)
+        rows = r1 - r0
+        q_rows = qs[:, :, :, r0:r1].reshape(bh, groups * rows, dim)
+        m = torch.full((batch, hkv, groups, rows), float("-inf"))
+        l = torch.zeros((batch, hkv, groups, rows))  # noqa: E741
+        acc = torch.zeros((batch, hkv, groups, rows, dim_v))
+        nchunks = _chunks(masker.key_limit(r0, r1))
+        for c0 in range(0, nchunks, CHUNK_GROUP):
+            n = min(CHUNK_GROUP, nchunks - c0)
+            start = c0 * KEY_CHUNK
+            # One gemm for the group's n*C keys: an output column's bits do not depend on the
+            # other columns (tests/batch_invariant/test_matmul.py: column chunks).
+            s = bmm(q_rows, _keys(k, start, n * KEY_CHUNK).transpose(1, 2))
+            s = s.view(batch, hkv, groups, rows, n, KEY_CHUNK)
+            _apply_mask(s, ~masker.visible_heads(r0, r1, start, n, hkv, groups))
+            m_all = torch.cummax(torch.cat([m.unsqueeze(-1), s.amax(dim=-1)], dim=-1), dim=-1).values + 0.0
+            m_safe = torch.where(m_all == float("-inf"), 0.0, m_all)
+            alpha = torch.exp(m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
+            p = s.sub_(m_safe[..., 1:].unsqueeze(-1)).exp_()
+            l_c = tree_sum(p)
+            for c in range(n):
+                p_c = p[:, :, :, :, c].reshape(bh, groups * rows, KEY_CHUNK)
+                pv = bmm(p_c, _keys(v, start + c * KEY_CHUNK, KEY_CHUNK)).view(batch, hkv, groups, rows, dim_v)
+                a = alpha[..., c]
+                l.mul_(a).add_(l_c[..., c])
+                acc.mul_(a.unsqueeze(-1)).add_(pv)
+            m = m_all[..., -1]
+        l_col = l.unsqueeze(-1)
+        out[:, :, :, r0:r1] = torch.where(l_col > 0, acc / l_col, 0.0) + 0.0
+        lse[:, :, :, r0:r1] = torch.where(l > 0, m + torch.log(l), float("-inf"))
     return out.reshape(batch, hq, tq, dim_v), lse.reshape(batch, hq, tq)
 
 
@@ -204,7 +249,7 @@ def attention_backward(
         q_rows = _rows(qs, r0)
         g_rows = _rows(g, r0)
         s = bmm(q_rows, k_c.transpose(1, 2)).view(batch, hkv, groups, rows, KEY_CHUNK)
-        s = s.masked_fill(~masker.visible_heads(r0, start, hkv, groups), float("-inf"))
+        s = s.masked_fill(~masker.visible_heads(r0, tq, start, 1, hkv, groups)[..., 0, :], float("-inf"))
         p = torch.exp(s - lse_safe[:, :, :, r0:, None])
         dp = bmm(g_rows, v_c.transpose(1, 2)).view(batch, hkv, groups, rows, KEY_CHUNK)
         ds = (p * (dp - delta[:, :, :, r0:, None])).reshape(batch * hkv, groups * rows, KEY_CHUNK)

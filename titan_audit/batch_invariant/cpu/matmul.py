@@ -14,7 +14,8 @@ So the kernels fix the family by padding, never by the batch: the row count is p
 rows up to a multiple of `ROW_MULTIPLE` (4), at least 4, and for `bmm` at least enough rows that
 K * M * N >= `BMM_MIN_WORK`; the column count is padded with zero columns to at least `MIN_COLS`
 (16). Zero rows and columns are separate outputs and are sliced away, so they change no bit of
-the real rows. A is made contiguous so the layout handed to MKL is the same for one row or many.
+the real rows. A is handed to MKL row-major (unit inner stride; copied if not): its row stride
+(lda) was measured not to change any bit, so a strided view of rows needs no copy.
 The gemm itself runs through the `out=` overloads (`aten::mm.out`, `aten::bmm.out`), which the
 override mode leaves native, so these kernels never re-enter the mode.
 
@@ -71,9 +72,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor, *, _batched: bool = True) -> torch.Ten
     m_pad = padded_rows(m, k, n_pad, batched=_batched)
     a = a.to(dtype)
     b = b.to(dtype)
-    if m_pad != m or not a.is_contiguous():
-        padded = a.new_zeros((batch, m_pad, k))
+    if m_pad != m or a.stride(-1) != 1 or (m > 1 and a.stride(-2) < k):
+        padded = a.new_empty((batch, m_pad, k))
         padded[:, :m] = a
+        padded[:, m:] = 0.0
         a = padded
     if n_pad != n:
         padded = b.new_zeros((batch, k, n_pad))
