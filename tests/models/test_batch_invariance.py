@@ -5,7 +5,11 @@
 - a sequence's logits are the same alone or in a batch with other sequences of other lengths
   (right-padded with doc_ids = -1, or decoded together from a paged cache);
 - a packed document's logits are the same as running it alone;
-- token_logprobs of a row do not depend on the other rows.
+- token_logprobs of a row do not depend on the other rows;
+- bfloat16 weights and cache keep all of the above (paged decode == full forward);
+- forked sequences (n samples of one prompt) decode as if alone;
+- the G4 flow at model level: log-probs reported during paged greedy decode equal the trainer's
+  recomputation from a packed batch.
 
 Each property has a negative control showing the same comparison differs here without BI mode
 (or, for packing, with attention over absolute packed positions), so the checks can fail.
