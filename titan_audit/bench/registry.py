@@ -8,6 +8,7 @@ from titan_audit.bench.audit_suite import audit_suite
 from titan_audit.bench.core import BenchOptions, Case
 from titan_audit.bench.data_suite import data_suite
 from titan_audit.bench.hash_suite import hash_suite
+from titan_audit.bench.ops_suite import ops_suite
 from titan_audit.bench.reduce_suite import reduce_suite
 
 Suite = Callable[[BenchOptions, Callable[[str], None]], list[Case]]
@@ -16,5 +17,6 @@ SUITES: dict[str, Suite] = {
     "audit": audit_suite,
     "data": data_suite,
     "hash": hash_suite,
+    "ops": ops_suite,
     "reduce": reduce_suite,
 }
