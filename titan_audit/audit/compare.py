@@ -233,9 +233,10 @@ def compare_runs(
         kind = "hash" if kind == "differing" else kind
         first = _describe(kind, row, raw_a, raw_b, run_a, run_b, with_dumps)
         later = joined.filter(pc.greater_equal(joined["step"], row["step"]))
-        per_step = later.group_by("step").aggregate([(f"_{n}", "sum") for n in ("compared", "differing", "only_in_a", "only_in_b")])
+        counted = ("compared", "differing", "only_in_a", "only_in_b")
+        per_step = later.group_by("step").aggregate([(f"_{n}", "sum") for n in counted])
         spread = sorted(
-            ({"step": r["step"], **{n: r[f"_{n}_sum"] for n in ("compared", "differing", "only_in_a", "only_in_b")}}
+            ({"step": r["step"], **{n: r[f"_{n}_sum"] for n in counted}}
              for r in per_step.to_pylist()),
             key=lambda r: r["step"],
         )  # fmt: skip

@@ -77,6 +77,38 @@ def oplog_path(run_dir: str | os.PathLike, label: str) -> Path:
     return Path(run_dir) / OPLOG_DIR / f"{label}.parquet"
 
 
+RERUN_UNAVAILABLE = (
+    "re-running step {step} of both runs from their checkpoints under DebugMode needs the trainer, "
+    "which is not available yet; record op logs with titan_audit.audit.record_op_log(fn, RUN, 'step_{step}') "
+    "and compare those"
+)
+
+
+def find_op_log(target: str | os.PathLike, label: str | None = None, step: int | None = None) -> Path:
+    """The op log meant by `target`: the file itself, or RUN/oplogs/<label>.parquet of a run
+    (label defaults to `step_<step>`, else to the run's only op log); ValueError otherwise."""
+    target = Path(target)
+    if target.is_file():
+        return target
+    if not target.is_dir():
+        raise ValueError(f"{target}: no such op log or run directory")
+    if label is None and step is not None:
+        label = f"step_{step}"
+    if label is not None:
+        path = oplog_path(target, label)
+        if path.is_file():
+            return path
+        if step is not None:
+            raise ValueError(f"{path}: no recorded op log; " + RERUN_UNAVAILABLE.format(step=step))
+        raise ValueError(f"{path}: no such op log")
+    logs = sorted((target / OPLOG_DIR).glob("*.parquet"))
+    if len(logs) == 1:
+        return logs[0]
+    if not logs:
+        raise ValueError(f"{target}: no op logs ({OPLOG_DIR}/*.parquet not found); pass op-log files or --step")
+    raise ValueError(f"{target}: several op logs ({', '.join(p.stem for p in logs)}); choose one with --log NAME")
+
+
 def record_op_log(fn: Callable[[], Any], run_dir: str | os.PathLike, label: str) -> tuple[Any, Path]:
     """Run `fn()` under DebugMode with xxh3 op hashing; save the log to RUN/oplogs/<label>.parquet."""
     from torch.utils._debug_mode import DebugMode, _OpCall

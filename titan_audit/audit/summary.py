@@ -26,7 +26,9 @@ import torch
 from titan_audit.audit.fingerprint import fingerprint
 
 _NUMPY_MINMAX = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
-_FLOAT_SUM_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: torch.float32}
+_FLOAT_SUM_DTYPE = {
+    torch.float64: torch.float64, torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: torch.float32,
+}
 
 
 class Summary(NamedTuple):
@@ -95,7 +97,8 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 def summarize(tensor: torch.Tensor, *, with_stats: bool = True) -> Summary:
     """dtype, shape, fingerprint and (optionally) absmax/mean of the logical tensor."""
-    if type(tensor) in _PLAIN_TYPES and tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+    plain_layout = tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg())
+    if type(tensor) in _PLAIN_TYPES and plain_layout:
         plain = tensor.detach()  # fast path: read in place
     else:
         plain = plain_cpu(tensor)

@@ -13,38 +13,9 @@ from pathlib import Path
 
 import click
 
-from titan_audit.audit.oplog import OPLOG_DIR, compare_op_logs, oplog_path
+from titan_audit.audit.oplog import compare_op_logs, find_op_log
 from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
-
-RERUN_UNAVAILABLE = (
-    "re-running step {step} of both runs from their checkpoints under DebugMode needs the trainer, "
-    "which is not available yet; record op logs with titan_audit.audit.record_op_log(fn, RUN, 'step_{step}') "
-    "and run `titan-audit bisect` on them"
-)
-
-
-def _resolve(target: Path, label: str | None, step: int | None) -> Path:
-    if target.is_file():
-        return target
-    if not target.is_dir():
-        raise ValueError(f"{target}: no such op log or run directory")
-    if label is None and step is not None:
-        label = f"step_{step}"
-    if label is not None:
-        path = oplog_path(target, label)
-        if path.is_file():
-            return path
-        if step is not None:
-            raise ValueError(f"{path}: no recorded op log; " + RERUN_UNAVAILABLE.format(step=step))
-        raise ValueError(f"{path}: no such op log")
-    logs = sorted((target / OPLOG_DIR).glob("*.parquet"))
-    if len(logs) == 1:
-        return logs[0]
-    if not logs:
-        raise ValueError(f"{target}: no op logs ({OPLOG_DIR}/*.parquet not found); pass op-log files or --step")
-    names = ", ".join(p.stem for p in logs)
-    raise ValueError(f"{target}: several op logs ({names}); choose one with --log NAME")
 
 
 @click.command(short_help="Name the first aten op at which two DebugMode op logs differ.")
@@ -55,7 +26,7 @@ def _resolve(target: Path, label: str | None, step: int | None) -> Path:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def bisect(a: Path, b: Path, step: int | None, label: str | None, as_json: bool) -> None:
     """Compare two op logs (files, or run directories holding them); exit 1 if they differ."""
-    result = compare_op_logs(_resolve(a, label, step), _resolve(b, label, step))
+    result = compare_op_logs(find_op_log(a, label, step), find_op_log(b, label, step))
     data = result.to_dict()
     if as_json:
         print_json(data)
