@@ -195,3 +195,45 @@ def test_stats_policy_default_skips_bulk_step_level_phases(tmp_path):
     assert rows["default"]["param"]["hash"] == rows["all"]["param"]["hash"] == rows["none"]["param"]["hash"]
     with pytest.raises(ValueError, match="unknown audit phase"):
         Recorder(tmp_path / "bad", stats=("forwards",))
+
+
+def test_activation_checkpointing_does_not_change_the_log(tmp_path):
+    from torch.utils.checkpoint import checkpoint
+
+    for name, use_checkpoint in (("plain", False), ("ckpt", True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        with Recorder(tmp_path / name, model, level="full") as recorder:
+            recorder.start_step(0)
+            recorder.set_microbatch(0)
+            x = torch.randn(3, 4, requires_grad=True)
+            out = checkpoint(model, x, use_reentrant=False) if use_checkpoint else model(x)
+            out.square().sum().backward()
+    plain, ckpt = _rows(tmp_path / "plain"), _rows(tmp_path / "ckpt")
+    key = lambda r: (r["phase"], r["name"], r["hash"])  # noqa: E731
+    assert sorted(map(key, plain)) == sorted(map(key, ckpt))
+    assert {r["phase"] for r in ckpt} == {"forward", "backward"}
+
+
+def test_record_checkpoint_flushes(tmp_path):
+    recorder = Recorder(tmp_path, level="params")
+    recorder.start_step(4)
+    recorder.record_loss(torch.ones(()))
+    recorder.record_checkpoint({"w": torch.zeros(2)})
+    assert recorder.pending == 0
+    assert read_audit_log(tmp_path).num_rows == 2
+
+
+def test_dumps_only_selected_names_and_steps(tmp_path):
+    from titan_audit.audit import list_dumps, read_dump
+
+    model = nn.Linear(2, 2)
+    with Recorder(tmp_path, model, level="full", dump_names=["<root>", "bias"], dump_steps=[1]) as recorder:
+        for step in range(3):
+            recorder.start_step(step)
+            recorder.set_microbatch(0)
+            model(torch.full((1, 2), float(step)))
+            recorder.record_params()
+    dumped = sorted((d["step"], d["phase"], d["name"]) for d in list_dumps(tmp_path))
+    assert dumped == [(1, "forward", "<root>"), (1, "param", "bias")]
+    assert torch.equal(read_dump(tmp_path, 1, "param", -1, "bias"), model.bias.detach())

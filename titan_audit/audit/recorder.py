@@ -26,7 +26,8 @@ Guarantees:
   (step, microbatch)). A module called k > 0 times before in the same (step, microbatch) records
   as `name@k`, so keys stay unique; an output that is a tuple/dict records one name per tensor
   (`name[0]`, `name['logits']`). A backward record carries the step and microbatch of the
-  forward that produced the tensor.
+  forward that produced the tensor. A forward that runs inside backward (activation-checkpoint
+  recomputation) is not recorded again, so checkpointing does not change the log.
 - Distributed: records with a microbatch >= 0 are written by the rank that processes that
   microbatch. Step-level records (microbatch -1: grad, optim, param, ckpt) are written by rank
   `replicated_rank` only (others skip them at no cost), so a DDP run and a single-process run
@@ -258,9 +259,12 @@ class Recorder:
                     if isinstance(value, torch.Tensor):
                         self._record("optim", f"{pname}.{key}", value, STEP_LEVEL, step)
 
-    def record_checkpoint(self, state: Mapping[str, Any], prefix: str = "") -> None:
-        """Every tensor of a checkpoint's (nested) state dict (phase ckpt, step level)."""
+    def record_checkpoint(self, state: Mapping[str, Any], prefix: str = "", *, flush: bool = True) -> None:
+        """Every tensor of a checkpoint's (nested) state dict (phase ckpt, step level), then (by
+        default) a flush, so a crash after the checkpoint loses no record from before it."""
         self.record_many("ckpt", state, prefix=prefix, microbatch=STEP_LEVEL)
+        if flush:
+            self.flush()
 
     # ----------------------------------------------------------------- internals
     def _active(self, phase: str) -> bool:
@@ -330,6 +334,8 @@ class Recorder:
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             if self._paused or self.step is None:
                 return
+            if torch._C._current_graph_task_id() != -1:
+                return  # a forward run by the autograd engine: activation-checkpoint recomputation
             step, mb = self.step, self.microbatch
             count = self._calls.get((mb, module_name), 0)
             self._calls[(mb, module_name)] = count + 1

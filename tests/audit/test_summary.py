@@ -1,0 +1,50 @@
+"""summarize: its hash is audit.fingerprint of the logical tensor for every layout and dtype."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from titan_audit.audit import fingerprint
+from titan_audit.audit.summary import stats, summarize
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn]  # fmt: skip
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    transpose=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_hash_is_the_fingerprint_of_the_logical_tensor(dtype, shape, transpose, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(shape, generator=g) * 10).to(dtype)
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, 1)  # non-contiguous
+    s = summarize(t)
+    assert s.hash == fingerprint(t.contiguous())
+    assert (s.dtype, s.shape) == (str(dtype).removeprefix("torch."), str(list(t.shape)))
+    if t.numel():
+        wide = t.double()
+        assert s.absmax == float(wide.abs().max())
+        assert s.mean == pytest.approx(float(wide.mean()), rel=1e-5, abs=1e-5)
+    else:
+        assert math.isnan(s.absmax) and math.isnan(s.mean)
+
+
+def test_requires_grad_and_views_are_read_without_autograd():
+    x = torch.randn(4, 3, requires_grad=True)
+    y = x * 2
+    s = summarize(y[:, 1])
+    assert s.hash == fingerprint(y.detach()[:, 1].contiguous())
+    assert summarize(y, with_stats=False).absmax is None
+
+
+def test_stats_inf_and_nan():
+    assert stats(torch.tensor([1.0, -math.inf])) == (math.inf, -math.inf)
+    absmax, mean = stats(torch.tensor([math.nan, 1.0]).bfloat16())
+    assert math.isnan(absmax) and math.isnan(mean)
