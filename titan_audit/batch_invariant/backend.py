@@ -44,6 +44,9 @@ def register_backend(device_type: str, module: ModuleType) -> None:
 
 def backend_for(*tensors: torch.Tensor | None) -> Backend:
     """The backend for the device of `tensors` (all on one device type)."""
+    cpu = _BACKENDS.get("cpu")
+    if cpu is not None and all(t is None or t.device.type == "cpu" for t in tensors):
+        return cpu  # type: ignore[return-value]  # the hot path: one dict lookup
     types = {t.device.type for t in tensors if t is not None}
     if len(types) != 1:
         raise ValueError(f"batch_invariant: tensors must be on one device type, got {sorted(types)}")

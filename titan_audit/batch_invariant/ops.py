@@ -137,7 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: expected x [..., K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    out = matmul(x, weight.t())
+    out = _MM.apply(x, weight.t()) if x.dim() == 2 else matmul(x, weight.t())
     return out if bias is None else out + bias
 
 

@@ -56,6 +56,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N] in a's compute dtype; row i of the result depends on a[i] and b only."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    m, k = a.shape
+    n = b.shape[1]
+    if (
+        a.dtype == torch.float32 and b.dtype == torch.float32 and m >= ROW_MULTIPLE and m % ROW_MULTIPLE == 0
+        and n >= MIN_COLS and a.stride(1) == 1 and (a.stride(0) >= k or m == 1) and k > 0
+    ):
+        out = a.new_empty((m, n))  # the common case: nothing to pad, straight to MKL
+        return torch.mm(a, b, out=out)
     return bmm(a.unsqueeze(0), b.unsqueeze(0), _batched=False).squeeze(0)
 
 
