@@ -237,3 +237,17 @@ def test_dumps_only_selected_names_and_steps(tmp_path):
     dumped = sorted((d["step"], d["phase"], d["name"]) for d in list_dumps(tmp_path))
     assert dumped == [(1, "forward", "<root>"), (1, "param", "bias")]
     assert torch.equal(read_dump(tmp_path, 1, "param", -1, "bias"), model.bias.detach())
+
+
+def test_second_backward_through_the_same_graph_gets_its_own_name(tmp_path):
+    model = nn.Linear(2, 2)
+    with Recorder(tmp_path, model, level="full") as recorder:
+        recorder.start_step(0)
+        recorder.set_microbatch(0)
+        out = model(torch.ones(1, 2))
+        out.sum().backward(retain_graph=True)
+        (2 * out.sum()).backward()
+    rows = {r["name"]: r for r in _rows(tmp_path) if r["phase"] == "backward"}
+    assert set(rows) == {"<root>", "<root>#1"}
+    assert rows["<root>"]["hash"] == fingerprint(torch.ones(1, 2))
+    assert rows["<root>#1"]["hash"] == fingerprint(torch.full((1, 2), 2.0))

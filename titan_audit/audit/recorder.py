@@ -26,7 +26,8 @@ Guarantees:
   (step, microbatch)). A module called k > 0 times before in the same (step, microbatch) records
   as `name@k`, so keys stay unique; an output that is a tuple/dict records one name per tensor
   (`name[0]`, `name['logits']`). A backward record carries the step and microbatch of the
-  forward that produced the tensor. A forward that runs inside backward (activation-checkpoint
+  forward that produced the tensor; a k-th further backward through the same output (with
+  retain_graph) records as `name#k`. A forward that runs inside backward (activation-checkpoint
   recomputation) is not recorded again, so checkpointing does not change the log.
 - Distributed: records with a microbatch >= 0 are written by the rank that processes that
   microbatch. Step-level records (microbatch -1: grad, optim, param, ckpt) are written by rank
@@ -354,9 +355,13 @@ class Recorder:
         return hook
 
     def _make_grad_hook(self, name: str, microbatch: int, step: int):
+        fired = [0]
+
         def hook(grad: torch.Tensor) -> None:
             if not self._paused:
-                self._record("backward", name, grad, microbatch, step)
+                # a second backward through the same graph (retain_graph) records as name#1, ...
+                self._record("backward", name if not fired[0] else f"{name}#{fired[0]}", grad, microbatch, step)
+                fired[0] += 1
 
         return hook
 
