@@ -2,11 +2,12 @@
 
 While the mode is on, unmodified code (`torch.nn.functional`, `nn.Module`s, `x @ w`) runs the
 batch-invariant kernels for: `mm`, `addmm`, `bmm` (so `matmul` and `linear`, which decompose
-into them), `_softmax`, `_log_softmax` and their backward ops, `sum.dim_IntList`, `mean.dim`
-(so `rms_norm`, which is a CompositeImplicitAutograd op over `mean.dim` in torch 2.13 and has no
-kernel of its own to override), and `scaled_dot_product_attention` (through its CPU kernel
-`_scaled_dot_product_flash_attention_for_cpu` and its backward). The overrides sit below
-autograd, so autograd's backward formulas call the overridden ops too.
+into them), `_softmax`, `_log_softmax` and their backward ops, `sum.dim_IntList`, `mean.dim`,
+`rms_norm` (a CompositeImplicitAutograd op in torch 2.13: overridden at that key by the
+functional op, which brings its own deterministic autograd; on a CUDA tensor it reaches the
+backend check like every op), and `scaled_dot_product_attention` (through its CPU kernel
+`_scaled_dot_product_flash_attention_for_cpu` and its backward). The device-key overrides sit
+below autograd, so autograd's backward formulas call the overridden ops too.
 
 State guarantee: the overrides are installed iff the mode is on, and `is_enabled()` reads the
 installed state itself (no separate flag that could disagree). `enabled()` restores the state
@@ -151,6 +152,26 @@ def _sdpa_backward(
     return _cast(dq, query.dtype), _cast(dk, key.dtype), _cast(dv, value.dtype)
 
 
+def _rms_norm(
+    input: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None, eps: float | None = None
+) -> torch.Tensor:
+    """aten::rms_norm (CompositeImplicitAutograd): the functional op, with its own autograd."""
+    from titan_audit.batch_invariant import ops  # ops imports nothing from here; late to keep layers clear
+
+    n = len(normalized_shape)
+    if tuple(input.shape[input.dim() - n :]) != tuple(normalized_shape):
+        raise ValueError(f"rms_norm: normalized_shape {list(normalized_shape)} does not match input {tuple(input.shape)}")
+    flat = input.reshape(*input.shape[: input.dim() - n], -1)
+    w = None if weight is None else weight.reshape(-1)
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    return ops.rms_norm(flat, w, eps).reshape(input.shape)
+
+
+# Ops with a composite (above-autograd) kernel: overridden at that key, with autograd of our own.
+COMPOSITE_OVERRIDES: dict[str, Callable[..., Any]] = {
+    "rms_norm": _rms_norm,
+}
+
 OVERRIDES: dict[str, Callable[..., Any]] = {
     "mm": _mm,
     "addmm": _addmm,
@@ -183,6 +204,8 @@ def enable() -> None:
                 for key in DEVICE_KEYS:
                     for name, fn in OVERRIDES.items():
                         library.impl(name, fn, key)
+                for name, fn in COMPOSITE_OVERRIDES.items():
+                    library.impl(name, fn, "CompositeImplicitAutograd")
         except BaseException:
             library._destroy()
             raise

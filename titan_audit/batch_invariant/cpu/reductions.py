@@ -71,15 +71,15 @@ def sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim, in compute dtype."""
     x = x.to(compute_dtype(x.dtype))
-    e = torch.exp(x - row_max(x))
-    return e / tree_sum(e).unsqueeze(-1)
+    e = (x - row_max(x)).exp_()  # in place: one allocation per op, not one per step
+    return e.div_(tree_sum(e).unsqueeze(-1))
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the last dim, in compute dtype."""
     x = x.to(compute_dtype(x.dtype))
     shifted = x - row_max(x)
-    return shifted - torch.log(tree_sum(torch.exp(shifted))).unsqueeze(-1)
+    return shifted.sub_(torch.log(tree_sum(torch.exp(shifted))).unsqueeze(-1))
 
 
 def softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[
     rstd = torch.rsqrt(tree_sum(x * x) / x.shape[-1] + eps).unsqueeze(-1)
     y = x * rstd
     if weight is not None:
-        y = y * weight.to(x.dtype)
+        y.mul_(weight.to(x.dtype))
     return y, rstd
 
 
