@@ -34,9 +34,9 @@ import torch
 from titan_audit.batch_invariant.cpu.matmul import bmm
 from titan_audit.batch_invariant.cpu.reductions import tree_sum
 
-KEY_CHUNK = 64
+KEY_CHUNK = 128
 QUERY_BLOCK = 128
-CHUNK_GROUP = 8
+CHUNK_GROUP = 4
 
 
 def _chunks(num_keys: int) -> int:
