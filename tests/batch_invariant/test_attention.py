@@ -156,3 +156,30 @@ def test_bad_input() -> None:
         bi.attention(q[:, :2], k, v, q_positions=torch.arange(3))
     with pytest.raises(ValueError, match="q must be 4-D"):
         bi.attention(q[0], k, v)
+
+
+def test_thread_count_does_not_change_bits() -> None:
+    from batch_invariant._helpers import num_threads
+
+    q, k, v = _qkv(2, 8, 2, 300, 32, seed=6)
+    with num_threads(1):
+        one = [bi.attention(q, k, v), bi.attention(q[:, :, -1:], k, v)]
+    with num_threads(2):
+        two = [bi.attention(q, k, v), bi.attention(q[:, :, -1:], k, v)]
+    for a, b in zip(one, two):
+        assert_bitwise_equal(a, b, "1 vs 2 threads")
+
+
+def test_sdpa_in_mode_gqa_and_bool_mask() -> None:
+    import torch.nn.functional as F
+
+    q, k, v = _qkv(2, 8, 2, 90, 16, seed=7)
+    mask = randn(2, 1, 90, 90, seed=8) > -0.5
+    kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    expected = F.scaled_dot_product_attention(q.double(), kk.double(), vv.double(), attn_mask=mask)
+    with bi.enabled():
+        assert_bitwise_equal(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), bi.attention(q, k, v))
+        masked = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        one = F.scaled_dot_product_attention(q[1:], kk[1:], vv[1:], attn_mask=mask[1:])
+    torch.testing.assert_close(masked.double(), expected, rtol=1e-5, atol=1e-5)
+    assert_bitwise_equal(one, masked[1:], "sample alone with a bool mask")
