@@ -3,7 +3,7 @@
 Proves: a row's result is the same bits alone, in any slice, and in a batch of 1..512 rows,
 for random lengths (including non-powers of two), float32 and bfloat16, 1 and 2 threads; the
 element-wise functions the kernels rely on (exp, log, rsqrt) give an element the same bits
-wherever it sits in a buffer; results are within float32 tolerance of float64. Negative
+wherever it sits in a buffer (and exp2, which does not, is recorded as a negative control); results are within float32 tolerance of float64. Negative
 controls: native `torch.sum`/`mean` over a long row give a single row different bits than the
 same row in a batch (2 threads split a lone row between them); torch's fused softmax kernel
 happens to be row-invariant on this build, which the control records rather than hides.
@@ -64,6 +64,15 @@ def test_elementwise_functions_do_not_depend_on_position() -> None:
         alone = torch.cat([f(arg[i : i + 1]) for i in range(0, 4099, 7)])
         assert_bitwise_equal(alone, whole[::7], f.__name__)
         assert_bitwise_equal(f(arg[3:40]), whole[3:40], f.__name__)
+
+
+def test_negative_control_exp2_depends_on_position() -> None:
+    """exp2 is 3x faster than exp here, but its scalar tail and vector body disagree, so an
+    element's bits would depend on where it sits in a buffer: the kernels use exp, not exp2."""
+    x = torch.rand(4099) * 40 - 20
+    whole = torch.exp2(x)
+    alone = torch.cat([torch.exp2(x[i : i + 1]) for i in range(0, 4099, 7)])
+    assert not bitwise_equal(alone, whole[::7])
 
 
 def test_negative_control_native_sum_differs_for_a_lone_long_row() -> None:
