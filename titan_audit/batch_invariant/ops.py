@@ -15,7 +15,6 @@ result is rounded once to the input dtype.
 
 from __future__ import annotations
 
-import builtins
 from typing import Any
 
 import torch
@@ -359,4 +358,3 @@ __all__ = [
     "softmax",
     "sum",
 ]
-_ = builtins  # `sum` shadows the builtin in this module on purpose (the public op name)
