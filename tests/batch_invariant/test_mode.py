@@ -163,3 +163,17 @@ def test_cuda_tensor_raises_clear_error() -> None:
         backend_for(fake)  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match="no backend for device type 'meta'"):
         bi.mm(torch.empty(4, 4, device="meta"), torch.empty(4, 4, device="meta"))
+
+
+def test_mode_claims_cuda_ops_so_they_cannot_fall_back() -> None:
+    """No CUDA here, so check the registration itself: in the mode, the CUDA kernels of the
+    overridden ops (and CUDA's SDPA kernels) are ours, and ours raise for CUDA tensors."""
+    def cuda_kernel_is_ours(op: str) -> bool:
+        dump = torch._C._dispatch_dump(op)
+        return any(line.startswith("CUDA:") and "batch_invariant/mode.py" in line for line in dump.splitlines())
+
+    ops = ["aten::mm", "aten::addmm", "aten::bmm", "aten::_log_softmax", "aten::_scaled_dot_product_flash_attention"]
+    assert not any(cuda_kernel_is_ours(op) for op in ops)
+    with bi.enabled():
+        assert all(cuda_kernel_is_ours(op) for op in ops)
+    assert not any(cuda_kernel_is_ours(op) for op in ops)

@@ -31,7 +31,13 @@ from titan_audit.batch_invariant.backend import backend_for
 
 _LOCK = threading.RLock()
 _LIBRARIES: list[torch.library.Library] = []
-DEVICE_KEYS = ("CPU",)  # the Triton issue adds "CUDA" here together with its backend
+DEVICE_KEYS = ("CPU", "CUDA")  # every overridden op reaches backend_for, which raises for CUDA
+# until the Triton backend is registered: no silent fallback to native (variant) CUDA kernels.
+CUDA_ONLY_OPS = (  # CUDA's SDPA kernels (the CPU one is overridden in OVERRIDES)
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -172,6 +178,13 @@ COMPOSITE_OVERRIDES: dict[str, Callable[..., Any]] = {
     "rms_norm": _rms_norm,
 }
 
+
+def _cuda_sdpa(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """CUDA SDPA while the mode is on: the backend decides (today: a clear NotImplementedError)."""
+    backend_for(query)
+    raise NotImplementedError("batch_invariant: CUDA scaled_dot_product_attention is not wired to a backend yet")
+
+
 OVERRIDES: dict[str, Callable[..., Any]] = {
     "mm": _mm,
     "addmm": _addmm,
@@ -204,6 +217,8 @@ def enable() -> None:
                 for key in DEVICE_KEYS:
                     for name, fn in OVERRIDES.items():
                         library.impl(name, fn, key)
+                for name in CUDA_ONLY_OPS:
+                    library.impl(name, _cuda_sdpa, "CUDA")
                 for name, fn in COMPOSITE_OVERRIDES.items():
                     library.impl(name, fn, "CompositeImplicitAutograd")
         except BaseException:
