@@ -54,7 +54,7 @@ def test_prefill_chunked_prefill_and_decode_agree(data: st.DataObject) -> None:
     t = data.draw(st.integers(1, 512), label="T")
     hkv = data.draw(st.integers(1, 2), label="Hkv")
     groups = data.draw(st.sampled_from([1, 2, 3, 4]), label="G")
-    d = data.draw(st.sampled_from([4, 8, 16]), label="D")
+    d = data.draw(st.sampled_from([4, 8, 16, 64, 128]), label="D")
     batch = data.draw(st.integers(1, 2), label="B")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")

@@ -31,8 +31,8 @@ def _slice(data: st.DataObject, batch: int) -> tuple[int, int]:
 @given(data=st.data())
 def test_linear_rows_do_not_depend_on_the_batch(data: st.DataObject) -> None:
     batch = data.draw(st.integers(1, 512), label="batch")
-    k = data.draw(st.integers(1, 80), label="K")
-    n = data.draw(st.integers(1, 80), label="N")
+    k = data.draw(st.integers(1, 300), label="K")
+    n = data.draw(st.integers(1, 300), label="N")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     threads = data.draw(st.sampled_from([1, 2]), label="threads")
     with_bias = data.draw(st.booleans(), label="bias")
@@ -51,8 +51,8 @@ def test_linear_rows_do_not_depend_on_the_batch(data: st.DataObject) -> None:
 @given(data=st.data())
 def test_mm_matmul_addmm_rows_do_not_depend_on_the_batch(data: st.DataObject) -> None:
     batch = data.draw(st.integers(1, 512), label="batch")
-    k = data.draw(st.integers(1, 80), label="K")
-    n = data.draw(st.integers(1, 80), label="N")
+    k = data.draw(st.integers(1, 300), label="K")
+    n = data.draw(st.integers(1, 300), label="N")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     transposed_b = data.draw(st.booleans(), label="b transposed")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
