@@ -190,15 +190,16 @@ def test_negative_control_batch_differs_without_bi(request, make_tokens, name):
 def test_negative_control_packing_needs_per_document_attention(make_tokens):
     """Attention over the packed row at absolute positions (a doc mask instead of per-document
     segments) gives a document at an offset other bits than alone, even in BI mode: the BI
-    kernel reduces keys in chunks aligned to absolute positions. Hence the segment layout."""
+    kernel reduces keys in chunks aligned to absolute positions, and a document at offset 100
+    straddles the 128-key chunk boundary that it does not cross alone. Hence the segment layout."""
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 90, 16, generator=generator) for _ in range(3))
-    doc_ids = torch.tensor([[0] * 20 + [1] * 70])
-    positions = torch.arange(90)[None]
+    q, k, v = (torch.randn(1, 4, 170, 16, generator=generator) for _ in range(3))
+    doc_ids = torch.tensor([[0] * 100 + [1] * 70])
+    positions = torch.arange(170)[None]
     with enabled():
         assert ops.bi_mode()
-        masked = ops.attention(q, k, v, positions, doc_ids)[:, :, 20:]
-        alone = ops.attention(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], positions[:, :70])
+        masked = ops.attention(q, k, v, positions, doc_ids)[:, :, 100:]
+        alone = ops.attention(q[:, :, 100:], k[:, :, 100:], v[:, :, 100:], positions[:, :70])
     torch.testing.assert_close(masked, alone, atol=1e-5, rtol=0)
     assert not bitwise_equal(masked, alone)
 
