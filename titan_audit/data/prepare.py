@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from titan_audit.data.atomic import atomic_output_dir
+from titan_audit.atomic import atomic_output_dir
 from titan_audit.data.sources import TextSource, WorkUnit, open_text_source, read_unit
 from titan_audit.data.token_store import StoreInfo, TokenStore, TokenStoreWriter
 from titan_audit.data.tokenizer import TokenizerSpec

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_audit.data.atomic import write_bytes_atomic
+from titan_audit.atomic import write_bytes_atomic
 from titan_audit.data.manifest import SourceManifest
 
 STATE_FORMAT = "titan-audit.loader-state.v1"

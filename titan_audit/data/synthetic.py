@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from titan_audit.data.atomic import atomic_output_file
+from titan_audit.atomic import atomic_output_file
 from titan_audit.deterministic import numpy_generator
 
 TASKS = ("arithmetic", "reversal", "sorting")

@@ -111,7 +111,7 @@ class TokenStoreWriter:
 def write_token_store(path: str | os.PathLike, docs: list[np.ndarray], *, vocab_size: int, eos_id: int, pad_id: int,
                       tokenizer: str = "custom", origin: SourceManifest | None = None, overwrite: bool = False) -> Path:
     """Write already-tokenized documents as a token store, atomically (tests, small tools)."""
-    from titan_audit.data.atomic import atomic_output_dir
+    from titan_audit.atomic import atomic_output_dir
 
     with atomic_output_dir(path, overwrite=overwrite) as tmp:
         writer = TokenStoreWriter(tmp, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, origin=origin)

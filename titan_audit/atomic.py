@@ -1,5 +1,8 @@
 """Atomic outputs: a file or directory appears under its final name complete, or not at all.
 
+Shared by every package that writes run, data, checkpoint or golden files (no titan_audit imports:
+it sits below every layer).
+
 Guarantees: `write_bytes_atomic` writes to a temporary sibling, fsyncs it and renames it over the
 target, so a crash leaves the old file or the new one, never half of one. `atomic_output_dir`
 builds a directory under a temporary sibling name and renames it into place on success; on an
