@@ -6,8 +6,9 @@ What it shows today (later issues extend it to train -> audit -> elastic replay 
    parameter fingerprints after every step;
 3. a negative control: the same training with another seed differs from step 0, so the check
    above can fail;
-4. why batch invariance matters here: the native matmul gives row 0 of a batch different bits
-   from the same row computed alone.
+4. G2 batch invariance on the `tiny-dense` decoder: token-by-token decode from a KV cache gives
+   the same logits bits as one full forward in batch-invariant mode, and different bits with the
+   native ops (the negative control that shows the check can fail).
 It returns False (and the CLI exits 1) if any expectation fails.
 """
 
@@ -19,7 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from titan_audit.audit import fingerprint, fingerprint_many
+from titan_audit import batch_invariant, models
+from titan_audit.audit import bitwise_equal, fingerprint, fingerprint_many
 from titan_audit.deterministic import enable, torch_generator
 from titan_audit.deterministic import fingerprint as numerics_fingerprint
 
@@ -70,12 +72,19 @@ def train_tiny(seed: int, steps: int = STEPS) -> TrainTrace:
     return trace
 
 
-def native_matmul_row_differs() -> bool:
-    """True when native `(x @ w)[:1]` and `x[:1] @ w` differ in bits on this machine."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 1024, generator=generator)
-    w = torch.randn(1024, 1024, generator=generator)
-    return fingerprint((x @ w)[:1]) != fingerprint(x[:1] @ w)
+@torch.no_grad()
+def decode_matches_full_forward(bi: bool, prompt_len: int = 24, new_tokens: int = 8) -> bool:
+    """Do cached token-by-token decode logits equal one full forward's, bit for bit?"""
+    model = models.build("tiny-dense", seed=0)
+    tokens = torch.randint(model.config.vocab_size, (1, prompt_len + new_tokens),
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    with batch_invariant.enabled(bi):
+        full = model(tokens)
+        cache = models.ContiguousKVCache(model.config, batch_size=1, max_len=prompt_len + new_tokens)
+        steps = [model(tokens[:, :prompt_len], cache=cache)]
+        for t in range(prompt_len, prompt_len + new_tokens):
+            steps.append(model(tokens[:, t : t + 1], cache=cache))
+    return bitwise_equal(torch.cat(steps, dim=1), full)
 
 
 def run(console: Console | None = None) -> bool:
@@ -109,11 +118,12 @@ def run(console: Console | None = None) -> bool:
         else "[red]runs A and B differ: determinism is broken on this machine[/]"
     )
 
-    console.rule("why batch invariance (G2)")
-    if native_matmul_row_differs():
-        console.print("native matmul: row 0 of an 8-row batch != the same row alone (bitwise). "
-                      "Batch-invariant ops fix this.")  # fmt: skip
-    else:
-        console.print("native matmul: row 0 gives the same bits alone and in a batch on this machine.")
+    console.rule("G2 batch invariance: KV-cache decode vs full forward (tiny-dense)")
+    bi_equal, native_equal = decode_matches_full_forward(bi=True), decode_matches_full_forward(bi=False)
+    console.print(
+        f"batch-invariant ops: {'[green]identical bits' if bi_equal else '[red]DIFFERENT bits'}[/]; "
+        f"native ops (control): {'identical bits' if native_equal else '[yellow]different bits[/]'}"
+    )
+    ok &= bi_equal
     console.rule("[green]demo passed" if ok else "[red]demo found a problem")
     return ok
