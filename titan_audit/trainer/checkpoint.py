@@ -1,8 +1,8 @@
 """Checkpoints that are atomic, verified on load, and reshardable across world sizes.
 
 Guarantees:
-- Atomic at the directory level. A save writes `checkpoints/.step_XXXXXXXX.partial/` and renames it
-  to `checkpoints/step_XXXXXXXX/` only after every file is written and synced; `hashes.json` is the
+- Atomic at the directory level. A save writes `checkpoints/.step_NNNNNNNN.partial/` and renames it
+  to `checkpoints/step_NNNNNNNN/` only after every file is written and synced; `hashes.json` is the
   last file written. A crash at any moment leaves the previous good checkpoint visible and intact.
 - Verified. `hashes.json` holds the fingerprint (audit.fingerprint, the full logical tensor) of
   every model and optimizer tensor. `load` recomputes them after loading and refuses a checkpoint
@@ -15,9 +15,9 @@ Guarantees:
   rank 0, the same for every W.
 
 Layout of one checkpoint:
-    step_XXXXXXXX/model_optim/    DCP files
-    step_XXXXXXXX/trainer.json    rank-agnostic state (JSON)
-    step_XXXXXXXX/hashes.json     {"format": 1, "step": N, "tensors": {name: fingerprint}, ...}
+    step_NNNNNNNN/model_optim/    DCP files
+    step_NNNNNNNN/trainer.json    rank-agnostic state (JSON)
+    step_NNNNNNNN/hashes.json     {"format": 1, "step": N, "tensors": {name: fingerprint}, ...}
 """
 
 from __future__ import annotations
