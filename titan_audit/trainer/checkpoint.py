@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from titan_audit.audit.fingerprint import fingerprint
+from titan_audit.trainer.crash import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class Checkpointer:
                 {"format": FORMAT_VERSION, "step": step, "tensors": hashes, "param_groups": groups},
             )
             _fsync_tree(partial)
+            crash_point("checkpoint.before_rename", step)
             os.replace(partial, final)
             self._retain()
         _barrier()

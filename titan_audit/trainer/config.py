@@ -1,0 +1,226 @@
+"""TrainConfig: the typed, checked configuration of one training run, and the built-in recipes.
+
+    config = load_config("tiny-dense", overrides=["steps=8", "parallel.threads=1"])
+    config = load_config("my_run.toml")                    # a TOML file, same keys
+    resolved = to_dict(config)                             # what manifest.json stores
+
+Guarantees:
+- A config either builds exactly as written or fails before any work with a ValueError naming the
+  key (dotted path) and, for files, the file: unknown keys, wrong types, bad values (including a
+  model override that is not a ModelConfig field or makes an inconsistent ModelConfig) are errors.
+- The resolved config (recipe + file + overrides, every default filled in) is a plain dict that
+  rebuilds the same TrainConfig (`from_dict(to_dict(c)) == c`); manifest.json stores it, and a
+  resume compares it key by key (`resume_differences`).
+- Sections: model, data, optimizer, schedule, parallel, checkpoint, audit, determinism; top-level
+  `seed` (model init and the data order) and `steps`.
+- Recipes `tiny-dense` and `tiny-moe`: V = 8 virtual microbatches of 1 x 64 tokens, a step well
+  under a second on 2 CPU cores, a checkpoint every 4 steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from titan_audit.models import ModelConfig, get_preset
+from titan_audit.trainer import typed_config
+from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
+
+# Keys a resume may change: they change how long the run goes, how often it saves and what it
+# logs, never the bits of a step.
+RESUME_MUTABLE_KEYS = frozenset({
+    "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
+    "audit.flush_every_steps", "parallel.backend", "data.workers",
+})  # fmt: skip
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny-dense"
+    overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        self.model_config()  # checked now, so a bad preset or override fails before any work
+
+    def model_config(self) -> ModelConfig:
+        base = get_preset(self.preset)
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        for key in sorted(self.overrides):
+            if key not in known:
+                raise ValueError(f"unknown key 'model.overrides.{key}'; ModelConfig fields: {', '.join(sorted(known))}")
+        try:
+            return dataclasses.replace(base, **self.overrides)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"model.overrides: {error}") from None
+
+
+@dataclass
+class DataSection:
+    store: str | None = None  # an existing token store; None: the built-in synthetic corpus
+    synthetic_records: int = 4096  # synthetic corpus size (prepared into RUN/data/)
+    synthetic_seed: int = 0
+    seq_len: int = 64
+    global_batch_size: int = 8  # sequences per step
+    microbatch_size: int = 1  # sequences per virtual microbatch; V = global / micro
+    packing: Literal["concat", "best_fit"] = "concat"
+    workers: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("synthetic_records", "seq_len", "global_batch_size", "microbatch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        if self.global_batch_size % self.microbatch_size:
+            raise ValueError(
+                f"data.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"data.microbatch_size ({self.microbatch_size})"
+            )
+        if self.workers < 0:
+            raise ValueError(f"data.workers must be >= 0, got {self.workers}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // self.microbatch_size
+
+
+@dataclass
+class ParallelSection:
+    mode: Literal["dp", "fsdp"] = "dp"
+    threads: int = 1  # intra-op threads per rank: part of the numerics, never derived from W
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"parallel.threads must be >= 1, got {self.threads}")
+        if self.mode == "fsdp":
+            raise ValueError(
+                "parallel.mode = 'fsdp': FSDP2 is not supported by the trainer yet; use 'dp' "
+                "(replicated data parallel with the deterministic tree reduction)"
+            )
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 4  # steps between checkpoints; 0: none but the last
+    keep_last: int = 3
+    fallback: bool = False  # on resume, skip a corrupt newest checkpoint for an older good one
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"checkpoint.interval must be >= 0, got {self.interval}")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class AuditSection:
+    level: Literal["off", "params", "full"] = "params"
+    modules: list[str] = field(default_factory=lambda: ["*"])  # globs (level full)
+    flush_every_steps: int = 50  # also flushed at every checkpoint and at the end
+
+    def __post_init__(self) -> None:
+        if self.flush_every_steps < 1:
+            raise ValueError(f"audit.flush_every_steps must be >= 1, got {self.flush_every_steps}")
+
+
+@dataclass
+class DeterminismSection:
+    enabled: bool = True  # False: no deterministic switches, plain all_reduce of accumulated grads
+    strict: bool = True  # raise on ops without a deterministic kernel
+    batch_invariant: bool = False  # run forward/backward with the batch-invariant ops
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    steps: int = 16
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    audit: AuditSection = field(default_factory=AuditSection)
+    determinism: DeterminismSection = field(default_factory=DeterminismSection)
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.data.num_microbatches
+
+    def check_world_size(self, world_size: int) -> None:
+        """ValueError unless W divides V (the global batch plan needs whole blocks per rank)."""
+        v = self.num_microbatches
+        if world_size < 1 or v % world_size:
+            raise ValueError(
+                f"world size {world_size} does not divide the number of virtual microbatches V = {v} "
+                f"(data.global_batch_size / data.microbatch_size); use W in {[w for w in range(1, v + 1) if v % w == 0]}"
+            )
+
+
+_TINY = {
+    "steps": 16,
+    "data": {"seq_len": 64, "global_batch_size": 8, "microbatch_size": 1, "synthetic_records": 4096},
+    "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 1.0},
+    "schedule": {"warmup_steps": 4, "min_lr_ratio": 0.1},
+    "checkpoint": {"interval": 4, "keep_last": 3},
+}
+RECIPES: dict[str, dict[str, Any]] = {
+    "tiny-dense": typed_config.merge(_TINY, {"model": {"preset": "tiny-dense"}}),
+    "tiny-moe": typed_config.merge(_TINY, {"model": {"preset": "tiny-moe"}}),
+}
+
+
+def from_dict(data: dict[str, Any], where: str = "") -> TrainConfig:
+    return typed_config.build(TrainConfig, data, where)
+
+
+def to_dict(config: TrainConfig) -> dict[str, Any]:
+    return typed_config.to_dict(config)
+
+
+def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """A recipe name or a TOML file (which may name a base recipe with top-level `recipe = "..."`),
+    then `--set` overrides. Errors name the key and the file."""
+    if source in RECIPES:
+        data, origin = RECIPES[source], f"recipe {source!r}"
+    elif source.endswith(".toml") or Path(source).is_file():
+        data, origin = typed_config.load_toml(source), source
+        base = data.pop("recipe", None)
+        if base is not None:
+            if base not in RECIPES:
+                raise ValueError(f"{source}: recipe {base!r} is not one of {', '.join(sorted(RECIPES))}")
+            data = typed_config.merge(RECIPES[base], data)
+    else:
+        raise ValueError(f"--config {source!r}: neither a recipe ({', '.join(sorted(RECIPES))}) nor a TOML file")
+    data = typed_config.apply_overrides(data, list(overrides))
+    try:
+        return from_dict(data)
+    except ValueError as error:
+        raise ValueError(f"{origin}: {error}") from None
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key != "overrides":
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
+    """Keys (dotted) whose values differ between a run's saved config and `current`, other than
+    the keys a resume may change (RESUME_MUTABLE_KEYS). Empty: the resume is allowed."""
+    a, b = _flatten(saved), _flatten(to_dict(current))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
+            if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)]  # fmt: skip

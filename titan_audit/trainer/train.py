@@ -1,0 +1,350 @@
+"""The train loop: a trajectory that is bitwise the same at every world size W dividing V.
+
+    result = train(config, "runs/a")                       # this process's rank of the group
+    result = train(config, "runs/a", resume=True)          # continue from the latest checkpoint
+
+Read top to bottom, a step is (rank r of W, V virtual microbatches):
+  1. microbatches [r*V/W, (r+1)*V/W) of the global batch, in index order (data/ElasticLoader);
+  2. per microbatch: forward, loss = sum(masked token CE) / global_loss_tokens, backward, the
+     gradients flattened into one fp32 vector and added to the TreeReducer under the microbatch's
+     global index;
+  3. the reducer's all_reduce: a fixed binary tree over the V microbatch gradients, the same bits
+     on every rank and for every W (reduce.py); never a plain all_reduce in deterministic mode;
+  4. grad-norm clipping on that full vector (identical on every rank, so identical clipping);
+  5. AdamW (elementwise: the update does not depend on the layout);
+  6. the step loss for logging: the V per-microbatch losses gathered in index order and summed
+     with the same tree, so it does not depend on W either;
+  7. audit records (data and loss under the global microbatch index; grads, params, optimizer
+     state at step level), a metrics row, a progress line on rank 0;
+  8. every `checkpoint.interval` steps: a verified checkpoint (reshardable DCP + a rank-agnostic
+     blob with the loader state and step) and an audit flush.
+Steps are numbered from 1; checkpoint `step_N` holds the state after N steps.
+
+Guarantees: G1 (same config + fingerprint -> same audit hashes), G3 (same hashes for every W
+dividing V, and across a resume at another W), G5 (SIGKILL at any moment, `resume=True` -> the
+same trajectory). The intra-op thread count is set from `parallel.threads` on every rank before
+any compute, whatever OMP_NUM_THREADS the launcher exported. With `determinism.enabled = false`
+the loop is a conventional trainer (gradients accumulated in .grad, one plain all_reduce): the
+baseline of `bench train` and the negative control of the invariance tests.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan_audit import deterministic
+from titan_audit.audit import Recorder
+from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
+from titan_audit.models import build, token_logprobs
+from titan_audit.trainer.checkpoint import Checkpointer
+from titan_audit.trainer.crash import crash_point
+from titan_audit.trainer.config import TrainConfig, from_dict, resume_differences, to_dict
+from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
+from titan_audit.trainer.reduce import TreeReducer, split_point
+from titan_audit.trainer.run_dir import MetricsLog, package_versions, prepare_run_dir, read_manifest, write_manifest
+
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    world_size: int
+    start_step: int  # steps already done when this process started (0 for a fresh run)
+    last_step: int
+    losses: list[float]  # step losses of the steps run here
+
+
+# ---------------------------------------------------------------------------------- process group
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def init_distributed(backend: str = "auto") -> tuple[int, int]:
+    """Join the process group torchrun describes in the environment (if any and not joined yet)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast_error(message: str | None) -> None:
+    """Rank 0's verdict reaches every rank, so all fail (or go on) together, before any work."""
+    if dist.is_initialized():
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        raise ValueError(message)
+
+
+# ---------------------------------------------------------------------------------- run directory
+def check_run_dir(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool, world_size: int) -> None:
+    """Every check on user input that needs no compute; raises ValueError (the CLI runs it too)."""
+    config.check_world_size(world_size)
+    out = Path(out)
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if resume:
+        saved = read_manifest(out)
+        differences = resume_differences(saved["config"], config)
+        if differences:
+            raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
+    elif not overwrite and out.is_dir() and any(out.iterdir()):
+        prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
+
+
+def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, world_size: int) -> Path:
+    """Rank 0 validates, creates the run directory, prepares the data and writes the manifest."""
+    error = None
+    if _rank() == 0:
+        try:
+            check_run_dir(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
+            out = prepare_run_dir(out, resume=resume, overwrite=overwrite)
+            if config.data.store is None and not (out / "data" / "tasks.zarr").is_dir():
+                synthetic = SyntheticConfig(num_records=config.data.synthetic_records, seed=config.data.synthetic_seed)
+                prepare_synthetic(out / "data", synthetic, overwrite=True)
+            manifest = read_manifest(out) if resume else {"created": _now(), "world_size_history": []}
+            manifest["config"] = to_dict(config)
+            manifest["seed"] = config.seed
+            manifest["fingerprint"] = deterministic.fingerprint().to_dict()
+            manifest["packages"] = package_versions()
+            write_manifest(out, manifest)
+        except ValueError as e:
+            error = str(e)
+    else:
+        config.check_world_size(world_size)
+    _broadcast_error(error)
+    return Path(out)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _record_start(out: Path, world_size: int, start_step: int) -> None:
+    manifest = read_manifest(out)
+    manifest.pop("format", None)
+    manifest["world_size_history"].append({"world_size": world_size, "start_step": start_step, "time": _now()})
+    write_manifest(out, manifest)
+
+
+# ---------------------------------------------------------------------------------- pieces of a step
+def microbatch_loss(model: torch.nn.Module, mb) -> torch.Tensor:
+    """sum over the microbatch's loss tokens of -log p(target), over the GLOBAL batch's loss tokens."""
+    logits = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids)
+    nll = -token_logprobs(logits, mb.targets)
+    return (nll * mb.loss_mask).sum() / mb.global_loss_tokens
+
+
+def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Every parameter's .grad (zeros where None) as one fresh fp32 vector, in parameter order."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+
+
+def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n
+    assert offset == flat.numel(), (offset, flat.numel())
+
+
+def clip_(flat: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale `flat` in place to global norm <= max_norm (0: no clipping); returns the norm before.
+    `flat` is the full reduced gradient, identical on every rank, so every rank clips alike."""
+    norm = torch.linalg.vector_norm(flat, 2.0)
+    if max_norm > 0:
+        flat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Sum of values[lo:hi] in the fixed tree order of reduce.py (depends on the count alone)."""
+    hi = values.numel() if hi is None else hi
+    if hi - lo == 1:
+        return values[lo]
+    mid = split_point(lo, hi)
+    return tree_sum(values, lo, mid) + tree_sum(values, mid, hi)
+
+
+def gather_in_index_order(local: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Concatenate every rank's block (rank order = microbatch index order)."""
+    if world_size == 1:
+        return local
+    out = torch.empty(local.numel() * world_size, dtype=local.dtype)
+    dist.all_gather_into_tensor(out, local.contiguous())
+    return out
+
+
+# ---------------------------------------------------------------------------------- the loop
+def train(
+    config: TrainConfig,
+    out: str | os.PathLike,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_at: int | None = None,
+    quiet: bool = False,
+) -> TrainResult:
+    """Run (or resume) a training run into `out` on this process's rank of the current group.
+
+    stop_at: stop after this step (<= config.steps) without changing the schedule (replay
+    --verify-to); the last step always gets a checkpoint.
+    """
+    rank, world_size = init_distributed(config.parallel.backend)
+    torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
+    mode = deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads) \
+        if config.determinism.enabled else None  # fmt: skip
+    out = _prepare(config, Path(out), resume, overwrite, world_size)
+    last_step = config.steps if stop_at is None else stop_at
+    if not 1 <= last_step <= config.steps:
+        raise ValueError(f"stop step {last_step} is outside 1..steps={config.steps}")
+
+    model = build(config.model.model_config(), seed=config.seed,
+                  activation_checkpointing=config.model.activation_checkpointing)  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, config.optimizer)
+    checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
+
+    start_step, loader_state = 0, None
+    if resume:
+        blob = checkpointer.load_latest(model, optimizer, fallback=config.checkpoint.fallback)
+        if blob is not None:
+            start_step = int(blob["step"])
+            loader_state = LoaderState.from_dict(blob["loader"], source=str(checkpointer.path(start_step)))
+    if start_step >= last_step:
+        raise ValueError(f"{out}: already at step {start_step}; nothing to run up to step {last_step}")
+
+    store = config.data.store if config.data.store is not None else str(out / "data" / "tasks.zarr")
+    loader_config = LoaderConfig(store=store, seq_len=config.data.seq_len, global_batch_size=config.data.global_batch_size,
+                                 microbatch_size=config.data.microbatch_size, seed=config.seed,
+                                 packing=config.data.packing, workers=config.data.workers)  # fmt: skip
+    loader = ElasticLoader(loader_config, rank=rank, world_size=world_size, state=loader_state)
+    V = loader.num_microbatches
+    assert V == config.num_microbatches, (V, config.num_microbatches)
+    reducer = TreeReducer(V)
+    recorder = Recorder(out, model, level=config.audit.level, modules=config.audit.modules,
+                        flush_every_steps=config.audit.flush_every_steps)  # fmt: skip
+    metrics = MetricsLog(out) if rank == 0 else None
+    if rank == 0:
+        metrics.truncate_after(start_step)
+        _record_start(out, world_size, start_step)
+    _barrier()
+
+    bi = _batch_invariant(config)
+    losses: list[float] = []
+    steps = loader.steps()
+    for step in range(start_step + 1, last_step + 1):
+        t0 = time.perf_counter()
+        recorder.start_step(step)
+        lr = lr_at(step - 1, config.optimizer, config.schedule, config.steps)
+        set_lr(optimizer, lr)
+        microbatches = next(steps)
+
+        # forward + backward, one virtual microbatch at a time, gradients into the tree
+        mb_losses = []
+        optimizer.zero_grad(set_to_none=True)
+        for mb in microbatches:
+            recorder.set_microbatch(mb.index)
+            recorder.record_data(mb.tensors())
+            with bi():
+                loss = microbatch_loss(model, mb)
+                recorder.record_loss(loss)
+                loss.backward()
+            mb_losses.append(loss.detach())
+            if config.determinism.enabled:
+                reducer.add(mb.index, flat_grad(params))
+                optimizer.zero_grad(set_to_none=True)
+        recorder.set_microbatch(-1)
+
+        # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
+        if config.determinism.enabled:
+            grad = reducer.all_reduce()
+        else:
+            grad = flat_grad(params)
+            if world_size > 1:
+                dist.all_reduce(grad)
+        grad_norm = clip_(grad, config.optimizer.grad_clip)
+        set_grads(params, grad)
+        recorder.record_grads()
+        optimizer.step()
+        recorder.record_optimizer(optimizer)
+        recorder.record_params()
+
+        step_loss = float(tree_sum(gather_in_index_order(torch.stack(mb_losses), world_size)))
+        losses.append(step_loss)
+        seconds = time.perf_counter() - t0
+        tokens = config.data.global_batch_size * config.data.seq_len
+        if rank == 0:
+            metrics.append({"step": step, "loss": step_loss, "grad_norm": float(grad_norm), "lr": lr,
+                            "tokens": tokens, "seconds": seconds, "world_size": world_size})  # fmt: skip
+            metrics.flush()
+            if not quiet:
+                print(f"step {step}/{last_step}  loss {step_loss:.4f}  grad_norm {float(grad_norm):.3f}  "
+                      f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}", flush=True)  # fmt: skip
+        recorder.end_step()
+        crash_point("train.after_step", step)
+
+        interval = config.checkpoint.interval
+        if step == last_step or (interval and step % interval == 0):
+            recorder.flush()
+            blob = {"step": step, "loader": loader.state().to_dict(), "config": to_dict(config),
+                    "world_size": world_size}  # fmt: skip
+            checkpointer.save(step, model, optimizer, blob)
+    recorder.close()
+    loader.close()
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    return TrainResult(out, world_size, start_step, last_step, losses)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _batch_invariant(config: TrainConfig):
+    if config.determinism.batch_invariant:
+        from titan_audit.batch_invariant import enabled
+
+        return enabled
+    import contextlib
+
+    return contextlib.nullcontext
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank under torchrun: `python -m titan_audit.trainer.train CONFIG_JSON OUT
+    [resume] [overwrite] [stop_at=N]` (the CLI writes the resolved config to a JSON file)."""
+    import json
+
+    argv = sys.argv[1:] if argv is None else argv
+    config = from_dict(json.loads(Path(argv[0]).read_text()))
+    flags = set(argv[2:])
+    stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
+    try:
+        train(config, argv[1], resume="resume" in flags, overwrite="overwrite" in flags, stop_at=stop_at)
+    except ValueError as error:
+        if _rank() == 0:
+            print(f"Error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
