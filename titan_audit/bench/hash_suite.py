@@ -4,6 +4,10 @@ Baseline: `dst.copy_(src)` into a preallocated tensor (a memory copy through tor
 way to touch the same bytes from Python). Candidate: `audit.fingerprint`. Second baseline, as
 the extra key `sha256_s`: `hashlib.sha256` over the same bytes (what TorchTitan's tests hash with).
 Target: fingerprint <= 2x the copy, i.e. hashing at >= 50% of copy bandwidth.
+
+Both sides run on one thread (the fingerprint is single-threaded by design: xxh3 is sequential),
+so the ratio compares like with like and an overloaded machine cannot stall one side's
+OpenMP team.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def _sha256(tensors: list[torch.Tensor]) -> Callable[[], object]:
 
 
 def hash_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _cases(options, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     cases = []
     for nbytes in QUICK_SIZES if options.quick else SIZES:
         src = torch.randn(nbytes // 4)
