@@ -15,6 +15,8 @@ from titan_audit.cli.data import data
 from titan_audit.cli.demo import demo
 from titan_audit.cli.env import env
 from titan_audit.cli.errors import AuditGroup
+from titan_audit.cli.replay import replay
+from titan_audit.cli.train import train
 
 
 @click.group(cls=AuditGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -38,6 +40,8 @@ cli.add_command(compare)
 cli.add_command(bisect)
 cli.add_command(data)
 cli.add_command(demo)
+cli.add_command(train)
+cli.add_command(replay)
 
 
 def main() -> None:

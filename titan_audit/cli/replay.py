@@ -1,0 +1,49 @@
+"""`titan-audit replay`: resume a run's checkpoint at another world size and compare (elastic replay)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
+from titan_audit.cli.output import print_json
+
+
+@click.command(short_help="Replay a run from a checkpoint on W ranks and compare bitwise.")
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--from-step", "from_step", type=int, required=True, help="The checkpoint step to resume from.")
+@click.option("--nproc", type=int, default=1, show_default=True, help="World size W of the replay.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The new run directory.")
+@click.option("--verify-to", "verify_to", type=int, default=None, help="Stop (and compare) at this step.")
+@click.option("--overwrite", is_flag=True, help="Move a run already in --out aside.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def replay(run: Path, from_step: int, nproc: int, out: Path, verify_to: int | None, overwrite: bool, as_json: bool) -> None:
+    """Exit 0: identical from the checkpoint on; 1: a difference (first divergence shown); 2: bad input."""
+    from titan_audit.trainer.launch import launch
+    from titan_audit.trainer.replay import compare_replay, prepare_replay, source_checkpoint
+
+    config, _, last = source_checkpoint(run, from_step)
+    to_step = last if verify_to is None else verify_to
+    if not from_step < to_step <= last:
+        raise UserError(f"--verify-to {to_step}: must lie in {from_step + 1}..{last} (the run's recorded steps)")
+    config.check_world_size(nproc)
+    prepare_replay(run, from_step, out, overwrite=overwrite)
+    rc = launch(config, out, nproc=nproc if nproc > 1 else None, resume=True, stop_at=to_step)
+    if rc:
+        raise click.ClickException(f"the replay run failed (exit {rc}); see {out}")
+    result = compare_replay(run, out, from_step, to_step)
+    verdict = "identical" if result.identical else "different"
+    if as_json:
+        print_json({"verdict": verdict, "from_step": from_step, "to_step": to_step, "world_size": nproc,
+                    "comparison": result.to_dict()})  # fmt: skip
+    else:
+        click.echo(f"elastic replay of {run} from step {from_step} to {to_step} on W={nproc}: {verdict.upper()} "
+                   f"({result.compared} records compared, {result.differing} differ, "
+                   f"{result.only_in_a + result.only_in_b} in one run only)")  # fmt: skip
+        if result.first_divergence is not None:
+            fd = result.first_divergence
+            click.echo(f"first divergence: step {fd['step']} phase {fd['phase']} microbatch {fd['microbatch']} "
+                       f"name {fd['name']} ({fd['kind']})")  # fmt: skip
+    if not result.identical:
+        raise SystemExit(EXIT_DIFFERENT)
