@@ -15,6 +15,7 @@ from titan_audit.cli.data import data
 from titan_audit.cli.demo import demo
 from titan_audit.cli.env import env
 from titan_audit.cli.errors import AuditGroup
+from titan_audit.cli.golden import golden
 from titan_audit.cli.replay import replay
 from titan_audit.cli.train import train
 
@@ -40,6 +41,7 @@ cli.add_command(compare)
 cli.add_command(bisect)
 cli.add_command(data)
 cli.add_command(demo)
+cli.add_command(golden)
 cli.add_command(train)
 cli.add_command(replay)
 
