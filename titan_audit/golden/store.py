@@ -20,7 +20,8 @@ Guarantees:
   sha256; every listed file exists with the recorded size and sha256, and no other file sits in
   the directory. The self-hash rule (sha256 of golden.json's JSON content without its `sha256`
   key, keys sorted, no whitespace) is the same in every format version and is checked before
-  the version. Any failure of the integrity checks raises `GoldenCorrupt` (a ValueError naming
+  the version; then golden.json must be byte-identical to the rendering this version writes
+  (so even a lost trailing newline is caught). Any failure of the integrity checks raises `GoldenCorrupt` (a ValueError naming
   the file), never a numerics verdict: a flipped byte or a truncated file is corruption.
 - Bad input is a ValueError naming the path: a directory that does not exist, one that is not a
   golden (no golden.json, or no format marker), a golden from a newer format version.
@@ -135,6 +136,11 @@ def _canonical(meta: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
+def _render(meta: dict[str, Any]) -> bytes:
+    """The exact bytes of golden.json (format version 1)."""
+    return (json.dumps(meta, indent=1, sort_keys=True, ensure_ascii=True) + "\n").encode()
+
+
 def sort_records(table: pa.Table) -> pa.Table:
     """Audit records in execution order (step, phase order, microbatch, seq, name)."""
     ranks = pa.array([PHASE_RANK.get(p, len(PHASE_RANK)) for p in table["phase"].to_pylist()], type=pa.int32())
@@ -192,7 +198,7 @@ def write_golden(
             "files": files,
         }
         meta["sha256"] = hashlib.sha256(_canonical(meta)).hexdigest()
-        (tmp / GOLDEN_JSON).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+        (tmp / GOLDEN_JSON).write_bytes(_render(meta))
     return path
 
 
@@ -234,6 +240,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"{meta_path}: golden format version {version} is newer than this titan-audit understands "
             f"({FORMAT_VERSION}); upgrade titan-audit"
         )
+    if raw != _render(meta):  # same content, other bytes: truncated whitespace, a hand edit
+        raise GoldenCorrupt(f"{meta_path}: corrupt golden file (bytes differ from the canonical rendering of its content)")
     for key, kind in (("steps", list), ("phases", list), ("files", dict), ("tolerance", dict)):
         if not isinstance(meta.get(key), kind):
             raise GoldenCorrupt(f"{meta_path}: corrupt golden file (key {key!r} missing or not a {kind.__name__})")
