@@ -15,7 +15,7 @@ Read top to bottom, a step is (rank r of W, V virtual microbatches):
   6. the step loss for logging: the V per-microbatch losses gathered in index order and summed
      with the same tree, so it does not depend on W either;
   7. audit records (data and loss under the global microbatch index; grads, params, optimizer
-     state at step level), a metrics row, a progress line on rank 0;
+     state at step level), a metrics row, a progress line on rank 0 (stderr: stdout stays free for --json);
   8. every `checkpoint.interval` steps: a verified checkpoint (reshardable DCP + a rank-agnostic
      blob with the loader state and step) and an audit flush.
 Steps are numbered from 1; checkpoint `step_N` holds the state after N steps.
@@ -294,7 +294,7 @@ def train(
             metrics.flush()
             if not quiet:
                 print(f"step {step}/{last_step}  loss {step_loss:.4f}  grad_norm {float(grad_norm):.3f}  "
-                      f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}", flush=True)  # fmt: skip
+                      f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}", file=sys.stderr, flush=True)  # fmt: skip
         recorder.end_step()
         crash_point("train.after_step", step)
 
