@@ -128,9 +128,11 @@ def print_check(data: dict) -> None:
 @click.argument("run", type=click.Path(path_type=Path))
 @click.argument("golden_dir", type=click.Path(path_type=Path))
 @_selection_options
-def update(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool) -> None:
+@click.option("--force", is_flag=True, help="Rewrite even when nothing compared would change (refreshes the manifest).")
+def update(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool, force: bool) -> None:
     """Rewrite GOLDEN_DIR from RUN (keeping its steps, phases and tolerances unless given)."""
-    changes = update_golden(run, golden_dir, **_selection(steps, phases, metrics, rtol, atol), max_failures=max_failures)
+    changes = update_golden(run, golden_dir, **_selection(steps, phases, metrics, rtol, atol),
+                            max_failures=max_failures, force=force)  # fmt: skip
     if as_json:
         print_json(changes)
         return
@@ -139,7 +141,8 @@ def update(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_
 
 def print_changes(changes: dict) -> None:
     summary = changes["summary"]
-    click.echo(f"updated golden {summary['golden']} from {changes['run']}: {summary['records']} audit records, "
+    verb = "updated golden" if changes["rewritten"] else "golden unchanged, not rewritten (--force rewrites it):"
+    click.echo(f"{verb} {summary['golden']} from {changes['run']}: {summary['records']} audit records, "
                f"{summary['bytes']:,} bytes")  # fmt: skip
     if changes["previous_corrupt"]:
         click.echo(f"  the previous golden was corrupt ({changes['previous_corrupt']}); nothing to diff against")

@@ -249,12 +249,16 @@ def record_golden(
     rtol: dict[str, float] | None = None,
     atol: dict[str, float] | None = None,
     max_failures: int = 0,
+    source: str | None = None,
 ) -> dict[str, Any]:
-    """Write a new golden of `run_dir` at `golden_dir` (refuses an existing one); a summary."""
+    """Write a new golden of `run_dir` at `golden_dir` (refuses an existing one); a summary.
+    `source` describes where the run came from (default: its path)."""
     golden_dir = Path(golden_dir)
     if golden_dir.exists():
         raise ValueError(f"{golden_dir} already exists; a golden is only replaced deliberately: use `titan-audit golden update`")
     parts = _build(Path(run_dir), steps, phases, metrics, rtol or {}, atol or {}, max_failures)
+    if source is not None:
+        parts["source_run"] = source
     write_golden(golden_dir, **parts)
     return summarize(read_golden(golden_dir))
 
@@ -436,8 +440,12 @@ def update_golden(
     rtol: dict[str, float] | None = None,
     atol: dict[str, float] | None = None,
     max_failures: int | None = None,
+    source: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Replace the golden at `golden_dir` by one of `run_dir`; returns what changed."""
+    """Replace the golden at `golden_dir` by one of `run_dir`; returns what changed. A golden whose
+    content would not change (same fingerprint, hashes, metric bits, selection and policy) is left
+    as it is (`rewritten` False: no churn in committed goldens) unless `force`."""
     golden_dir, run_dir = Path(golden_dir), Path(run_dir)
     old: Golden | None = None
     old_error = None
@@ -456,10 +464,18 @@ def update_golden(
         atol = {m: old_bounds[m]["atol"] for m in metrics if m in old_bounds} | (atol or {})
         max_failures = old.tolerance.max_failures if max_failures is None else max_failures
     parts = _build(run_dir, steps, phases, metrics, rtol or {}, atol or {}, max_failures or 0)
+    if source is not None:
+        parts["source_run"] = source
     changes: dict[str, Any] = {"golden": str(golden_dir), "run": str(run_dir), "previous_corrupt": old_error}
+    unchanged = False
     if old is not None:
         changes.update(_changes(old, run_dir, parts))
-    write_golden(golden_dir, **parts, overwrite=True)
+        unchanged = (not changes["fingerprint_changes"] and changes["audit"]["identical"]
+                     and not changes["metric_changes"]
+                     and all(changes[k]["before"] == changes[k]["after"] for k in ("steps", "phases", "tolerance")))  # fmt: skip
+    changes["rewritten"] = force or not unchanged
+    if changes["rewritten"]:
+        write_golden(golden_dir, **parts, overwrite=True)
     changes["summary"] = summarize(read_golden(golden_dir))
     return changes
 

@@ -20,7 +20,8 @@ Guarantees:
   is never silent: it emits a `GoldenToleranceWarning` (shown in pytest's summary) naming the
   fingerprint fields that differ, and `--golden-require-exact` makes it a failure.
 - `--golden-update` records a missing golden or updates an existing one from the run instead of
-  checking, and reports what changed (as a `GoldenUpdatedWarning`). Without it a missing golden
+  checking, and reports what changed (as a `GoldenUpdatedWarning`); a golden whose compared
+  content would not change is left byte for byte as it is. Without it a missing golden
   fails the test and says how to create it. A corrupt golden fails the test as corrupt.
 - The default runner is `titan-audit train --config RECIPE --steps N --nproc W` in a subprocess
   (the trainer's own launcher, torchrun for W > 1), so every run starts from a fresh process and
@@ -101,8 +102,9 @@ def train_recipe(out: Path, recipe: str, *, steps: int | None = None, nproc: int
 class GoldenRunner:
     """The `golden_run` fixture's callable: run, then check against (or update) a golden."""
 
-    def __init__(self, config: pytest.Config, tmp_path: Path) -> None:
+    def __init__(self, config: pytest.Config, tmp_path: Path, nodeid: str = "") -> None:
         self.config = config
+        self.nodeid = nodeid
         self.tmp_path = tmp_path
         self.directory = golden_dir(config)
         self.update = bool(config.getoption("--golden-update"))
@@ -128,15 +130,19 @@ class GoldenRunner:
         out = self.tmp_path / f"golden-run-{self._count}"
         if run is not None:
             run(out)
+            source = f"pytest {self.nodeid}: {getattr(run, '__qualname__', repr(run))}(out_dir)"
         else:
             train_recipe(out, recipe, steps=steps, nproc=nproc, overrides=overrides)
+            source = " ".join(["titan-audit train --config", recipe, *(["--steps", str(steps)] if steps else []),
+                               "--nproc", str(nproc), *[f"--set {o}" for o in overrides]])  # fmt: skip
         golden = self.directory / name
         if self.update:
             if golden.exists():
-                changes = update_golden(out, golden)
-                warnings.warn(GoldenUpdatedWarning(f"golden {golden} updated: {json.dumps(_brief(changes), default=str)}"))
+                changes = update_golden(out, golden, source=source)
+                verb = "updated" if changes["rewritten"] else "unchanged (not rewritten)"
+                warnings.warn(GoldenUpdatedWarning(f"golden {golden} {verb}: {json.dumps(_brief(changes), default=str)}"))
             else:
-                summary = record_golden(out, golden)
+                summary = record_golden(out, golden, source=source)
                 warnings.warn(GoldenUpdatedWarning(f"golden {golden} recorded: {summary['records']} records, {summary['bytes']} bytes"))
             return None
         if not golden.exists():
@@ -181,7 +187,7 @@ def _brief(changes: dict[str, Any]) -> dict[str, Any]:
 def golden_run(request: pytest.FixtureRequest, tmp_path: Path):
     """A `GoldenRunner`; on a test marked `@pytest.mark.golden(name, ...)`, the GoldenCheck of that
     marker's run (done before the test body; None under --golden-update)."""
-    runner = GoldenRunner(request.config, tmp_path)
+    runner = GoldenRunner(request.config, tmp_path, request.node.nodeid)
     marker = request.node.get_closest_marker("golden")
     if marker is None:
         return runner
