@@ -10,6 +10,7 @@ from titan_audit.bench.data_suite import data_suite
 from titan_audit.bench.hash_suite import hash_suite
 from titan_audit.bench.ops_suite import ops_suite
 from titan_audit.bench.reduce_suite import reduce_suite
+from titan_audit.bench.train_suite import train_suite
 
 Suite = Callable[[BenchOptions, Callable[[str], None]], list[Case]]
 
@@ -19,4 +20,5 @@ SUITES: dict[str, Suite] = {
     "hash": hash_suite,
     "ops": ops_suite,
     "reduce": reduce_suite,
+    "train": train_suite,
 }
