@@ -355,3 +355,13 @@ def test_update_reports_a_fingerprint_change_and_repairs_a_corrupt_golden(base_r
 def test_update_of_a_missing_golden_exit_2(base_run, tmp_path):
     result = run_cli("golden", "update", base_run, tmp_path / "none")
     assert result.exit_code == 2 and "golden record" in result.output
+
+
+def test_update_with_nothing_changed_leaves_the_golden_byte_for_byte(base_run, golden):
+    before = {p: p.read_bytes() for p in _files(golden)}
+    changes = update_golden(base_run, golden)
+    assert changes["rewritten"] is False and changes["audit"]["identical"]
+    assert {p: p.read_bytes() for p in _files(golden)} == before
+    result = run_cli("golden", "update", base_run, golden, "--force")
+    assert result.exit_code == 0 and "updated golden" in result.output
+    assert check_golden(base_run, golden).passed
