@@ -39,6 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from titan_audit.audit.compare import CompareResult, compare_runs
@@ -107,11 +108,11 @@ def read_run_manifest(run_dir: Path) -> dict[str, Any]:
 
 
 def _select_records(run_dir: Path, steps: list[int] | None, phases: list[str]) -> pa.Table:
-    table = read_audit_log(run_dir)
-    mask = pc.is_in(table["phase"], value_set=pa.array(phases, type=pa.string()))
+    """The run's records in `phases` (and `steps`), filtered while reading (a run may be large)."""
+    expr = ds.field("phase").isin(pa.array(phases, type=pa.string()))
     if steps is not None:
-        mask = pc.and_(mask, pc.is_in(table["step"], value_set=pa.array(steps, type=pa.int64())))
-    return table.filter(mask)
+        expr = expr & ds.field("step").isin(pa.array(steps, type=pa.int64()))
+    return read_audit_log(run_dir, filter=expr)
 
 
 def _read_metrics(run_dir: Path) -> pa.Table | None:
@@ -503,7 +504,7 @@ def _changes(old: Golden, run_dir: Path, parts: dict[str, Any]) -> dict[str, Any
             "differing": audit.differing,
             "removed": audit.only_in_a,
             "added": audit.only_in_b,
-            "first_divergence": audit.first_divergence,
+            "first_divergence": audit.to_dict()["first_divergence"],  # JSON-safe (no NaN)
         },
         "metric_changes": metric_changes,
         "steps": {"before": old.steps, "after": parts["steps"]},
