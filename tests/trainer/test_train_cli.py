@@ -59,13 +59,14 @@ def test_sigkill_then_resume_gives_the_uninterrupted_trajectory(reference, tmp_p
 
 
 def test_replay_cli_verdicts(reference, tmp_path):
-    same = _cli("replay", str(reference), "--from-step", "4", "--nproc", "2", "--out", str(tmp_path / "r2"), "--json")
+    same = _cli("replay", str(reference), "--from-step", "4", "--nproc", "2", "--out", str(tmp_path / "r2"),
+                "--verify-to", "6", "--json")  # fmt: skip
     assert same.returncode == 0, same.stderr
     verdict = json.loads(same.stdout)
-    assert verdict["verdict"] == "identical" and verdict["comparison"]["compared"] > 0
+    assert verdict["verdict"] == "identical" and verdict["to_step"] == 6 and verdict["comparison"]["compared"] > 0
     # negative control: a conventional run (plain all_reduce at W=2) replayed at W=1 is found different
     plain = tmp_path / "plain"
-    done = _cli("train", "--config", "tiny-dense", "--out", str(plain), "--steps", "6", "--nproc", "2",
+    done = _cli("train", "--config", "tiny-dense", "--out", str(plain), "--steps", "5", "--nproc", "2",
                 "--set", "determinism.enabled=false")  # fmt: skip
     assert done.returncode == 0, done.stderr
     differ = _cli("replay", str(plain), "--from-step", "4", "--out", str(tmp_path / "p1"), "--verify-to", "5")
