@@ -13,11 +13,11 @@ from pathlib import Path
 
 import click
 
-from titan_audit.cli.compare import _print_human as print_compare
 from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 from titan_audit.golden import check_golden, parse_steps, record_golden, update_golden
 from titan_audit.golden.check import parse_phases
+from titan_audit.golden.report import changes_report, check_report, record_report
 
 
 def _bounds(values: tuple[str, ...], option: str) -> dict[str, float]:
@@ -77,9 +77,7 @@ def record(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_
     if as_json:
         print_json(summary)
         return
-    click.echo(f"recorded golden {summary['golden']}: {summary['records']} audit records, steps "
-               f"{_steps_text(summary['steps'])}, phases {','.join(summary['phases'])}, metrics "
-               f"{','.join(summary['metrics']) or 'none'}; {summary['bytes']:,} bytes")  # fmt: skip
+    click.echo(record_report(summary))
 
 
 @golden.command(short_help="Check a run against a golden; name the first divergence.")
@@ -93,35 +91,10 @@ def check(run: Path, golden_dir: Path, require_exact: bool, as_json: bool) -> No
     if as_json:
         print_json(result.to_dict())
     else:
-        print_check(result.to_dict())
+        click.echo("\n".join(check_report(result.to_dict())))
     if not result.passed:
         raise SystemExit(EXIT_DIFFERENT)
 
-
-def print_check(data: dict) -> None:
-    verdict = "PASS" if data["passed"] else "FAIL"
-    if data["mode"] == "exact":
-        click.echo(f"{verdict} (mode: exact; numerics fingerprints compatible) run {data['run']} vs golden {data['golden']}")
-    else:
-        click.echo(f"{verdict} (mode: TOLERANCE, not bitwise) run {data['run']} vs golden {data['golden']}")
-        click.echo("  numerics fingerprint fields that differ: " + "; ".join(data["fingerprint_differences"]))
-    for line in data["config_differences"]:
-        click.echo(f"  warning: config differs: {line}")
-    for line in data["notes"]:
-        click.echo(f"  note: {line}")
-    audit = data["audit"]
-    if audit is not None:
-        if audit["identical"]:
-            click.echo(f"  audit: {audit['compared']} records compared, all hashes equal")
-        else:
-            print_compare(audit)
-    click.echo(f"  metrics: {data['metric_points']} points compared"
-               + (", bitwise" if data["mode"] == "exact" else f", failure budget {data['max_failures']}"))  # fmt: skip
-    for m in data["metric_mismatches"][:10]:
-        extra = f" (|diff| {m['abs_diff']:.3g} > bound {m['bound']:.3g})" if "bound" in m else ""
-        click.echo(f"    {m['metric']} step {m['step']}: golden {m['golden']!r}, run {m['run']!r}{extra}")
-    for line in data["failures"]:
-        click.echo(f"  failure: {line}")
 
 
 @golden.command(short_help="Replace a golden by a new run, deliberately; print what changed.")
@@ -136,40 +109,4 @@ def update(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_
     if as_json:
         print_json(changes)
         return
-    print_changes(changes)
-
-
-def print_changes(changes: dict) -> None:
-    summary = changes["summary"]
-    verb = "updated golden" if changes["rewritten"] else "golden unchanged, not rewritten (--force rewrites it):"
-    click.echo(f"{verb} {summary['golden']} from {changes['run']}: {summary['records']} audit records, "
-               f"{summary['bytes']:,} bytes")  # fmt: skip
-    if changes["previous_corrupt"]:
-        click.echo(f"  the previous golden was corrupt ({changes['previous_corrupt']}); nothing to diff against")
-        return
-    fp = changes["fingerprint_changes"]
-    click.echo("  numerics fingerprint: " + ("unchanged" if not fp else "changed: " + "; ".join(fp)))
-    for key in ("steps", "phases"):
-        if changes[key]["before"] != changes[key]["after"]:
-            click.echo(f"  {key}: {changes[key]['before']} -> {changes[key]['after']}")
-    if changes["tolerance"]["before"] != changes["tolerance"]["after"]:
-        click.echo(f"  tolerance: {changes['tolerance']['before']} -> {changes['tolerance']['after']}")
-    audit = changes["audit"]
-    if audit["identical"]:
-        click.echo(f"  audit records: unchanged ({audit['compared']} hashes equal)")
-    else:
-        first = audit["first_divergence"]
-        click.echo(f"  audit records: {audit['differing']} of {audit['compared']} hashes changed, {audit['removed']} removed, "
-                   f"{audit['added']} added; first change at step {first['step']}, phase {first['phase']}, "
-                   f"microbatch {first['microbatch']}, name {first['name']} ({first['kind']})")  # fmt: skip
-    if not changes["metric_changes"]:
-        click.echo("  metrics: unchanged (bitwise)")
-    for m in changes["metric_changes"]:
-        click.echo(f"  metric {m['metric']}: {m['steps_changed']} step(s) changed from step {m['first_step']}, "
-                   f"max |change| {m['max_abs_change']}")  # fmt: skip
-
-
-def _steps_text(steps: list[int]) -> str:
-    if steps and steps == list(range(steps[0], steps[-1] + 1)) and len(steps) > 2:
-        return f"{steps[0]}-{steps[-1]}"
-    return ",".join(map(str, steps))
+    click.echo("\n".join(changes_report(changes)))

@@ -122,7 +122,7 @@ class GoldenRunner:
         run: Callable[[Path], Any] | None = None,
     ):
         from titan_audit.golden import GoldenCorrupt, check_golden, record_golden, update_golden
-        from titan_audit.cli.golden import print_check
+        from titan_audit.golden.report import check_report
 
         if (recipe is None) == (run is None):
             raise ValueError("golden_run: give exactly one of recipe= (a titan-audit recipe) and run= (a callable)")
@@ -152,7 +152,7 @@ class GoldenRunner:
         except GoldenCorrupt as error:
             pytest.fail(f"corrupt golden: {error}", pytrace=False)
         if not result.passed:
-            report = _capture(lambda: print_check(result.to_dict()))
+            report = "\n".join(check_report(result.to_dict()))
             pytest.fail(f"golden check failed ({result.mode} mode):\n{report}", pytrace=False)
         if result.mode != "exact":
             warnings.warn(GoldenToleranceWarning(
@@ -160,16 +160,6 @@ class GoldenRunner:
                 + "; ".join(result.fingerprint_differences)
             ))  # fmt: skip
         return result
-
-
-def _capture(fn: Callable[[], None]) -> str:
-    import contextlib
-    import io
-
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        fn()
-    return buffer.getvalue()
 
 
 def _brief(changes: dict[str, Any]) -> dict[str, Any]:
