@@ -31,7 +31,7 @@ def test_toml_file_with_base_recipe_and_overrides(tmp_path):
         (["model.preset=nope"], "unknown model preset 'nope'"),
         (["data.global_batch_size=12", "data.microbatch_size=5"], "must be a multiple of data.microbatch_size"),
         (["parallel.threads=0"], "parallel.threads must be >= 1"),
-        (["parallel.mode=fsdp"], "FSDP2 is not supported"),
+        (["parallel.mode=tp"], "parallel.mode: 'tp' is not one of 'dp', 'fsdp'"),
         (["audit.level=everything"], "audit.level"),
     ],
 )

@@ -79,7 +79,7 @@ def test_replay_cli_verdicts(reference, tmp_path):
     [
         (["--config", "tiny-dense", "--nproc", "3"], "does not divide the number of virtual microbatches V = 8"),
         (["--config", "tiny-dense", "--set", "data.foo=1"], "unknown key 'data.foo'"),
-        (["--config", "tiny-dense", "--set", "parallel.mode=fsdp"], "FSDP2 is not supported"),
+        (["--config", "tiny-dense", "--set", "parallel.threads=0"], "parallel.threads must be >= 1"),
         (["--config", "nope.toml"], "nope.toml: no such config file"),
         (["--resume"], "not a run directory (manifest.json not found)"),
     ],

@@ -94,11 +94,6 @@ class ParallelSection:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"parallel.threads must be >= 1, got {self.threads}")
-        if self.mode == "fsdp":
-            raise ValueError(
-                "parallel.mode = 'fsdp': FSDP2 is not supported by the trainer yet; use 'dp' "
-                "(replicated data parallel with the deterministic tree reduction)"
-            )
 
 
 @dataclass

@@ -46,6 +46,7 @@ from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, Synthetic
 from titan_audit.models import build, token_logprobs
 from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.crash import crash_point
+from titan_audit.trainer.fsdp import shard_model
 from titan_audit.trainer.config import TrainConfig, from_dict, resume_differences, to_dict
 from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
 from titan_audit.trainer.reduce import TreeReducer, _all_gather_single, split_point
@@ -67,15 +68,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def init_distributed(backend: str = "auto") -> tuple[int, int]:
-    """Join the process group torchrun describes in the environment (if any and not joined yet)."""
+def init_distributed(backend: str = "auto", *, single_group: bool = False) -> tuple[int, int]:
+    """Join the process group torchrun describes in the environment (if any and not joined yet).
+    `single_group`: without one, make a one-rank group (FSDP2 needs a group even at W=1)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
         return dist.get_rank(), dist.get_world_size()
+    if single_group:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return 0, 1
 
 
@@ -204,7 +209,7 @@ def train(
     stop_at: stop after this step (<= config.steps) without changing the schedule (replay
     --verify-to); the last step always gets a checkpoint.
     """
-    rank, world_size = init_distributed(config.parallel.backend)
+    rank, world_size = init_distributed(config.parallel.backend, single_group=config.parallel.mode == "fsdp")
     torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
     mode = deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads) \
         if config.determinism.enabled else None  # fmt: skip
@@ -215,6 +220,7 @@ def train(
 
     model = build(config.model.model_config(), seed=config.seed,
                   activation_checkpointing=config.model.activation_checkpointing)  # fmt: skip
+    sharded = shard_model(model, deterministic=config.determinism.enabled) if config.parallel.mode == "fsdp" else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, config.optimizer)
     checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
@@ -266,19 +272,29 @@ def train(
                 loss.backward()
             mb_losses.append(loss.detach())
             if config.determinism.enabled:
-                reducer.add(mb.index, flat_grad(params))
+                reducer.add(mb.index, sharded.take_flat(params) if sharded else flat_grad(params))
                 optimizer.zero_grad(set_to_none=True)
         recorder.set_microbatch(-1)
 
         # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
         if config.determinism.enabled:
             grad = reducer.all_reduce()
+            grad_norm = clip_(grad, config.optimizer.grad_clip)
+            if sharded:
+                sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
+            else:
+                set_grads(params, grad)
+        elif sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(world_size)
+            grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf")))
         else:
             grad = flat_grad(params)
             if world_size > 1:
                 dist.all_reduce(grad)
-        grad_norm = clip_(grad, config.optimizer.grad_clip)
-        set_grads(params, grad)
+            grad_norm = clip_(grad, config.optimizer.grad_clip)
+            set_grads(params, grad)
         recorder.record_grads()
         optimizer.step()
         recorder.record_optimizer(optimizer)
@@ -309,6 +325,12 @@ def train(
     if mode is not None:
         mode.__exit__(None, None, None)
     return TrainResult(out, world_size, start_step, last_step, losses)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _barrier() -> None:

@@ -1,0 +1,84 @@
+"""FSDP2 (`fully_shard`) with the deterministic gradient reduction instead of FSDP's reduce-scatter.
+
+    grads = shard_model(model)             # every block, then the root; FSDP's own grad sync off
+    loss.backward(); flat = grads.take_flat(params)     # this microbatch's full gradient, fp32
+    ...TreeReducer over the V microbatches...
+    grads.set_sharded(params, reduced_flat)             # each rank keeps its dim-0 shard as .grad
+
+Guarantees:
+- Parameters are sharded on dim 0 over the default group (FSDP2's layout). Forward and backward
+  run on all-gathered (bit-exact) parameters with the same ops as replicated data parallel, so a
+  microbatch's unsharded gradient has the same bits as in DP; FSDP's reduce-scatter is switched
+  off (`set_requires_gradient_sync(False)`), and the gradient of each microbatch is taken from
+  FSDP's unsharded gradient and fed to the fixed-tree reduction. So an FSDP2 run at any W has the
+  audit log of a DP run at any W (tests/trainer/test_fsdp.py).
+- The reduced gradient is the full vector on every rank (TreeReducer.all_reduce); each rank keeps
+  its own shard of it (a local slice, no communication). Clipping is computed on the full vector,
+  identical on every rank. AdamW is elementwise, so updating shards gives the bits of updating the
+  whole tensors.
+- Cost note: the reduction moves the volume of an all-reduce (not of a reduce-scatter), and each
+  microbatch's unsharded gradient is held until it is flattened: memory is that of DP for
+  gradients, FSDP's saving is kept for parameters and optimizer state.
+This reads FSDP2's per-parameter unsharded gradient (`FSDPParam._unsharded_param.grad`), an
+internal of torch.distributed.fsdp; it is checked on this torch (2.13) by the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+class ShardedGrads:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.by_param = {}
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    for fsdp_param in group.fsdp_params:
+                        self.by_param[id(fsdp_param.sharded_param)] = fsdp_param
+        assert self.by_param, "no FSDP-managed parameters"
+
+    def take_flat(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The microbatch's full gradient of every parameter (zeros where unused) as one fresh fp32
+        vector in parameter order; FSDP's unsharded gradients are cleared for the next microbatch."""
+        parts = []
+        for p in params:
+            unsharded = self.by_param[id(p)]._unsharded_param
+            grad = unsharded.grad
+            if grad is None:
+                parts.append(torch.zeros(p.numel(), dtype=torch.float32))
+            else:
+                if isinstance(grad, DTensor):
+                    grad = grad.to_local()
+                assert grad.shape == p.shape, (grad.shape, p.shape)
+                parts.append(grad.reshape(-1).float())
+                unsharded.grad = None
+        return torch.cat(parts)
+
+    @staticmethod
+    def set_sharded(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+        """Each parameter's .grad = this rank's shard of its slice of the full reduced vector."""
+        offset = 0
+        for p in params:
+            n = p.numel()
+            full = flat[offset : offset + n].view(p.shape).to(p.dtype)
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            offset += n
+        assert offset == flat.numel(), (offset, flat.numel())
+
+
+def shard_model(model: torch.nn.Module, *, deterministic: bool = True) -> ShardedGrads:
+    """fully_shard every decoder block and the root (default mesh: all ranks). Deterministic: FSDP's
+    gradient sync off (the tree reduction replaces it). Otherwise FSDP2 as usual: an averaging
+    reduce-scatter per backward accumulated into the sharded .grad (the caller multiplies by W: the
+    loss is already normalised by the global token count; gloo has no PREMUL_SUM for a factor of
+    1); the baseline and negative control of the deterministic path."""
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    if deterministic:
+        model.set_requires_gradient_sync(False)
+    return ShardedGrads(model)
