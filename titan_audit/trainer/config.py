@@ -11,8 +11,11 @@ Guarantees:
 - The resolved config (recipe + file + overrides, every default filled in) is a plain dict that
   rebuilds the same TrainConfig (`from_dict(to_dict(c)) == c`); manifest.json stores it, and a
   resume compares it key by key (`resume_differences`).
-- Sections: model, data, optimizer, schedule, parallel, checkpoint, audit, determinism; top-level
-  `seed` (model init and the data order) and `steps`.
+- Sections: model (preset + ModelConfig overrides), data (token store or the built-in synthetic
+  corpus; seq_len, global_batch_size, microbatch_size -> V), optimizer, schedule, parallel (mode
+  dp | fsdp, threads per rank, backend), checkpoint (interval, keep_last, fallback), audit (level,
+  modules, flush_every_steps), determinism (enabled, strict, batch_invariant); top-level `seed`
+  (model init and the data order) and `steps`.
 - Recipes `tiny-dense` and `tiny-moe`: V = 8 virtual microbatches of 1 x 64 tokens, a step well
   under a second on 2 CPU cores, a checkpoint every 4 steps.
 """
@@ -29,7 +32,8 @@ from titan_audit.trainer import typed_config
 from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 
 # Keys a resume may change: they change how long the run goes, how often it saves and what it
-# logs, never the bits of a step.
+# logs, never the bits of a step already defined. (With schedule.decay_steps unset the cosine
+# length follows `steps`, so extending a run changes the learning rate of the steps to come.)
 RESUME_MUTABLE_KEYS = frozenset({
     "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
     "audit.flush_every_steps", "parallel.backend", "data.workers",

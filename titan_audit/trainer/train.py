@@ -11,7 +11,9 @@ Read top to bottom, a step is (rank r of W, V virtual microbatches):
   3. the reducer's all_reduce: a fixed binary tree over the V microbatch gradients, the same bits
      on every rank and for every W (reduce.py); never a plain all_reduce in deterministic mode;
   4. grad-norm clipping on that full vector (identical on every rank, so identical clipping);
-  5. AdamW (elementwise: the update does not depend on the layout);
+     each parameter's .grad is its slice of the vector (DP) or this rank's dim-0 shard of it
+     (FSDP2, `parallel.mode = "fsdp"`, fsdp.py: FSDP's own reduce-scatter is off);
+  5. AdamW (elementwise: the update does not depend on the layout or the sharding);
   6. the step loss for logging: the V per-microbatch losses gathered in index order and summed
      with the same tree, so it does not depend on W either;
   7. audit records (data and loss under the global microbatch index; grads, params, optimizer
@@ -24,8 +26,9 @@ Guarantees: G1 (same config + fingerprint -> same audit hashes), G3 (same hashes
 dividing V, and across a resume at another W), G5 (SIGKILL at any moment, `resume=True` -> the
 same trajectory). The intra-op thread count is set from `parallel.threads` on every rank before
 any compute, whatever OMP_NUM_THREADS the launcher exported. With `determinism.enabled = false`
-the loop is a conventional trainer (gradients accumulated in .grad, one plain all_reduce): the
-baseline of `bench train` and the negative control of the invariance tests.
+the loop is a conventional trainer (gradients accumulated in .grad, one plain all_reduce; under
+FSDP2 its own reduce-scatter): the baseline of `bench train` and the negative control of the
+invariance tests. DP and FSDP2 give the same bits as each other, at every W.
 """
 
 from __future__ import annotations
