@@ -41,6 +41,12 @@ def _check_same_dtype(**tensors: torch.Tensor) -> None:
 # ---------------------------------------------------------------- matmul family
 
 
+def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record this op: without it the Function (same forward kernel, so
+    the same bits) is skipped, which saves its bookkeeping on small problems."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _MM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,8 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_float("a", a), _check_float("b", b), _check_same_dtype(a=a, b=b)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"mm: expected a [M, K] and b [K, N], got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if not _needs_autograd(a, b):
+        return backend_for(a, b).mm(a, b)
     return _MM.apply(a, b)
 
 
@@ -86,6 +94,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_float("a", a), _check_float("b", b), _check_same_dtype(a=a, b=b)
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"bmm: expected a [B, M, K] and b [B, K, N], got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if not _needs_autograd(a, b):
+        return backend_for(a, b).bmm(a, b)
     return _BMM.apply(a, b)
 
 
@@ -136,7 +146,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: expected x [..., K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    out = _MM.apply(x, weight.t()) if x.dim() == 2 else matmul(x, weight.t())
+    if x.dim() == 2:
+        out = _MM.apply(x, weight.t()) if _needs_autograd(x, weight) else backend_for(x, weight).mm(x, weight.t())
+    else:
+        out = matmul(x, weight.t())
     return out if bias is None else out + bias
 
 

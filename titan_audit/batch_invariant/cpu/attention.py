@@ -19,9 +19,19 @@ chunk with no visible key gives alpha == 1 and adds zeros, an exact no-op up to 
 zero. Chunks that no row of a query block can see (causal) are skipped, which changes nothing
 for the same reason; the output gets `+ 0.0` so the sign of a zero never depends on which chunks
 were skipped. GQA folds the G query heads of one kv head into the gemm's rows, which the
-row-invariant gemm allows. The scores of a group of chunks come from one gemm (an output
-column's bits do not depend on the other columns: measured, tested in test_matmul.py); the
-reduction over keys (p @ v) is never merged across chunks. Values at keys a query cannot see
+row-invariant gemm allows; the rows of all (batch, kv head) pairs sit in one zero-padded
+[B*Hkv, R, D] buffer (R: the row count `matmul.padded_rows` gives, so a decode step's one or
+few rows per head run in the same >= 4-row kernel family as a prefill's many; padding rows
+are separate outputs and never read back). The scores of a group of chunks come from one gemm
+(an output column's bits do not depend on the other columns: measured, tested in
+test_matmul.py); the reduction over keys (p @ v) is never merged across chunks: it is one
+[R, C] @ [C, D] gemm per chunk, either as the entries of one batched gemm (few rows: the
+entries' bits do not depend on each other, as for any bmm batch) or as one gemm per chunk on a
+strided view of p (many rows; the row stride does not change bits, see matmul.py). Which of
+the two, and how many chunks form a group, depends on the block's size only for speed; the
+bits of a row do not. Hidden scores are set to -inf either by the general mask or, for chunks
+every row of the block fully sees, only past the cache end: the same -inf in the same places.
+Values at keys a query cannot see
 are multiplied by an exact zero, so they must be finite; padding keys (doc_ids < 0) are zeroed.
 Every kernel used was also measured to give the same bits with 1 and 2 threads.
 
@@ -34,12 +44,14 @@ from __future__ import annotations
 
 import torch
 
-from titan_audit.batch_invariant.cpu.matmul import bmm
+from titan_audit.batch_invariant.cpu.matmul import MIN_COLS, bmm, padded_rows
 from titan_audit.batch_invariant.cpu.reductions import tree_sum
 
 KEY_CHUNK = 128
 QUERY_BLOCK = 128
 CHUNK_GROUP = 4
+BATCHED_ROWS = 16  # blocks of at most this many gemm rows take the chunk-major p @ v path
+GROUP_ELEMENTS = 1 << 20  # score elements per chunk group (small blocks take more chunks)
 
 
 def _chunks(num_keys: int) -> int:
@@ -74,13 +86,14 @@ class _Masker:
             index = q_positions.clamp(0, num_keys - 1)
             self.q_doc = torch.gather(doc_ids, 1, index)  # [B, Tq]
         self.extra_mask = extra_mask  # bool [B or 1, H or 1, Tq, Tk] (SDPA attn_mask) or None
-        # cummax of the latest position per row: rows before first_row(c) cannot see chunk c.
-        self.reach = torch.cummax(q_positions.amax(dim=0), dim=0).values
+        self._reach: torch.Tensor | None = None
 
     def first_row(self, start: int) -> int:
         if not self.causal:
             return 0
-        return int(torch.searchsorted(self.reach, start))
+        if self._reach is None:  # cummax of the latest position per row
+            self._reach = torch.cummax(self.q_positions.amax(dim=0), dim=0).values
+        return int(torch.searchsorted(self._reach, start))
 
     def key_limit(self, r0: int, r1: int) -> int:
         """Keys at or past this are invisible to rows [r0, r1) (causal), or past the cache."""
@@ -147,6 +160,75 @@ def _apply_mask(s: torch.Tensor, hidden: torch.Tensor) -> None:
     s[..., :last, :].masked_fill_(hidden[..., :last, :], float("-inf"))
 
 
+def _gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:] = a @ b for a [N, R, K] (row-major, R already padded by `padded_rows`), b [N, K, M]:
+    straight to MKL when the shape is in the fixed family (M >= MIN_COLS), else through `bmm`
+    (which pads columns); either way the bits are those of `matmul.bmm` for these rows."""
+    if b.shape[2] >= MIN_COLS and a.stride(2) == 1:
+        torch.bmm(a, b, out=out)
+    else:
+        out.copy_(bmm(a, b))
+
+
+class _Workspace:
+    """Flat float32 buffers by name, grown on demand and reused (contiguous views of a prefix)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = torch.empty(numel)
+        return buf[:numel]
+
+
+def _p_times_v(
+    s_buf: torch.Tensor,
+    work: _Workspace,
+    v: torch.Tensor,
+    v_full: torch.Tensor | None,
+    full_chunks: int,
+    c0: int,
+    n: int,
+    inside: int,
+    real: int,
+) -> list[torch.Tensor]:
+    """p_c @ v_c for the group's chunks c0 .. c0+n-1, each [B*Hkv, R, Dv] (rows past `real` are
+    padding). s_buf [B*Hkv, R, n*C] holds p in its first `real` rows. Each product is one chunk's
+    [R, C] @ [C, Dv] gemm whatever the path (the same per-chunk reduction):
+
+    * few rows (a decode step): p is copied chunk-major into [B*Hkv, n, R, C] (padding rows zero)
+      and the chunks inside the cache go through one batched gemm, entry (bh, c) = p_c @ v_c;
+    * many rows: one gemm per chunk on a strided view of s_buf (row stride n*C; MKL's lda was
+      measured not to change bits, see matmul.py), no copy.
+
+    The chunk past the cache end (if any) takes a zero-padded copy of its values.
+    """
+    bh, r_pad, width = s_buf.shape
+    dim_v = v.shape[3]
+    start = c0 * KEY_CHUNK
+    p_chunks = s_buf.view(bh, r_pad, n, KEY_CHUNK)
+    pvs: list[torch.Tensor] = []
+    if r_pad != real:  # the padding rows hold raw scores: make them finite zeros
+        s_buf[:, real:] = 0.0
+    pv_store = work.get("pv", bh * r_pad * n * dim_v)
+    if r_pad <= BATCHED_ROWS and inside == full_chunks and inside > 0:
+        p_buf = work.get("p", bh * n * r_pad * KEY_CHUNK).view(bh, n, r_pad, KEY_CHUNK)
+        p_buf.copy_(p_chunks.transpose(1, 2))
+        pv = pv_store[: bh * inside * r_pad * dim_v].view(bh, inside, r_pad, dim_v)
+        _gemm_into(p_buf[:, :inside].reshape(bh * inside, r_pad, KEY_CHUNK), v_full, pv.view(bh * inside, r_pad, dim_v))
+        pvs.extend(pv[:, i] for i in range(inside))
+        first = inside
+    else:
+        first = 0
+    for c in range(first, n):
+        pv = pv_store[c * bh * r_pad * dim_v : (c + 1) * bh * r_pad * dim_v].view(bh, r_pad, dim_v)
+        _gemm_into(p_chunks[:, :, c], _keys(v, start + c * KEY_CHUNK, KEY_CHUNK), pv)
+        pvs.append(pv)
+    return pvs
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,8 +242,12 @@ def attention_forward(
     """(out [B, Hq, Tq, D] float32, lse [B, Hq, Tq] float32; -inf where no key is visible).
 
     Loop structure (speed only; the arithmetic per row and chunk is the one in the module
-    docstring): query rows in blocks of QUERY_BLOCK so a block's scores stay in cache; chunks
-    in groups of CHUNK_GROUP so the gemms, max and exp of a group run as one batched op; the
+    docstring): query rows in blocks of QUERY_BLOCK so a block's scores stay in cache; the
+    block's rows of all (batch, kv head) pairs sit in one zero-padded buffer [B*Hkv, R, D]
+    (R = `padded_rows`, built once per block); chunks in groups (CHUNK_GROUP, more when the
+    block is small, e.g. a decode step, up to a fixed element budget) so that the scores of a
+    group come from one gemm and its p @ v from one batched gemm with the chunks as batch
+    entries (each entry is one chunk's [R, C] @ [C, D]: the same per-chunk reduction); the
     running max of a group's chunks is a cumulative max (exact, so equal to the chunk-by-chunk
     maximum); only the rescale-and-add recurrence walks the chunks one by one, ascending.
     """
@@ -169,39 +255,71 @@ def attention_forward(
     hkv, tk, dim_v = k.shape[1], k.shape[2], v.shape[3]
     groups, bh = hq // hkv, batch * hkv
     masker = _Masker(q_positions, tk, causal, doc_ids, extra_mask)
+    simple_mask = doc_ids is None and extra_mask is None
     qs = (q.float() * scale).reshape(batch, hkv, groups, tq, dim)
     k, v = k.float(), v.float()
     if doc_ids is not None:  # padding keys may hold anything (NaN); they meet an exact zero p
         v = v.masked_fill((doc_ids < 0)[:, None, :, None], 0.0)
     out = torch.empty((batch, hkv, groups, tq, dim_v))
     lse = torch.empty((batch, hkv, groups, tq))
+    full_chunks = tk // KEY_CHUNK
+    v_full = v[:, :, : full_chunks * KEY_CHUNK].reshape(bh * full_chunks, KEY_CHUNK, dim_v) if full_chunks else None
+    # Workspaces reused by every block and group (fresh large buffers cost page faults).
+    work = _Workspace()
+    q_buf = None
     for r0 in range(0, tq, QUERY_BLOCK):
         r1 = min(r0 + QUERY_BLOCK, tq)
         rows = r1 - r0
-        q_rows = qs[:, :, :, r0:r1].reshape(bh, groups * rows, dim)
+        real = groups * rows
+        nchunks = _chunks(masker.key_limit(r0, r1))
+        r_pad = padded_rows(real, dim, KEY_CHUNK, batched=True)
+        if q_buf is None or q_buf.shape[1] != r_pad or real != r_pad:
+            q_buf = qs.new_zeros((bh, r_pad, dim))
+        q_buf[:, :real].view(batch, hkv, groups, rows, dim).copy_(qs[:, :, :, r0:r1])
         m = torch.full((batch, hkv, groups, rows), float("-inf"))
         l = torch.zeros((batch, hkv, groups, rows))  # noqa: E741
         acc = torch.zeros((batch, hkv, groups, rows, dim_v))
-        nchunks = _chunks(masker.key_limit(r0, r1))
-        for c0 in range(0, nchunks, CHUNK_GROUP):
-            n = min(CHUNK_GROUP, nchunks - c0)
-            start = c0 * KEY_CHUNK
+        per_group = max(CHUNK_GROUP, GROUP_ELEMENTS // (bh * r_pad * KEY_CHUNK))
+        # Causal rows that all see every key below the cache end need no mask but the tail.
+        min_pos = int(masker.q_positions[:, r0:r1].min()) if causal and simple_mask else 0
+        for c0 in range(0, nchunks, per_group):
+            n = min(per_group, nchunks - c0)
+            start, width = c0 * KEY_CHUNK, n * KEY_CHUNK
             # One gemm for the group's n*C keys: an output column's bits do not depend on the
             # other columns (tests/batch_invariant/test_matmul.py: column chunks).
-            s = bmm(q_rows, _keys(k, start, n * KEY_CHUNK).transpose(1, 2))
-            s = s.view(batch, hkv, groups, rows, n, KEY_CHUNK)
-            _apply_mask(s, ~masker.visible_heads(r0, r1, start, n, hkv, groups))
+            s_buf = work.get("s", bh * r_pad * width).view(bh, r_pad, width)
+            inside = max(0, min(n, full_chunks - c0))  # chunks entirely inside the cache
+            if inside == n:
+                _gemm_into(q_buf, _keys(k, start, width).transpose(1, 2), s_buf)
+            else:  # the chunk past the cache end from a zero-padded copy, the rest from a view
+                cut = inside * KEY_CHUNK
+                if inside:
+                    _gemm_into(q_buf, _keys(k, start, cut).transpose(1, 2), s_buf[:, :, :cut])
+                _gemm_into(q_buf, _keys(k, start + cut, width - cut).transpose(1, 2), s_buf[:, :, cut:])
+            s = s_buf[:, :real].view(batch, hkv, groups, rows, n, KEY_CHUNK)
+            # Chunks whose keys below the cache end every row of the block sees need no mask
+            # but -inf past the cache end; the rest (the causal diagonal, documents, masks)
+            # take the general mask. Either way every hidden score is -inf, every other kept.
+            seen = 0
+            if simple_mask:
+                seen_end = min(tk, min_pos + 1) if causal else tk
+                seen = max(0, min(n, (seen_end - start) // KEY_CHUNK))
+                if seen == n or (seen_end >= tk and start + width > tk):
+                    seen = n
+                    if start + width > tk:
+                        s_buf[:, :real, tk - start :] = float("-inf")
+            if seen < n:
+                _apply_mask(s[..., seen:, :], ~masker.visible_heads(r0, r1, start + seen * KEY_CHUNK, n - seen, hkv, groups))
             m_all = torch.cummax(torch.cat([m.unsqueeze(-1), s.amax(dim=-1)], dim=-1), dim=-1).values + 0.0
             m_safe = torch.where(m_all == float("-inf"), 0.0, m_all)
             alpha = torch.exp(m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
-            p = s.sub_(m_safe[..., 1:].unsqueeze(-1)).exp_()
+            p = s.sub_(m_safe[..., 1:].unsqueeze(-1)).exp_()  # in place: s_buf's real rows hold p
             l_c = tree_sum(p)
+            pvs = _p_times_v(s_buf, work, v, v_full, full_chunks, c0, n, inside, real)
             for c in range(n):
-                p_c = p[:, :, :, :, c].reshape(bh, groups * rows, KEY_CHUNK)
-                pv = bmm(p_c, _keys(v, start + c * KEY_CHUNK, KEY_CHUNK)).view(batch, hkv, groups, rows, dim_v)
                 a = alpha[..., c]
                 l.mul_(a).add_(l_c[..., c])
-                acc.mul_(a.unsqueeze(-1)).add_(pv)
+                acc.mul_(a.unsqueeze(-1)).add_(pvs[c][:, :real].view(batch, hkv, groups, rows, dim_v))
             m = m_all[..., -1]
         l_col = l.unsqueeze(-1)
         out[:, :, :, r0:r1] = torch.where(l_col > 0, acc / l_col, 0.0) + 0.0

@@ -64,6 +64,12 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ):
         out = a.new_empty((m, n))  # the common case: nothing to pad, straight to MKL
         return torch.mm(a, b, out=out)
+    if (
+        a.dtype == torch.float32 and b.dtype == torch.float32 and 0 < m < ROW_MULTIPLE and n >= MIN_COLS and k > 0
+    ):  # a few rows (a decode step): pad to ROW_MULTIPLE zero rows, then the same MKL call
+        padded = a.new_zeros((ROW_MULTIPLE, k))
+        padded[:m] = a
+        return torch.mm(padded, b, out=a.new_empty((ROW_MULTIPLE, n)))[:m]
     return bmm(a.unsqueeze(0), b.unsqueeze(0), _batched=False).squeeze(0)
 
 
