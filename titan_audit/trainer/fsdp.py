@@ -44,19 +44,19 @@ class ShardedGrads:
     def take_flat(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """The microbatch's full gradient of every parameter (zeros where unused) as one fresh fp32
         vector in parameter order; FSDP's unsharded gradients are cleared for the next microbatch."""
-        parts = []
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+        offset = 0
         for p in params:
             unsharded = self.by_param[id(p)]._unsharded_param
             grad = unsharded.grad
-            if grad is None:
-                parts.append(torch.zeros(p.numel(), dtype=torch.float32))
-            else:
+            if grad is not None:
                 if isinstance(grad, DTensor):
                     grad = grad.to_local()
                 assert grad.shape == p.shape, (grad.shape, p.shape)
-                parts.append(grad.reshape(-1).float())
+                flat[offset : offset + p.numel()].add_(grad.reshape(-1))  # 0 + g, as the DP path
                 unsharded.grad = None
-        return torch.cat(parts)
+            offset += p.numel()
+        return flat
 
     @staticmethod
     def set_sharded(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
