@@ -25,11 +25,9 @@ few rows per head run in the same >= 4-row kernel family as a prefill's many; pa
 are separate outputs and never read back). The scores of a group of chunks come from one gemm
 (an output column's bits do not depend on the other columns: measured, tested in
 test_matmul.py); the reduction over keys (p @ v) is never merged across chunks: it is one
-[R, C] @ [C, D] gemm per chunk, either as the entries of one batched gemm (few rows: the
-entries' bits do not depend on each other, as for any bmm batch) or as one gemm per chunk on a
-strided view of p (many rows; the row stride does not change bits, see matmul.py). Which of
-the two, and how many chunks form a group, depends on the block's size only for speed; the
-bits of a row do not. Hidden scores are set to -inf either by the general mask or, for chunks
+[R, C] @ [C, D] gemm per chunk, on a strided view of p (the row stride does not change bits,
+see matmul.py). How many chunks form a group depends on the block's size, for speed only;
+the bits of a row do not. Hidden scores are set to -inf either by the general mask or, for chunks
 every row of the block fully sees, only past the cache end: the same -inf in the same places.
 Values at keys a query cannot see
 are multiplied by an exact zero, so they must be finite; padding keys (doc_ids < 0) are zeroed.
@@ -50,7 +48,6 @@ from titan_audit.batch_invariant.cpu.reductions import tree_sum
 KEY_CHUNK = 128
 QUERY_BLOCK = 128
 CHUNK_GROUP = 4
-BATCHED_ROWS = 16  # blocks of at most this many gemm rows take the chunk-major p @ v path
 GROUP_ELEMENTS = 1 << 20  # score elements per chunk group (small blocks take more chunks)
 
 
@@ -187,42 +184,26 @@ def _p_times_v(
     s_buf: torch.Tensor,
     work: _Workspace,
     v: torch.Tensor,
-    v_full: torch.Tensor | None,
-    full_chunks: int,
     c0: int,
     n: int,
-    inside: int,
     real: int,
 ) -> list[torch.Tensor]:
     """p_c @ v_c for the group's chunks c0 .. c0+n-1, each [B*Hkv, R, Dv] (rows past `real` are
-    padding). s_buf [B*Hkv, R, n*C] holds p in its first `real` rows. Each product is one chunk's
-    [R, C] @ [C, Dv] gemm whatever the path (the same per-chunk reduction):
-
-    * few rows (a decode step): p is copied chunk-major into [B*Hkv, n, R, C] (padding rows zero)
-      and the chunks inside the cache go through one batched gemm, entry (bh, c) = p_c @ v_c;
-    * many rows: one gemm per chunk on a strided view of s_buf (row stride n*C; MKL's lda was
-      measured not to change bits, see matmul.py), no copy.
-
-    The chunk past the cache end (if any) takes a zero-padded copy of its values.
+    padding). s_buf [B*Hkv, R, n*C] holds p in its first `real` rows. One gemm per chunk,
+    [R, C] @ [C, Dv], on a strided view of s_buf (row stride n*C; MKL's lda was measured not
+    to change bits, see matmul.py), so p is never copied; the chunk past the cache end (if any)
+    takes a zero-padded copy of its values. (Measured: faster than copying p chunk-major for
+    one batched gemm over the chunks, even for decode steps.)
     """
     bh, r_pad, width = s_buf.shape
     dim_v = v.shape[3]
     start = c0 * KEY_CHUNK
     p_chunks = s_buf.view(bh, r_pad, n, KEY_CHUNK)
     pvs: list[torch.Tensor] = []
+    pv_store = work.get("pv", bh * r_pad * n * dim_v)
     if r_pad != real:  # the padding rows hold raw scores: make them finite zeros
         s_buf[:, real:] = 0.0
-    pv_store = work.get("pv", bh * r_pad * n * dim_v)
-    if r_pad <= BATCHED_ROWS and inside == full_chunks and inside > 0:
-        p_buf = work.get("p", bh * n * r_pad * KEY_CHUNK).view(bh, n, r_pad, KEY_CHUNK)
-        p_buf.copy_(p_chunks.transpose(1, 2))
-        pv = pv_store[: bh * inside * r_pad * dim_v].view(bh, inside, r_pad, dim_v)
-        _gemm_into(p_buf[:, :inside].reshape(bh * inside, r_pad, KEY_CHUNK), v_full, pv.view(bh * inside, r_pad, dim_v))
-        pvs.extend(pv[:, i] for i in range(inside))
-        first = inside
-    else:
-        first = 0
-    for c in range(first, n):
+    for c in range(n):
         pv = pv_store[c * bh * r_pad * dim_v : (c + 1) * bh * r_pad * dim_v].view(bh, r_pad, dim_v)
         _gemm_into(p_chunks[:, :, c], _keys(v, start + c * KEY_CHUNK, KEY_CHUNK), pv)
         pvs.append(pv)
@@ -263,7 +244,6 @@ def attention_forward(
     out = torch.empty((batch, hkv, groups, tq, dim_v))
     lse = torch.empty((batch, hkv, groups, tq))
     full_chunks = tk // KEY_CHUNK
-    v_full = v[:, :, : full_chunks * KEY_CHUNK].reshape(bh * full_chunks, KEY_CHUNK, dim_v) if full_chunks else None
     # Workspaces reused by every block and group (fresh large buffers cost page faults).
     work = _Workspace()
     q_buf = None
@@ -315,7 +295,7 @@ def attention_forward(
             alpha = torch.exp(m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
             p = s.sub_(m_safe[..., 1:].unsqueeze(-1)).exp_()  # in place: s_buf's real rows hold p
             l_c = tree_sum(p)
-            pvs = _p_times_v(s_buf, work, v, v_full, full_chunks, c0, n, inside, real)
+            pvs = _p_times_v(s_buf, work, v, c0, n, real)
             for c in range(n):
                 a = alpha[..., c]
                 l.mul_(a).add_(l_c[..., c])
