@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
+from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 
 
@@ -20,19 +20,12 @@ from titan_audit.cli.output import print_json
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def replay(run: Path, from_step: int, nproc: int, out: Path, verify_to: int | None, overwrite: bool, as_json: bool) -> None:
     """Exit 0: identical from the checkpoint on; 1: a difference (first divergence shown); 2: bad input."""
-    from titan_audit.trainer.launch import launch
-    from titan_audit.trainer.replay import compare_replay, prepare_replay, source_checkpoint
+    from titan_audit.trainer.replay import elastic_replay
 
-    config, _, last = source_checkpoint(run, from_step)
-    to_step = last if verify_to is None else verify_to
-    if not from_step < to_step <= last:
-        raise UserError(f"--verify-to {to_step}: must lie in {from_step + 1}..{last} (the run's recorded steps)")
-    config.check_world_size(nproc)
-    prepare_replay(run, from_step, out, overwrite=overwrite)
-    rc = launch(config, out, nproc=nproc if nproc > 1 else None, resume=True, stop_at=to_step)
-    if rc:
-        raise click.ClickException(f"the replay run failed (exit {rc}); see {out}")
-    result = compare_replay(run, out, from_step, to_step)
+    try:
+        result, to_step = elastic_replay(run, from_step, out, nproc=nproc, verify_to=verify_to, overwrite=overwrite)
+    except RuntimeError as error:
+        raise click.ClickException(str(error)) from None
     verdict = "identical" if result.identical else "different"
     if as_json:
         print_json({"verdict": verdict, "from_step": from_step, "to_step": to_step, "world_size": nproc,

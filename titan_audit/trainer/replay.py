@@ -92,3 +92,29 @@ def compare_replay(run: str | os.PathLike, replay: str | os.PathLike, from_step:
     result.run_a, result.run_b = str(run), str(replay)
     result.filters = {**result.filters, "steps": [from_step + 1, to_step]}
     return result
+
+
+def elastic_replay(
+    run: str | os.PathLike,
+    from_step: int,
+    out: str | os.PathLike,
+    *,
+    nproc: int = 1,
+    verify_to: int | None = None,
+    overwrite: bool = False,
+) -> tuple[CompareResult, int]:
+    """Resume `run`'s checkpoint `from_step` on `nproc` ranks into `out`, run to `verify_to` (default:
+    the run's last step) and compare. Returns (comparison, to_step). Bad input: ValueError, before
+    any work; a failed replay run: RuntimeError."""
+    from titan_audit.trainer.launch import launch
+
+    config, _, last = source_checkpoint(run, from_step)
+    to_step = last if verify_to is None else verify_to
+    if not from_step < to_step <= last:
+        raise ValueError(f"--verify-to {to_step}: must lie in {from_step + 1}..{last} (the run's recorded steps)")
+    config.check_world_size(nproc)
+    prepare_replay(run, from_step, out, overwrite=overwrite)
+    rc = launch(config, out, nproc=nproc if nproc > 1 else None, resume=True, stop_at=to_step)
+    if rc:
+        raise RuntimeError(f"the replay run failed (exit {rc}); see {out}")
+    return compare_replay(run, out, from_step, to_step), to_step
