@@ -1,81 +1,54 @@
-"""`titan-audit demo`: the project's main job, end to end on a CPU in seconds.
+"""`titan-audit demo`: the project's main job, end to end on a CPU in about a minute.
 
-What it shows today (later issues extend it to train -> audit -> elastic replay -> RL -> golden):
-1. the numerics fingerprint of this machine (what decides the bits);
-2. G1 run-to-run: a small model trained twice under `deterministic.enable(seed)` gets identical
-   parameter fingerprints after every step;
-3. a negative control: the same training with another seed differs from step 0, so the check
-   above can fail;
-4. G2 batch invariance on the `tiny-dense` decoder: token-by-token decode from a KV cache gives
-   the same logits bits as one full forward in batch-invariant mode, and different bits with the
-   native ops (the negative control that shows the check can fail).
-It returns False (and the CLI exits 1) if any expectation fails.
+Every stage checks a guarantee and says so; the demo fails (the CLI exits 1) if one does not hold.
+1. The numerics fingerprint of this machine: what decides the bits here.
+2. G1 run-to-run: `tiny-dense` trained twice for 8 steps on one rank gives identical audit logs
+   (data, loss, gradients, parameters, optimizer state: every record's hash).
+3. G3 elastic: the same run on 2 ranks (torchrun, gloo) is bitwise identical to the 1-rank run.
+   Negative control: with determinism off (plain all_reduce) the 2-rank run differs, and
+   `compare` names the first divergence.
+4. G3/G5 elastic replay: the 2-rank run's step-4 checkpoint resumed on 1 rank replays steps 5-8
+   bit for bit.
+5. Golden check: a golden recorded from the 1-rank run passes, in exact mode, for the 2-rank run.
+6. G2 batch invariance on the same decoder: token-by-token KV-cache decode gives the logits bits
+   of one full forward with batch-invariant ops, and different bits with native ops (control).
+RL and the zero-gap (G4) report join when rl/ lands.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime as dt
+from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from titan_audit import batch_invariant, models
-from titan_audit.audit import bitwise_equal, fingerprint, fingerprint_many
-from titan_audit.deterministic import enable, torch_generator
+from titan_audit.audit import bitwise_equal, compare_runs
 from titan_audit.deterministic import fingerprint as numerics_fingerprint
+from titan_audit.golden import check_golden, record_golden
+from titan_audit.trainer.config import load_config
+from titan_audit.trainer.launch import launch
+from titan_audit.trainer.replay import elastic_replay
 
-VOCAB, DIM, SEQ, BATCH, STEPS = 256, 64, 32, 8, 5
-
-
-@dataclass
-class TrainTrace:
-    seed: int
-    param_hashes: list[str]  # one digest of all parameter fingerprints per step
-    losses: list[float]
+RECIPE, STEPS, REPLAY_FROM = "tiny-dense", 8, 4
 
 
-def _model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, DIM),
-        torch.nn.Linear(DIM, 4 * DIM),
-        torch.nn.GELU(),
-        torch.nn.Linear(4 * DIM, VOCAB),
-    )
+def default_out_dir() -> Path:
+    return Path("runs") / dt.datetime.now(dt.timezone.utc).strftime("demo-%Y%m%dT%H%M%SZ")
 
 
-def _state_digest(model: torch.nn.Module) -> str:
-    """One fingerprint standing for every parameter: the hash of their hashes, in name order."""
-    hashes = fingerprint_many(dict(model.named_parameters()))
-    joined = "".join(hashes[name] for name in sorted(hashes))
-    return fingerprint(torch.frombuffer(bytearray(joined.encode()), dtype=torch.uint8))
-
-
-def train_tiny(seed: int, steps: int = STEPS) -> TrainTrace:
-    """Train the demo model for `steps` steps in deterministic mode; data from keyed streams."""
-    trace = TrainTrace(seed=seed, param_hashes=[], losses=[])
-    with enable(seed):
-        model = _model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for step in range(steps):
-            tokens = torch.stack([
-                torch.randint(VOCAB, (SEQ + 1,), generator=torch_generator(seed, "demo.data", step, i))
-                for i in range(BATCH)
-            ])  # fmt: skip
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            trace.param_hashes.append(_state_digest(model))
-            trace.losses.append(loss.item())
-    return trace
+def train_run(out: Path, nproc: int, overrides: tuple[str, ...] = ()) -> None:
+    config = load_config(RECIPE, overrides=[f"steps={STEPS}", *overrides])
+    rc = launch(config, out, nproc=nproc if nproc > 1 else None, quiet=True)
+    if rc:
+        raise RuntimeError(f"training into {out} failed with exit code {rc}")
 
 
 @torch.no_grad()
 def decode_matches_full_forward(bi: bool, prompt_len: int = 24, new_tokens: int = 8) -> bool:
     """Do cached token-by-token decode logits equal one full forward's, bit for bit?"""
-    model = models.build("tiny-dense", seed=0)
+    model = models.build(RECIPE, seed=0)
     tokens = torch.randint(model.config.vocab_size, (1, prompt_len + new_tokens),
                            generator=torch.Generator().manual_seed(0))  # fmt: skip
     with batch_invariant.enabled(bi):
@@ -87,43 +60,69 @@ def decode_matches_full_forward(bi: bool, prompt_len: int = 24, new_tokens: int 
     return bitwise_equal(torch.cat(steps, dim=1), full)
 
 
-def run(console: Console | None = None) -> bool:
+def _verdict(ok: bool, good: str, bad: str) -> str:
+    return f"[green]{good}[/]" if ok else f"[red]{bad}[/]"
+
+
+def run(out: Path | None = None, console: Console | None = None) -> bool:
     console = console or Console()
-    ok = True
+    out = out or default_out_dir()
+    if out.exists():
+        raise ValueError(f"{out}: already exists; the demo writes new runs only (pick another --out)")
     fp = numerics_fingerprint()
     console.rule("[bold]titan-audit demo")
     console.print(
-        f"numerics: torch {fp.torch_version} on {fp.device_kind} ({fp.device_name}), "
-        f"ISA {fp.cpu_capability}, BLAS {fp.blas}, threads {fp.num_threads}"
+        f"numerics: torch {fp.torch_version} on {fp.device_kind} ({fp.device_name}), ISA {fp.cpu_capability}, "
+        f"BLAS {fp.blas}; runs go to {out}"
     )
+    checks: list[bool] = []
 
-    console.rule("G1 run-to-run: two runs, same seed")
-    run_a, run_b, other = train_tiny(0), train_tiny(0), train_tiny(1)
-    table = Table("step", "loss", "run A params", "run B params", "seed 1 (control)")
-    for step in range(STEPS):
-        same = run_a.param_hashes[step] == run_b.param_hashes[step]
-        control_same = run_a.param_hashes[step] == other.param_hashes[step]
-        table.add_row(
-            str(step),
-            f"{run_a.losses[step]:.4f}",
-            run_a.param_hashes[step][:16],
-            ("[green]" if same else "[red]") + run_b.param_hashes[step][:16],
-            ("[red]" if control_same else "[yellow]") + other.param_hashes[step][:16],
-        )
-        ok &= same and not control_same
-    console.print(table)
-    console.print(
-        "[green]identical bits in both runs at every step[/]"
-        if run_a.param_hashes == run_b.param_hashes
-        else "[red]runs A and B differ: determinism is broken on this machine[/]"
-    )
+    console.rule(f"G1 run-to-run: {RECIPE}, {STEPS} steps, twice on 1 rank")
+    train_run(out / "w1", nproc=1)
+    train_run(out / "w1-again", nproc=1)
+    same = compare_runs(out / "w1", out / "w1-again")
+    console.print(_verdict(same.identical, f"identical: {same.compared} audit records, all hashes equal",
+                           f"DIFFERENT: {same.differing} records differ"))  # fmt: skip
+    checks.append(same.identical)
 
-    console.rule("G2 batch invariance: KV-cache decode vs full forward (tiny-dense)")
+    console.rule("G3 elastic: the same run on 2 ranks (torchrun, gloo)")
+    train_run(out / "w2", nproc=2)
+    elastic = compare_runs(out / "w1", out / "w2")
+    console.print(_verdict(elastic.identical, f"W=2 == W=1: {elastic.compared} audit records, all hashes equal",
+                           f"DIFFERENT: {elastic.differing} records differ"))  # fmt: skip
+    train_run(out / "w2-nondeterministic", nproc=2, overrides=("determinism.enabled=false",))
+    control = compare_runs(out / "w1", out / "w2-nondeterministic")
+    if control.identical:
+        console.print("[red]negative control: plain all_reduce gave the same bits; the check proves nothing here")
+    else:
+        first = control.first_divergence
+        console.print(f"negative control, plain all_reduce at W=2: [yellow]differs[/], first at step {first['step']} "
+                      f"phase {first['phase']} ({first['name']})")  # fmt: skip
+    checks += [elastic.identical, not control.identical]
+
+    console.rule(f"G3/G5 elastic replay: W=2 checkpoint of step {REPLAY_FROM} resumed on 1 rank")
+    replayed, to_step = elastic_replay(out / "w2", REPLAY_FROM, out / "w2-replay-w1", nproc=1, quiet=True)
+    console.print(_verdict(replayed.identical,
+                           f"steps {REPLAY_FROM + 1}-{to_step} identical ({replayed.compared} records)",
+                           f"DIFFERENT: {replayed.differing} records differ"))  # fmt: skip
+    checks.append(replayed.identical)
+
+    console.rule("golden check: record from the W=1 run, check the W=2 run")
+    record_golden(out / "w1", out / "golden")
+    golden = check_golden(out / "w2", out / "golden")
+    console.print(_verdict(golden.passed and golden.mode == "exact", f"PASS in {golden.mode} mode",
+                           f"FAIL ({golden.mode} mode)"))  # fmt: skip
+    checks.append(golden.passed and golden.mode == "exact")
+
+    console.rule(f"G2 batch invariance: KV-cache decode vs full forward ({RECIPE})")
     bi_equal, native_equal = decode_matches_full_forward(bi=True), decode_matches_full_forward(bi=False)
     console.print(
-        f"batch-invariant ops: {'[green]identical bits' if bi_equal else '[red]DIFFERENT bits'}[/]; "
-        f"native ops (control): {'identical bits' if native_equal else '[yellow]different bits[/]'}"
+        _verdict(bi_equal, "batch-invariant ops: identical bits", "batch-invariant ops: DIFFERENT bits")
+        + "; native ops (control): " + ("identical bits" if native_equal else "[yellow]different bits[/]")
     )
-    ok &= bi_equal
-    console.rule("[green]demo passed" if ok else "[red]demo found a problem")
+    checks.append(bi_equal)
+
+    ok = all(checks)
+    console.rule("[green]demo passed: every guarantee held" if ok else "[red]demo found a problem")
+    console.print(f"inspect: titan-audit compare {out / 'w1'} {out / 'w2-nondeterministic'}")
     return ok

@@ -21,18 +21,18 @@ from titan_audit.trainer.config import TrainConfig, to_dict
 
 
 def launch(config: TrainConfig, out: str | os.PathLike, *, nproc: int | None, resume: bool = False,
-           overwrite: bool = False, stop_at: int | None = None) -> int:  # fmt: skip
+           overwrite: bool = False, stop_at: int | None = None, quiet: bool = False) -> int:  # fmt: skip
     if nproc is None:
         from titan_audit.trainer.train import train
 
-        train(config, out, resume=resume, overwrite=overwrite, stop_at=stop_at)
+        train(config, out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet)
         return 0
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with tempfile.TemporaryDirectory(prefix="titan-audit-launch-") as tmp:
         config_file = Path(tmp) / "config.json"
         config_file.write_text(json.dumps(to_dict(config)))
-        flags = [f for f, on in (("resume", resume), ("overwrite", overwrite)) if on]
+        flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
         if stop_at is not None:
             flags.append(f"stop_at={stop_at}")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -102,6 +102,7 @@ def elastic_replay(
     nproc: int = 1,
     verify_to: int | None = None,
     overwrite: bool = False,
+    quiet: bool = False,
 ) -> tuple[CompareResult, int]:
     """Resume `run`'s checkpoint `from_step` on `nproc` ranks into `out`, run to `verify_to` (default:
     the run's last step) and compare. Returns (comparison, to_step). Bad input: ValueError, before
@@ -114,7 +115,7 @@ def elastic_replay(
         raise ValueError(f"--verify-to {to_step}: must lie in {from_step + 1}..{last} (the run's recorded steps)")
     config.check_world_size(nproc)
     prepare_replay(run, from_step, out, overwrite=overwrite)
-    rc = launch(config, out, nproc=nproc if nproc > 1 else None, resume=True, stop_at=to_step)
+    rc = launch(config, out, nproc=nproc if nproc > 1 else None, resume=True, stop_at=to_step, quiet=quiet)
     if rc:
         raise RuntimeError(f"the replay run failed (exit {rc}); see {out}")
     return compare_replay(run, out, from_step, to_step), to_step

@@ -372,7 +372,7 @@ def _batch_invariant(config: TrainConfig):
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank under torchrun: `python -m titan_audit.trainer.train CONFIG_JSON OUT
-    [resume] [overwrite] [stop_at=N]` (the CLI writes the resolved config to a JSON file)."""
+    [resume] [overwrite] [quiet] [stop_at=N]` (the CLI writes the resolved config to a JSON file)."""
     import json
 
     argv = sys.argv[1:] if argv is None else argv
@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     flags = set(argv[2:])
     stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
     try:
-        train(config, argv[1], resume="resume" in flags, overwrite="overwrite" in flags, stop_at=stop_at)
+        train(config, argv[1], resume="resume" in flags, overwrite="overwrite" in flags, stop_at=stop_at,
+              quiet="quiet" in flags)  # fmt: skip
     except ValueError as error:
         if _rank() == 0:
             print(f"Error: {error}", file=sys.stderr, flush=True)
