@@ -30,7 +30,14 @@ import torch.distributed as dist
 Node = tuple[int, int]  # [lo, hi) over microbatch indices
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_by_all_to_all(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """all_gather of equal chunks done as one all_to_all: on gloo (torch 2.13, CPU) its all_gather
+    moves the same bytes 2-3x slower than its all_to_all (measured at 64 MB, W = 2 and 4)."""
+    world_size = dist.get_world_size(group)
+    dist.all_to_all_single(out, chunk.expand(world_size, chunk.numel()).reshape(-1), group=group)
 
 
 def split_point(lo: int, hi: int) -> int:
@@ -179,5 +186,5 @@ class TreeReducer:
             return self._partials()[0]
         chunk_sum, numel, chunk, spent = self._reduce_padded_chunk()
         gathered = spent.view(-1)[: chunk * self.world_size]  # the sent partials are done with
-        _all_gather_single(gathered, chunk_sum.contiguous(), group=self.group)
+        all_gather_by_all_to_all(gathered, chunk_sum, group=self.group)
         return gathered[:numel]

@@ -52,7 +52,7 @@ from titan_audit.trainer.crash import crash_point
 from titan_audit.trainer.fsdp import shard_model
 from titan_audit.trainer.config import TrainConfig, from_dict, resume_differences, to_dict
 from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
-from titan_audit.trainer.reduce import TreeReducer, _all_gather_single, split_point
+from titan_audit.trainer.reduce import TreeReducer, all_gather_single, split_point
 from titan_audit.trainer.run_dir import MetricsLog, package_versions, prepare_run_dir, read_manifest, write_manifest
 
 
@@ -208,7 +208,7 @@ def gather_in_index_order(local: torch.Tensor, world_size: int) -> torch.Tensor:
     if world_size == 1:
         return local
     out = torch.empty(local.numel() * world_size, dtype=local.dtype)
-    _all_gather_single(out, local.contiguous())
+    all_gather_single(out, local.contiguous())
     return out
 
 
