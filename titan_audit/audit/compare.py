@@ -25,7 +25,6 @@ Guarantees:
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import pyarrow.dataset as ds
 
 from titan_audit.audit.dumps import has_dump, read_dump
 from titan_audit.audit.log import read_audit_log
+from titan_audit.audit.run_manifest import MANIFEST, read_manifest
 from titan_audit.audit.schema import KEY, PHASE_RANK, PHASES, check_phase
 from titan_audit.audit.tensor_diff import tensor_diff
 
@@ -159,14 +159,9 @@ def _key_dict(key: Key) -> dict[str, Any]:
 
 
 def _read_fingerprint(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / "manifest.json"
-    if not path.is_file():
+    if not (run_dir / MANIFEST).is_file():
         return None
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    fp = manifest.get("fingerprint") if isinstance(manifest, dict) else None
+    fp = read_manifest(run_dir).get("fingerprint")
     return fp if isinstance(fp, dict) and "fingerprint_version" in fp else None
 
 
@@ -178,8 +173,8 @@ def fingerprint_check(run_a: Path, run_b: Path) -> tuple[list[str], str | None]:
     if fa is None or fb is None:
         missing = [str(r) for r, f in ((run_a, fa), (run_b, fb)) if f is None]
         return [], f"no numerics fingerprint in the manifest of {', '.join(missing)}; compatibility not checked"
-    a = NumericsFingerprint.from_dict(fa, source=str(run_a / "manifest.json"))
-    b = NumericsFingerprint.from_dict(fb, source=str(run_b / "manifest.json"))
+    a = NumericsFingerprint.from_dict(fa, source=str(run_a / MANIFEST))
+    b = NumericsFingerprint.from_dict(fb, source=str(run_b / MANIFEST))
     return incompatibilities(a, b), None
 
 

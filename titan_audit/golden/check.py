@@ -27,7 +27,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -44,6 +43,7 @@ import pyarrow.parquet as pq
 
 from titan_audit.audit.compare import CompareResult, compare_runs
 from titan_audit.audit.log import AuditLogWriter, read_audit_log
+from titan_audit.audit.run_manifest import MANIFEST, read_manifest
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
 from titan_audit.golden.store import (
     DEFAULT_PHASES,
@@ -57,9 +57,7 @@ from titan_audit.golden.store import (
     write_golden,
 )
 
-MANIFEST = "manifest.json"
 METRICS = "metrics.parquet"
-MANIFEST_FORMAT = 1
 # Config keys that never change the bits of a step (how long, how often it saves or flushes, how
 # it launches). Differences elsewhere are reported with the check.
 CONFIG_KEYS_IGNORED = ("steps", "checkpoint.", "audit.flush_every_steps", "parallel.backend", "data.workers")
@@ -88,23 +86,6 @@ def parse_phases(spec: str | list[str] | tuple[str, ...] | None) -> list[str] | 
         return None
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     return [check_phase(p.strip()) for p in items if p.strip()]
-
-
-def read_run_manifest(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / MANIFEST
-    if not run_dir.is_dir():
-        raise ValueError(f"{run_dir}: no such run directory")
-    if not path.is_file():
-        raise ValueError(f"{run_dir}: not a run directory ({MANIFEST} not found)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    if data.get("format", 0) > MANIFEST_FORMAT:
-        raise ValueError(f"{path}: written by a newer titan-audit (format {data['format']})")
-    return data
 
 
 def _select_records(run_dir: Path, steps: list[int] | None, phases: list[str]) -> pa.Table:
@@ -204,7 +185,7 @@ def _build(
     max_failures: int,
 ) -> dict[str, Any]:
     """Everything a golden of `run_dir` holds, as write_golden's keyword arguments."""
-    manifest = read_run_manifest(run_dir)
+    manifest = read_manifest(run_dir)
     fp = manifest.get("fingerprint")
     if not isinstance(fp, dict) or "fingerprint_version" not in fp:
         raise ValueError(f"{run_dir / MANIFEST}: no numerics fingerprint; a golden needs one to choose exact or tolerance mode")
@@ -368,7 +349,7 @@ def check_golden(run_dir: str | os.PathLike, golden_dir: str | os.PathLike, *, r
     """Check `run_dir` against the golden at `golden_dir` (see the module docstring)."""
     golden = read_golden(golden_dir)  # verifies integrity first: corruption raises here
     run_dir = Path(run_dir)
-    manifest = read_run_manifest(run_dir)
+    manifest = read_manifest(run_dir)
     read_audit_log(run_dir, columns=["step"])  # bad input (no audit log, damaged part) -> ValueError now
     run_fp = manifest.get("fingerprint") if isinstance(manifest.get("fingerprint"), dict) else None
     fp_diff = fingerprint_differences(golden.fingerprint, run_fp, str(golden.path / MANIFEST), str(run_dir / MANIFEST))

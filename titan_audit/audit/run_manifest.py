@@ -1,0 +1,40 @@
+"""RUN/manifest.json: the one reader and writer every layer uses.
+
+Guarantees: `write_manifest` writes atomically (temp + rename) with a format version;
+`read_manifest` returns a JSON object or raises a ValueError naming the run directory or file
+(missing directory, not a run, invalid JSON, not an object, a newer format).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from titan_audit.atomic import write_json_atomic
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+
+
+def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    path = run_dir / MANIFEST
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir}: no such run directory")
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: not a run directory ({MANIFEST} not found)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    if data.get("format", 0) > MANIFEST_FORMAT:
+        raise ValueError(f"{path}: written by a newer titan-audit (format {data['format']})")
+    return data
+
+
+def write_manifest(run_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    write_json_atomic(Path(run_dir) / MANIFEST, {"format": MANIFEST_FORMAT, **manifest})
