@@ -25,9 +25,8 @@ def test_tiny_moe(golden_run):
     assert golden_run is None or golden_run.passed
 
 
-def test_committed_golden_catches_a_changed_run(golden_run, request):
+@pytest.mark.skipif("config.getoption('--golden-update')", reason="would overwrite the golden with the perturbed run")
+def test_committed_golden_catches_a_changed_run(golden_run):
     """Negative control: the same recipe with another seed must fail against the committed golden."""
-    if request.config.getoption("--golden-update"):
-        pytest.skip("would overwrite the golden with the perturbed run")
     with pytest.raises(pytest.fail.Exception, match=r"golden check failed \(\w+ mode\)"):
         golden_run("tiny-dense", recipe="tiny-dense", steps=2, overrides=["seed=1"])
