@@ -81,7 +81,7 @@ def test_replay_cli_verdicts(reference, tmp_path):
         (["--config", "tiny-dense", "--set", "data.foo=1"], "unknown key 'data.foo'"),
         (["--config", "tiny-dense", "--set", "parallel.threads=0"], "parallel.threads must be >= 1"),
         (["--config", "nope.toml"], "nope.toml: no such config file"),
-        (["--resume"], "not a run directory (manifest.json not found)"),
+        (["--resume"], "run: no such run directory"),
     ],
 )
 def test_bad_input_exits_2_before_any_work(tmp_path, args, message):
