@@ -11,48 +11,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from titan_audit.models.config import ModelConfig
 
+_TINY_DENSE = ModelConfig(
+    vocab_size=2048,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    max_position_embeddings=2048,
+    rope_theta=10_000.0,
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    "tiny-dense": ModelConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        max_position_embeddings=2048,
-        rope_theta=10_000.0,
+    "tiny-dense": _TINY_DENSE,
+    "tiny-moe": dataclasses.replace(
+        _TINY_DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True
     ),
-    "tiny-moe": ModelConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        max_position_embeddings=2048,
-        rope_theta=10_000.0,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=192,
-        norm_topk_prob=True,
-    ),
-    "llama-tiny": ModelConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        max_position_embeddings=2048,
-        rope_theta=500_000.0,
-        rms_norm_eps=1e-5,
-        qk_norm=False,
-    ),
+    "llama-tiny": dataclasses.replace(_TINY_DENSE, rope_theta=500_000.0, rms_norm_eps=1e-5, qk_norm=False),
     "qwen3-0.6b": ModelConfig(
         vocab_size=151_936,
         hidden_size=1024,
