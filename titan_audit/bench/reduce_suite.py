@@ -1,10 +1,12 @@
 """`bench reduce`: the deterministic tree reduction against `all_reduce`, on gloo, W = 2 and 4.
 
-Both sides start from the same V/W fresh per-microbatch gradient buffers on each rank (V = 8) and
-end with the summed gradient on every rank. Baseline: sequential local sum, then
-`dist.all_reduce`. Candidate: `TreeReducer` (local tree merge, all_to_all of partial sums,
-finish the tree per chunk, all_gather). Times are rank 0's, per reduction, min over repeats;
-iteration counts are fixed on rank 0 and broadcast so every rank runs the same collectives.
+Both sides start by refilling the same V/W per-microbatch gradient buffers on each rank (V = 8),
+allocated once as the trainer's are (a fresh 64 MB tensor per call would cost page faults that
+dwarf the communication and hide its difference), and end with the summed gradient on every rank.
+Baseline: sequential local sum, then `dist.all_reduce`. Candidate: `TreeReducer` (local tree
+merge, point-to-point exchange of partial-sum chunks, finish the tree per chunk, all-gather).
+Times are rank 0's, per reduction, min over repeats, baseline and candidate interleaved; iteration
+counts are fixed on rank 0 and broadcast so every rank runs the same collectives.
 Target: <= 1.25x.
 """
 
@@ -45,17 +47,22 @@ def _rank_main(rank: int, world_size: int, sizes_mb: list[int], repeats: int) ->
         start, stop = reducer.block
         g = torch.Generator().manual_seed(rank)
         leaves = [torch.randn(numel, generator=g) for _ in range(stop - start)]
+        buffers = [torch.empty_like(leaf) for leaf in leaves]
+
+        def refill() -> list[torch.Tensor]:
+            for buffer, leaf in zip(buffers, leaves):
+                buffer.copy_(leaf)
+            return buffers
 
         def baseline() -> None:
-            fresh = [leaf.clone() for leaf in leaves]
-            total = fresh[0]
-            for other in fresh[1:]:
+            total, *others = refill()
+            for other in others:
                 total += other
             dist.all_reduce(total)
 
         def candidate() -> None:
-            for i, leaf in zip(range(start, stop), leaves):
-                reducer.add(i, leaf.clone())
+            for i, buffer in zip(range(start, stop), refill()):
+                reducer.add(i, buffer)
             reducer.all_reduce()
 
         baseline(), candidate()  # warm up

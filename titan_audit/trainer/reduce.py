@@ -10,19 +10,25 @@ order of the additions. Here the order is a tree that depends on V alone:
 
 Rank r of W owns the leaves (microbatches) [r*V/W, (r+1)*V/W). While it runs its microbatches it
 merges finished siblings at once (a stack, O(log V) buffers), so it ends holding the maximal tree
-nodes inside its block. Those partial sums go across ranks with one all_to_all: the flat gradient
-is cut into W equal chunks and rank q receives chunk q of every partial. Each rank then evaluates
-the top of the same tree for its chunk, and an all_gather puts the chunks together (replicated
-data parallel; FSDP keeps its chunk). Every addition is elementwise, so cutting the vector into
-chunks changes nothing, and each tree node is computed as left + right wherever it is computed.
+nodes inside its block. The flat gradient is cut into W contiguous chunks (c = ceil(N/W) elements,
+the last ones shorter or empty) and rank q receives chunk q of every other rank's partials (point
+to point, ring order). Each rank then evaluates the top of the same tree for its chunk, and an
+all-gather (point to point) puts the chunks together (replicated data parallel; FSDP keeps its
+chunk). Every addition is elementwise, so cutting the vector into chunks changes nothing, and each
+tree node is computed as left + right wherever it is computed (in place into the left operand's
+buffer, which gives the same bits).
 
 Cost. For W a power of two dividing V every block is one subtree: each rank sends one partial
-(N/W elements to each peer), the same volume as a ring reduce-scatter + all-gather.
+(N/W elements to each peer), the same volume as a ring reduce-scatter + all-gather. No copies and
+no allocations: chunks are views, received chunks land in a receive buffer kept across calls, the
+tree top is added in place, and the result is gathered into the first gradient buffer this rank
+added (which all_reduce returns).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,11 +39,13 @@ Node = tuple[int, int]  # [lo, hi) over microbatch indices
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather_by_all_to_all(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """all_gather of equal chunks done as one all_to_all: on gloo (torch 2.13, CPU) its all_gather
-    moves the same bytes 2-3x slower than its all_to_all (measured at 64 MB, W = 2 and 4)."""
-    world_size = dist.get_world_size(group)
-    dist.all_to_all_single(out, chunk.expand(world_size, chunk.numel()).reshape(-1), group=group)
+GATHER_TAG = 1 << 16  # point-to-point tag of the all-gather; the exchange uses 0, 1, ... per partial
+
+
+def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """Chunk q = [q*c, (q+1)*c) clipped to [0, numel), c = ceil(numel / W); trailing chunks may be empty."""
+    c = -(-numel // world_size)
+    return [(min(q * c, numel), min((q + 1) * c, numel)) for q in range(world_size)]
 
 
 def split_point(lo: int, hi: int) -> int:
@@ -112,12 +120,17 @@ class TreeReducer:
         self._nodes = tree_nodes(num_microbatches)
         self._stack: list[tuple[int, int, torch.Tensor]] = []
         self._next = self.block[0]
+        self._recv: torch.Tensor | None = None
 
     def add(self, index: int, flat_grad: torch.Tensor) -> None:
         """Add microbatch `index`'s gradient (1-D). Indices must come in order through the block."""
         if index != self._next:
             raise ValueError(f"microbatch {index} added out of order; expected {self._next} (block {self.block})")
         assert flat_grad.dim() == 1, flat_grad.shape
+        if self._stack and (flat_grad.shape, flat_grad.dtype) != (self._stack[0][2].shape, self._stack[0][2].dtype):
+            first = self._stack[0][2]
+            raise ValueError(f"microbatch {index}: gradient {flat_grad.dtype}{list(flat_grad.shape)}, "
+                             f"expected {first.dtype}{list(first.shape)}")
         self._next += 1
         self._stack.append((index, index + 1, flat_grad))
         while len(self._stack) >= 2:
@@ -136,55 +149,89 @@ class TreeReducer:
         self._next = self.block[0]
         return partials
 
-    def _reduce_padded_chunk(self) -> tuple[torch.Tensor, int, int, torch.Tensor]:
-        """(this rank's chunk of the sum padded to `chunk` elements; numel; chunk; a spent buffer
-        of at least W * chunk elements that the caller may reuse)."""
+    def _receive_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """Receive slots for the other ranks' partials, kept across calls (a fresh buffer of tens
+        of MB costs page faults comparable to the exchange itself)."""
+        buf = self._recv
+        if buf is None or buf.numel() != numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._recv = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf
+
+    def _reduce_chunk(self) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Reduce this rank's chunk into its first partial; returns (that partial, whose chunk
+        `rank` now holds the reduced chunk and whose other chunks are spent; the chunk bounds)."""
         partials = self._partials()
-        numel = partials[0].numel()
-        chunk = -(-numel // self.world_size)  # ceil
-        padded = chunk * self.world_size
-        if len(partials) == 1 and padded == numel:
-            send = partials[0]  # already laid out as W chunks: no copy (W a power of two)
-        else:
-            mine = torch.stack([torch.nn.functional.pad(p, (0, padded - numel)) for p in partials])
-            send = mine.view(len(partials), self.world_size, chunk).transpose(0, 1).contiguous()
-        counts = [len(nodes) for nodes in self.layout]
-        recv = torch.empty(sum(counts) * chunk, dtype=send.dtype, device=send.device)
-        dist.all_to_all_single(
-            recv,
-            send.view(-1),
-            output_split_sizes=[c * chunk for c in counts],
-            input_split_sizes=[len(partials) * chunk] * self.world_size,
-            group=self.group,
-        )
-        received = dict(zip([node for nodes in self.layout for node in nodes], recv.view(-1, chunk)))
+        out = partials[0]
+        bounds = chunk_bounds(out.numel(), self.world_size)
+        start, stop = bounds[self.rank]
+        size = stop - start
+        foreign = [(q, k, node) for q, nodes in enumerate(self.layout) if q != self.rank for k, node in enumerate(nodes)]
+        recv = self._receive_buffer(len(foreign) * size, out)
+        values: dict[Node, torch.Tensor] = {node: p[start:stop] for node, p in zip(self.layout[self.rank], partials)}
+        sources: dict[int, list[torch.Tensor]] = {q: [] for q in range(self.world_size)}
+        for slot, (q, _, node) in enumerate(foreign):
+            values[node] = recv[slot * size : (slot + 1) * size]
+            sources[q].append(values[node])
+
+        # Exchange: rank q's chunk of every partial goes to rank q, point to point in ring order.
+        works: list[dist.Work] = []
+        for step in range(1, self.world_size):
+            src, dst = (self.rank - step) % self.world_size, (self.rank + step) % self.world_size
+            if size:
+                for tag, slot in enumerate(sources[src]):
+                    works.append(self._p2p(dist.irecv, slot, src, tag))
+            dst_start, dst_stop = bounds[dst]
+            if dst_stop > dst_start:
+                for tag, partial in enumerate(partials):
+                    works.append(self._p2p(dist.isend, partial[dst_start:dst_stop], dst, tag))
+        for work in works:
+            work.wait()
 
         def finish(lo: int, hi: int) -> torch.Tensor:
-            if (lo, hi) in received:
-                return received[(lo, hi)]
+            if (lo, hi) in values:
+                return values[(lo, hi)]
             mid = split_point(lo, hi)
-            return finish(lo, mid) + finish(mid, hi)
+            return finish(lo, mid).add_(finish(mid, hi))  # left + right, into a buffer of ours
 
-        return finish(0, self.num_microbatches), numel, chunk, send
+        # The root's operands are disjoint from out[start:stop] or are that very view.
+        mid = split_point(0, self.num_microbatches)
+        torch.add(finish(0, mid), finish(mid, self.num_microbatches), out=out[start:stop])
+        return out, bounds
+
+    def _p2p(self, op: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        work = op(tensor, group=self.group, tag=tag, **{"group_dst" if op is dist.isend else "group_src": peer})
+        assert work is not None
+        return work
 
     def reduce_scatter(self) -> tuple[torch.Tensor, int, int]:
         """This rank's chunk of the reduced gradient, as (chunk, start, stop) element offsets.
 
-        Chunk q covers elements [q*c, min((q+1)*c, N)) with c = ceil(N / W).
+        Chunk q covers elements [q*c, min((q+1)*c, N)) with c = ceil(N / W). The chunk is a view of
+        the first gradient this rank added.
         """
         if self.world_size == 1:
             total = self._partials()[0]
             return total, 0, total.numel()
-        chunk_sum, numel, chunk, _ = self._reduce_padded_chunk()
-        start = min(self.rank * chunk, numel)
-        stop = min(start + chunk, numel)
-        return chunk_sum[: stop - start], start, stop
+        out, bounds = self._reduce_chunk()
+        start, stop = bounds[self.rank]
+        return out[start:stop], start, stop
 
     def all_reduce(self) -> torch.Tensor:
-        """The full reduced gradient, bitwise the same on every rank (replicated data parallel)."""
+        """The full reduced gradient, bitwise the same on every rank (replicated data parallel).
+
+        It is returned in the buffer of the first gradient this rank added."""
         if self.world_size == 1:
             return self._partials()[0]
-        chunk_sum, numel, chunk, spent = self._reduce_padded_chunk()
-        gathered = spent.view(-1)[: chunk * self.world_size]  # the sent partials are done with
-        all_gather_by_all_to_all(gathered, chunk_sum, group=self.group)
-        return gathered[:numel]
+        out, bounds = self._reduce_chunk()
+        start, stop = bounds[self.rank]
+        works: list[dist.Work] = []
+        for step in range(1, self.world_size):
+            src, dst = (self.rank - step) % self.world_size, (self.rank + step) % self.world_size
+            src_start, src_stop = bounds[src]
+            if src_stop > src_start:
+                works.append(self._p2p(dist.irecv, out[src_start:src_stop], src, GATHER_TAG))
+            if stop > start:
+                works.append(self._p2p(dist.isend, out[start:stop], dst, GATHER_TAG))
+        for work in works:
+            work.wait()
+        return out
