@@ -14,17 +14,61 @@ Guarantees:
   k-1), independent of the other tokens. With the shared expert:
   out += sigmoid(shared_expert_gate(x)) * shared_expert(x) (the Qwen2-MoE form).
 
+Load-balancing statistics (`forward(x, token_mask, return_stats=True)`): per expert e, the sum
+over the (unmasked) tokens of the router probability P[n, e] (float32, differentiable) and the
+number of top-k slots routed to e (float32, exact integers, no gradient). `load_balancing_loss`
+turns the statistics of the MoE layers into the Switch/Qwen3-MoE auxiliary loss
+E * sum_e f_e * P_e, where f_e = (top-k assignments to e) / R and P_e = (sum of P[., e]) / R over
+the R = (MoE layers x tokens) rows: the value of HF's `load_balancing_loss_func` (rows pooled over
+layers, padding tokens excluded). Both sums run over the tokens of the one forward call only, in
+a fixed order for a fixed shape, so the loss of a microbatch depends on that microbatch alone
+(never on the other microbatches, the world size or the rank). They are reductions over tokens,
+so they are NOT batch invariant (G2 concerns per-token results; this is a per-batch quantity).
+
 Weights: `experts.gate_proj`/`up_proj` [E, I, H] and `experts.down_proj` [E, H, I]; `hf.py`
-converts to and from the per-expert HF names (`mlp.experts.{e}.gate_proj.weight`, ...).
+converts to and from the per-expert HF names (`mlp.experts.{e}.gate_proj.weight`, ...). The
+statistics add no parameters.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titan_audit.models import ops
 from titan_audit.models.mlp import FeedForward
+
+
+RouterStats = tuple[torch.Tensor, torch.Tensor]  # (probability sum [E] fp32, assignment count [E] fp32)
+
+
+def router_stats(
+    probs_NE: torch.Tensor, experts_NK: torch.Tensor, token_mask_N: torch.Tensor | None
+) -> RouterStats:
+    """Per-expert sum of router probabilities and count of top-k assignments over the unmasked
+    tokens. The count is computed in int64 (exact) and returned as float32."""
+    num_experts = probs_NE.shape[-1]
+    assigned_NE = F.one_hot(experts_NK, num_experts).sum(1)  # int64, 0..k per entry
+    if token_mask_N is not None:
+        mask_N = token_mask_N.reshape(-1)
+        probs_NE = probs_NE * mask_N.to(probs_NE.dtype)[:, None]
+        assigned_NE = assigned_NE * mask_N.to(assigned_NE.dtype)[:, None]
+    return probs_NE.sum(0), assigned_NE.sum(0).to(torch.float32)
+
+
+def load_balancing_loss(stats: list[RouterStats], num_tokens: int, num_experts: int) -> torch.Tensor:
+    """E * sum_e f_e * P_e over the rows of every MoE layer's stats (see the module doc).
+
+    stats: one (prob_sum, count) per MoE layer, summed in list order (layer order); num_tokens:
+    the unmasked tokens of the forward call. 0 (float32) without MoE layers or tokens."""
+    rows = len(stats) * num_tokens
+    if rows == 0:
+        return torch.zeros((), dtype=torch.float32)
+    prob_sum_E, count_E = stats[0]
+    for p, c in stats[1:]:
+        prob_sum_E, count_E = prob_sum_E + p, count_E + c
+    return num_experts * ((count_E / rows) * (prob_sum_E / rows)).sum()
 
 
 def route(probs_NE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +134,11 @@ class MoE(nn.Module):
             self.shared_expert = None
             self.shared_expert_gate = None
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, token_mask: torch.Tensor | None = None, return_stats: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
+        """The MoE output [B, T, D]; with `return_stats`, also the layer's RouterStats over the
+        tokens where `token_mask` [B, T] (bool) is True (all tokens if None)."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         router_logits_NE = ops.linear(x_ND, self.gate.weight)
         probs_NE = ops.softmax(router_logits_NE.float(), -1)
@@ -105,4 +153,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             shared_gate_N1 = ops.sigmoid(ops.linear(x_ND, self.shared_expert_gate.weight))
             out_ND = out_ND + shared_gate_N1 * self.shared_expert(x_ND)
-        return out_ND.reshape(x_BTD.shape)
+        out_BTD = out_ND.reshape(x_BTD.shape)
+        if return_stats:
+            return out_BTD, router_stats(probs_NE, top_experts_NK, token_mask)
+        return out_BTD

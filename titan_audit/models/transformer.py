@@ -18,6 +18,17 @@ logits are bitwise the same from a full forward, a chunked prefill or a decode s
 cache, alone or in any batch, packed or not. Outside BI mode the same math runs on native kernels
 (parity with HF transformers within float32 tolerance).
 
+MoE load balancing: `model(tokens, ..., return_aux_loss=True)` returns (logits, aux) with aux the
+Switch/Qwen3-MoE load-balancing loss of this call's real tokens (moe.py; padding tokens of packed
+rows excluded), computed from this call's tokens alone.
+
+Compute dtype: `set_compute_dtype(torch.bfloat16)` runs the forward with each parameter cast once
+per call (`p.to(dtype)` inside the autograd graph, shared by tied uses; module hooks still run,
+via `torch.func.functional_call` per block); the parameters, and so their gradients, keep their
+own dtype (fp32 master weights: backward rounds each gradient in the compute dtype, then the
+cast's backward widens it exactly). Norm statistics, RoPE, router softmax and log-probs still run
+in float32 (ops.py, rope.py, logprobs.py). Activation checkpointing recomputes with the same casts.
+
 Switches: `set_activation_checkpointing(True)` recomputes each block in backward (the model has
 no randomness, so the recompute is bitwise the forward); `set_compile(True)` compiles each block:
 in BI mode with the `aot_eager` backend (graph capture, the same kernels, tested bitwise equal to
@@ -29,6 +40,7 @@ sizes; it is there for GPU runs.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -40,7 +52,7 @@ from titan_audit.models import ops
 from titan_audit.models.attention import Attention
 from titan_audit.models.config import ModelConfig
 from titan_audit.models.mlp import FeedForward
-from titan_audit.models.moe import MoE
+from titan_audit.models.moe import MoE, RouterStats, load_balancing_loss
 from titan_audit.models.norm import RMSNorm
 from titan_audit.models.packing import PackedLayout
 from titan_audit.models.rope import RotaryTable
@@ -81,12 +93,22 @@ class Block(nn.Module):
         sin_BTd: torch.Tensor,
         cache_step: object | None = None,
         packing: PackedLayout | None = None,
-    ) -> torch.Tensor:
+        with_stats: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, RouterStats | None]:
+        """The block's output; with `with_stats`, (output, the MoE layer's RouterStats over the
+        real tokens, or None for a dense layer)."""
         attn = self.self_attn(
             self.input_layernorm(x_BTD), cos_BTd, sin_BTd, self.layer, cache_step, packing
         )
         h_BTD = x_BTD + attn
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        normed_BTD = self.post_attention_layernorm(h_BTD)
+        if not with_stats:
+            return h_BTD + self.mlp(normed_BTD)
+        if not isinstance(self.mlp, MoE):
+            return h_BTD + self.mlp(normed_BTD), None
+        token_mask = None if packing is None else packing.valid_N.view(x_BTD.shape[:2])
+        out_BTD, stats = self.mlp(normed_BTD, token_mask, return_stats=True)
+        return h_BTD + out_BTD, stats
 
 
 class Transformer(nn.Module):
@@ -103,6 +125,7 @@ class Transformer(nn.Module):
         )
         self.rope = RotaryTable(config.head_dim, config.rope_theta, config.max_position_embeddings)
         self.activation_checkpointing = False
+        self.compute_dtype: torch.dtype | None = None
         self.compile_enabled = False
         self._compiled: dict[tuple[int, bool], nn.Module] = {}
         self._warned_inductor = False
@@ -111,6 +134,15 @@ class Transformer(nn.Module):
     def set_activation_checkpointing(self, enabled: bool) -> Transformer:
         """Recompute each block's activations in backward (training without a cache only)."""
         self.activation_checkpointing = bool(enabled)
+        return self
+
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> Transformer:
+        """Run forward (and so backward) with every parameter cast to `dtype` (e.g. bfloat16)
+        while the parameters keep their own dtype (fp32 master weights): the cast is part of the
+        autograd graph, so `.grad` arrives in the parameters' dtype. None: no cast."""
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"compute dtype must be a floating dtype, got {dtype}")
+        self.compute_dtype = dtype
         return self
 
     def set_compile(self, enabled: bool) -> Transformer:
@@ -153,7 +185,10 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         cache: object | None = None,
         doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_aux_loss: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, T, V] (in the compute dtype); with `return_aux_loss`, (logits, the MoE
+        load-balancing loss of this call's real tokens: a float32 scalar, 0 without MoE layers)."""
         squeeze = tokens.dim() == 1
         tokens_BT = self._check_tokens(tokens)
         batch, seq = tokens_BT.shape
@@ -188,17 +223,53 @@ class Transformer(nn.Module):
         positions_BT = default_positions if positions is None else self._check_positions(positions, batch, seq)
         cos_BTd, sin_BTd = self.rope.lookup(positions_BT.to(tokens_BT.device))
 
-        h_BTD = F.embedding(tokens_BT, self.embed_tokens.weight)
+        cast = self._cast_parameters()
+        call = self._call if cast is None else functools.partial(self._call_cast, cast)
+        embed_weight = self.embed_tokens.weight
+        h_BTD = F.embedding(tokens_BT, embed_weight if cast is None else cast[id(embed_weight)])
+        stats: list[RouterStats] = []
         for layer in range(len(self.layers)):
-            block = self._block_fn(layer)
+            block = functools.partial(call, self._block_fn(layer))
             if self.activation_checkpointing and cache_step is None and torch.is_grad_enabled():
-                h_BTD = checkpoint(block, h_BTD, cos_BTd, sin_BTd, None, packing, use_reentrant=False)
+                out = checkpoint(block, h_BTD, cos_BTd, sin_BTd, None, packing, return_aux_loss, use_reentrant=False)
             else:
-                h_BTD = block(h_BTD, cos_BTd, sin_BTd, cache_step, packing)
-        logits_BTV = ops.linear(self.norm(h_BTD), self.output_weight)
+                out = block(h_BTD, cos_BTd, sin_BTd, cache_step, packing, return_aux_loss)
+            if return_aux_loss:
+                h_BTD, layer_stats = out
+                if layer_stats is not None:
+                    stats.append(layer_stats)
+            else:
+                h_BTD = out
+        output_weight = self.output_weight if cast is None else cast[id(self.output_weight)]
+        logits_BTV = ops.linear(call(self.norm, h_BTD), output_weight)
         if cache_step is not None:
             cache_step.commit()
-        return logits_BTV[0] if squeeze else logits_BTV
+        logits = logits_BTV[0] if squeeze else logits_BTV
+        if not return_aux_loss:
+            return logits
+        num_tokens = batch * seq if packing is None else int(packing.valid_N.sum())
+        return logits, load_balancing_loss(stats, num_tokens, self.config.num_experts)
+
+    # -- compute dtype --------------------------------------------------------------------------
+    def _cast_parameters(self) -> dict[int, torch.Tensor] | None:
+        """{id(parameter): parameter cast to the compute dtype} (one autograd cast per parameter
+        per forward, shared by tied uses), or None when no parameter needs a cast."""
+        dtype = self.compute_dtype
+        if dtype is None or all(p.dtype == dtype for p in self.parameters()):
+            return None
+        if self.compile_enabled:
+            raise ValueError("set_compile(True) cannot be combined with a compute dtype other than the parameters'")
+        return {id(p): p.to(dtype) for p in self.parameters()}
+
+    @staticmethod
+    def _call(module: nn.Module, *args: object) -> object:
+        return module(*args)
+
+    @staticmethod
+    def _call_cast(cast: dict[int, torch.Tensor], module: nn.Module, *args: object) -> object:
+        """module(*args) with every parameter replaced by its cast (the module's hooks still run)."""
+        params = {name: cast[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
+        return torch.func.functional_call(module, params, args)
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dtype not in (torch.int64, torch.int32):

@@ -11,21 +11,28 @@ Guarantees:
 - The resolved config (recipe + file + overrides, every default filled in) is a plain dict that
   rebuilds the same TrainConfig (`from_dict(to_dict(c)) == c`); manifest.json stores it, and a
   resume compares it key by key (`resume_differences`).
-- Sections: model (preset + ModelConfig overrides), data (token store or the built-in synthetic
+- Sections: model (preset + ModelConfig overrides, activation checkpointing, the MoE
+  load-balancing coefficient `router_aux_loss_coef`, `compute_dtype` float32 | bfloat16), data (token store or the built-in synthetic
   corpus; seq_len, global_batch_size, microbatch_size -> V), optimizer, schedule, parallel (mode
   dp | fsdp, threads per rank, backend), checkpoint (interval, keep_last, fallback), audit (level,
   modules, flush_every_steps), determinism (enabled, strict, batch_invariant); top-level `seed`
   (model init and the data order) and `steps`.
 - Recipes `tiny-dense` and `tiny-moe`: V = 8 virtual microbatches of 1 x 64 tokens, a step well
-  under a second on 2 CPU cores, a checkpoint every 4 steps.
+  under a second on 2 CPU cores, a checkpoint every 4 steps; tiny-moe trains with the
+  load-balancing loss at `model.router_aux_loss_coef = 0.01`.
+- Neither `model.router_aux_loss_coef` nor `model.compute_dtype` is resume-mutable: both change
+  the bits of every later step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import torch
 
 from titan_audit.models import ModelConfig, get_preset
 from titan_audit.trainer import typed_config
@@ -40,14 +47,33 @@ RESUME_MUTABLE_KEYS = frozenset({
 })  # fmt: skip
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass
 class ModelSection:
     preset: str = "tiny-dense"
     overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields
     activation_checkpointing: bool = False
+    # MoE load-balancing loss coefficient (HF Qwen3-MoE `router_aux_loss_coef`); 0: not in the
+    # loss (still logged for an MoE model). The loss adds coef * aux_mb / V per microbatch.
+    router_aux_loss_coef: float = 0.0
+    # dtype of the forward/backward; parameters, gradients and AdamW state stay float32 (masters)
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
-        self.model_config()  # checked now, so a bad preset or override fails before any work
+        model = self.model_config()  # checked now, so a bad preset or override fails before any work
+        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            raise ValueError(f"model.router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}")
+        if self.router_aux_loss_coef > 0 and not model.is_moe:
+            raise ValueError(
+                f"model.router_aux_loss_coef = {self.router_aux_loss_coef} needs an MoE model "
+                f"(model.preset {self.preset!r} has num_experts = 0)"
+            )
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.compute_dtype]
 
     def model_config(self) -> ModelConfig:
         base = get_preset(self.preset)
@@ -173,7 +199,7 @@ _TINY = {
 }
 RECIPES: dict[str, dict[str, Any]] = {
     "tiny-dense": typed_config.merge(_TINY, {"model": {"preset": "tiny-dense"}}),
-    "tiny-moe": typed_config.merge(_TINY, {"model": {"preset": "tiny-moe"}}),
+    "tiny-moe": typed_config.merge(_TINY, {"model": {"preset": "tiny-moe", "router_aux_loss_coef": 0.01}}),
 }
 
 
@@ -219,7 +245,11 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     """Keys (dotted) whose values differ between a run's saved config and `current`, other than
-    the keys a resume may change (RESUME_MUTABLE_KEYS). Empty: the resume is allowed."""
+    the keys a resume may change (RESUME_MUTABLE_KEYS). Empty: the resume is allowed. A key the
+    saved config lacks (a run written before the key existed) counts as its default value: new
+    keys default to the behaviour that existed before them."""
     a, b = _flatten(saved), _flatten(to_dict(current))
+    defaults = _flatten(to_dict(TrainConfig()))
+    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults and k != "model.overrides"})
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
             if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)]  # fmt: skip

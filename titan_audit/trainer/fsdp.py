@@ -16,17 +16,22 @@ Guarantees:
   its own shard of it (a local slice, no communication). Clipping is computed on the full vector,
   identical on every rank. AdamW is elementwise, so updating shards gives the bits of updating the
   whole tensors.
+- bf16 compute (`param_dtype`): forward/backward on bf16 all-gathered parameters; the unsharded
+  gradient is bf16 (FSDP2 keeps it widened to fp32 in `unsharded_accumulated_grad`, exactly), and
+  `take_flat` adds it into the fp32 vector (0 + g), the DP path's bits; shards, reduced gradients
+  and AdamW state stay fp32.
 - Cost note: the reduction moves the volume of an all-reduce (not of a reduce-scatter), and each
   microbatch's unsharded gradient is held until it is flattened: memory is that of DP for
   gradients, FSDP's saving is kept for parameters and optimizer state.
-This reads FSDP2's per-parameter unsharded gradient (`FSDPParam._unsharded_param.grad`), an
+This reads FSDP2's per-parameter unsharded gradient (`FSDPParam._unsharded_param.grad`, or
+`FSDPParam.unsharded_accumulated_grad` under mixed precision), an
 internal of torch.distributed.fsdp; it is checked on this torch (2.13) by the tests.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -47,14 +52,20 @@ class ShardedGrads:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
         offset = 0
         for p in params:
-            unsharded = self.by_param[id(p)]._unsharded_param
-            grad = unsharded.grad
+            fsdp_param = self.by_param[id(p)]
+            unsharded = fsdp_param._unsharded_param
+            # Mixed precision without gradient sync: FSDP moves the bf16 gradient into an fp32
+            # `unsharded_accumulated_grad` (its exact widening); otherwise it stays on .grad.
+            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            assert accumulated is None or unsharded.grad is None, "both gradient slots are set"
+            grad = accumulated if accumulated is not None else unsharded.grad
             if grad is not None:
                 if isinstance(grad, DTensor):
                     grad = grad.to_local()
                 assert grad.shape == p.shape, (grad.shape, p.shape)
                 flat[offset : offset + p.numel()].add_(grad.reshape(-1))  # 0 + g, as the DP path
                 unsharded.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
             offset += p.numel()
         return flat
 
@@ -70,15 +81,26 @@ class ShardedGrads:
         assert offset == flat.numel(), (offset, flat.numel())
 
 
-def shard_model(model: torch.nn.Module, *, deterministic: bool = True) -> ShardedGrads:
+def shard_model(
+    model: torch.nn.Module, *, deterministic: bool = True, param_dtype: torch.dtype = torch.float32
+) -> ShardedGrads:
     """fully_shard every decoder block and the root (default mesh: all ranks). Deterministic: FSDP's
     gradient sync off (the tree reduction replaces it). Otherwise FSDP2 as usual: an averaging
     reduce-scatter per backward accumulated into the sharded .grad (the caller multiplies by W: the
     loss is already normalised by the global token count; gloo has no PREMUL_SUM for a factor of
-    1); the baseline and negative control of the deterministic path."""
+    1); the baseline and negative control of the deterministic path.
+
+    param_dtype other than the parameters' (bf16 compute): FSDP2's MixedPrecisionPolicy casts
+    each shard before the all-gather (elementwise: the bits of casting the full tensor, as the DP
+    path does) and leaves the blocks' float inputs alone (RoPE tables stay fp32, as in DP);
+    gradient reductions (the native path's) run in fp32."""
+    kwargs = {}
+    if any(p.dtype != param_dtype for p in model.parameters()):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False)  # fmt: skip
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     if deterministic:
         model.set_requires_gradient_sync(False)
     return ShardedGrads(model)

@@ -5,7 +5,8 @@
 
 Read top to bottom, a step is (rank r of W, V virtual microbatches):
   1. microbatches [r*V/W, (r+1)*V/W) of the global batch, in index order (data/ElasticLoader);
-  2. per microbatch: forward, loss = sum(masked token CE) / global_loss_tokens, backward, the
+  2. per microbatch: forward, loss = sum(masked token CE) / global_loss_tokens (+ for an MoE model
+     router_aux_loss_coef * aux / V, aux = the microbatch's load-balancing loss), backward, the
      gradients flattened into one fp32 vector and added to the TreeReducer under the microbatch's
      global index;
   3. the reducer's all_reduce: a fixed binary tree over the V microbatch gradients, the same bits
@@ -15,12 +16,27 @@ Read top to bottom, a step is (rank r of W, V virtual microbatches):
      (FSDP2, `parallel.mode = "fsdp"`, fsdp.py: FSDP's own reduce-scatter is off);
   5. AdamW (elementwise: the update does not depend on the layout or the sharding);
   6. the step loss for logging: the V per-microbatch losses gathered in index order and summed
-     with the same tree, so it does not depend on W either;
+     with the same tree, so it does not depend on W either; for an MoE model the aux losses ride
+     along in the same gather and tree (metric `aux_loss` = their tree sum / V);
   7. audit records (data and loss under the global microbatch index; grads, params, optimizer
      state at step level), a metrics row, a progress line on rank 0 (stderr: stdout stays free for --json);
   8. every `checkpoint.interval` steps: a verified checkpoint (reshardable DCP + a rank-agnostic
      blob with the loader state and step) and an audit flush.
 Steps are numbered from 1; checkpoint `step_N` holds the state after N steps.
+
+MoE auxiliary loss, why it keeps G3: a microbatch's aux loss is computed from its own tokens
+(moe.py: per-expert sums over the microbatch, fixed shape, fixed thread count), so its bits do not
+depend on W; it enters that microbatch's objective with the weight coef / V, V fixed by the global
+batch plan (never W or a rank-local count), so the microbatch's gradient is W-independent and the
+fixed tree sums it like any other. The logged value is gathered in index order and tree-summed.
+
+Compute dtype (`model.compute_dtype = "bfloat16"`): the forward/backward run on bf16 casts of the
+fp32 parameters (transformer.py `set_compute_dtype`; under FSDP2 its MixedPrecisionPolicy with
+param_dtype bf16, which casts the same elements the same way), the loss is float32 (logits are
+widened before the log-softmax), each microbatch's gradient reaches the tree reducer as fp32 (the
+cast's backward widens the bf16 gradient exactly), and clipping, AdamW and its state, checkpoints
+and the audited parameters are fp32 master weights. Every cast is elementwise and every bf16
+kernel runs on one microbatch with the config's thread count, so G1/G3/G5 hold as in fp32.
 
 Guarantees: G1 (same config + fingerprint -> same audit hashes), G3 (same hashes for every W
 dividing V, and across a resume at another W), G5 (SIGKILL at any moment, `resume=True` -> the
@@ -149,11 +165,17 @@ def _record_start(out: Path, world_size: int, start_step: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- pieces of a step
-def microbatch_loss(model: torch.nn.Module, mb) -> torch.Tensor:
-    """sum over the microbatch's loss tokens of -log p(target), over the GLOBAL batch's loss tokens."""
-    logits = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids)
+def microbatch_loss(model: torch.nn.Module, mb, *, with_aux: bool = False):
+    """sum over the microbatch's loss tokens of -log p(target), over the GLOBAL batch's loss tokens
+    (float32: the logits are widened before the log-softmax, whatever the compute dtype).
+    with_aux: (that loss, the MoE load-balancing loss of this microbatch's tokens)."""
+    if with_aux:
+        logits, aux = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids, return_aux_loss=True)
+    else:
+        logits = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids)
     nll = -token_logprobs(logits, mb.targets)
-    return (nll * mb.loss_mask).sum() / mb.global_loss_tokens
+    loss = (nll * mb.loss_mask).sum() / mb.global_loss_tokens
+    return (loss, aux) if with_aux else loss
 
 
 def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -195,8 +217,9 @@ def clip_(flat: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-    """Sum of values[lo:hi] in the fixed tree order of reduce.py (depends on the count alone)."""
-    hi = values.numel() if hi is None else hi
+    """Sum of values[lo:hi] (along dim 0) in the fixed tree order of reduce.py (depends on the
+    count alone)."""
+    hi = values.shape[0] if hi is None else hi
     if hi - lo == 1:
         return values[lo]
     mid = split_point(lo, hi)
@@ -204,11 +227,11 @@ def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.
 
 
 def gather_in_index_order(local: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Concatenate every rank's block (rank order = microbatch index order)."""
+    """Concatenate every rank's block along dim 0 (rank order = microbatch index order)."""
     if world_size == 1:
         return local
-    out = torch.empty(local.numel() * world_size, dtype=local.dtype)
-    all_gather_single(out, local.contiguous())
+    out = torch.empty((local.shape[0] * world_size, *local.shape[1:]), dtype=local.dtype)
+    all_gather_single(out.view(-1), local.contiguous().view(-1))
     return out
 
 
@@ -238,7 +261,12 @@ def train(
 
     model = build(config.model.model_config(), seed=config.seed,
                   activation_checkpointing=config.model.activation_checkpointing)  # fmt: skip
-    sharded = shard_model(model, deterministic=config.determinism.enabled) if config.parallel.mode == "fsdp" else None
+    compute_dtype = config.model.torch_compute_dtype
+    if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
+        sharded = shard_model(model, deterministic=config.determinism.enabled, param_dtype=compute_dtype)
+    else:  # the model casts each parameter once per forward, inside the autograd graph
+        sharded = None
+        model.set_compute_dtype(compute_dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, config.optimizer)
     checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
@@ -270,6 +298,8 @@ def train(
 
     grad_buffers = GradBuffers(sum(p.numel() for p in params))
     bi = _batch_invariant(config)
+    with_aux = config.model.model_config().is_moe  # the aux loss is logged for every MoE model
+    aux_scale = config.model.router_aux_loss_coef / V  # fixed by the global batch, never by W
     losses: list[float] = []
     steps = loader.steps()
     for step in range(start_step + 1, last_step + 1):
@@ -280,7 +310,7 @@ def train(
         microbatches = next(steps)
 
         # forward + backward, one virtual microbatch at a time, gradients into the tree
-        mb_losses = []
+        mb_losses = []  # per local microbatch: [loss] or [loss, aux]
         optimizer.zero_grad(set_to_none=True)
         for j, mb in enumerate(microbatches):
             if config.determinism.enabled and not sharded:
@@ -289,10 +319,17 @@ def train(
             recorder.set_microbatch(mb.index)
             recorder.record_data(mb.tensors())
             with bi():
-                loss = microbatch_loss(model, mb)
-                recorder.record_loss(loss)
-                loss.backward()
-            mb_losses.append(loss.detach())
+                if with_aux:
+                    loss, aux = microbatch_loss(model, mb, with_aux=True)
+                    recorder.record_loss(loss)
+                    recorder.record_loss(aux, name="aux_loss")
+                    objective = loss + aux * aux_scale if aux_scale else loss
+                    mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
+                else:
+                    loss = objective = microbatch_loss(model, mb)
+                    recorder.record_loss(loss)
+                    mb_losses.append(loss.detach().reshape(1))
+                objective.backward()
             if config.determinism.enabled:
                 reducer.add(mb.index, sharded.take_flat(params) if sharded else leaf)
                 optimizer.zero_grad(set_to_none=True)
@@ -322,12 +359,15 @@ def train(
         recorder.record_optimizer(optimizer)
         recorder.record_params()
 
-        step_loss = float(tree_sum(gather_in_index_order(torch.stack(mb_losses), world_size)))
+        # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
+        step_sums = tree_sum(gather_in_index_order(torch.stack(mb_losses), world_size))
+        step_loss = float(step_sums[0])
+        extra = {"aux_loss": float(step_sums[1]) / V} if with_aux else {}  # mean per microbatch
         losses.append(step_loss)
         seconds = time.perf_counter() - t0
         tokens = config.data.global_batch_size * config.data.seq_len
         if rank == 0:
-            metrics.append({"step": step, "loss": step_loss, "grad_norm": float(grad_norm), "lr": lr,
+            metrics.append({"step": step, "loss": step_loss, **extra, "grad_norm": float(grad_norm), "lr": lr,
                             "tokens": tokens, "seconds": seconds, "world_size": world_size})  # fmt: skip
             metrics.flush()
             if not quiet:
