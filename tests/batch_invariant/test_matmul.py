@@ -4,7 +4,8 @@ Proves: row i of a batched product equals the product of row i alone (and of any
 it) for random shapes, batch sizes 1..512, row positions, float32 and bfloat16, and thread
 counts 1 and 2; the bits do not change between 1 and 2 threads for the bench's LLM shapes;
 results are within float32 tolerance of a float64 reference. Negative controls: plain torch
-(MKL) gives different bits for the same rows on this machine, so the checks can fail.
+(MKL) gives different bits for the same rows on this machine, and so does oneDNN's inner product
+for a single row, so the checks can fail.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def test_mm_matmul_addmm_rows_do_not_depend_on_the_batch(data: st.DataObject) ->
     a3 = a.reshape(1, batch, k)
     assert_bitwise_equal(bi.matmul(a3[:, rows], b), bi.matmul(a3, b)[:, rows], "matmul 3-D @ 2-D")
     assert_bitwise_equal(bi.matmul(a[start], b), bi.mm(a, b)[start], "matmul 1-D @ 2-D")
+    other_layout = b.t().contiguous().t()  # the same matrix stored the other way round
+    assert_bitwise_equal(bi.mm(a[rows], other_layout), bi.mm(a, b)[rows], "weight layout")
 
 
 @settings(max_examples=200)
@@ -83,7 +86,7 @@ def test_bmm_rows_do_not_depend_on_batch_or_rows(data: st.DataObject) -> None:
     start, length = _slice(data, m)
     full = bi.bmm(a, b)
     assert_bitwise_equal(bi.bmm(a[j : j + 1, start : start + length], b[j : j + 1]), full[j : j + 1, start : start + length])
-    assert_bitwise_equal(bi.matmul(a[j, start : start + length], b[j]), full[j, start : start + length], "bmm vs 2-D matmul")
+    assert_bitwise_equal(bi.matmul(a[j : j + 1, start : start + length], b[j : j + 1]), full[j : j + 1, start : start + length], "3-D matmul")
 
 
 @pytest.mark.parametrize(("k", "n"), LLM_SHAPES)
@@ -115,8 +118,21 @@ def test_negative_control_native_mkl_rows_differ() -> None:
         assert not bitwise_equal(x[:1] @ w.t(), full[:1])
 
 
+def test_negative_control_onednn_single_row() -> None:
+    """oneDNN's inner product (the float32 mm kernel) gives one row alone other bits than the
+    same row among two or more: the reason bi.mm pads M == 1 to two rows."""
+    x = randn(64, 1024, seed=12)
+    w = randn(512, 1024, seed=13)
+    def onednn(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
+    full = onednn(x)
+    assert not bitwise_equal(onednn(x[5:6].clone()), full[5:6])
+    assert_bitwise_equal(onednn(x[5:7].clone()), full[5:7], "two rows share the M >= 2 family")
+    assert_bitwise_equal(bi.linear(x[5:6], w), bi.linear(x, w)[5:6], "bi pads the single row")
+
+
 def test_negative_control_small_n() -> None:
-    """With N <= 11 columns MKL's row bits depend on M even at multiples of 4; bi pads N."""
+    """With N <= 11 columns MKL's row bits depend on M even at multiples of 4; bi.linear's do not."""
     x = randn(300, 31, seed=5)
     w = randn(7, 31, seed=6)
     full = x @ w.t()

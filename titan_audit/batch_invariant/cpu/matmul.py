@@ -1,28 +1,38 @@
 """CPU matmul kernels (mm, bmm) whose row bits depend only on that row, K and the other operand.
 
-Why this is invariant. Torch's float32 `mm`/`bmm` on CPU call MKL's sgemm. MKL picks its kernel
-family from the problem size, and within a family every output element is the dot of one row of
-A with one column of B, reduced over K in an order fixed by K alone. What changes bits is the
-*family*: measured on this machine (MKL 2024.2, AVX512, torch 2.13.0+cpu, 1 and 2 threads):
+Two gemm libraries sit under torch on CPU, and each keeps a row's bits fixed only within a
+"kernel family" that it picks from the problem size. The kernels here pin the family by shape
+rules that never look at the batch (measured on this machine: 2-core AMD EPYC, AVX512,
+torch 2.13.0+cpu, MKL 2024.2, oneDNN 3.12, 1 and 2 threads).
+
+`mm` (float32; also bfloat16/float16, upcast) runs oneDNN's inner-product primitive
+(`torch.ops.mkldnn._linear_pointwise`, the op inductor lowers CPU linears to). Every M >= 2
+takes one brgemm family whose reduction over K depends on K alone; M == 1 takes a gemv path.
+So one real row is padded with one zero row: the rule is "at least 2 rows". The bits do not
+depend on the weight's layout ([N, K] or [K, N] storage) nor on A's offset. oneDNN is also
+the fast choice here: it dispatches AVX512 kernels on this AMD CPU, where MKL runs AVX2 code,
+so the batch-invariant mm beats native `torch.mm` for M >= 4 and costs about 2x a gemv at M=1.
+
+`bmm` (and float64 `mm`) run MKL's sgemm/dgemm, whose families are:
 
 * a block of fewer than 4 rows takes a gemv-like kernel. With 2 threads MKL also splits M
   between threads, so for M in 5..11 the last M % 4 rows land in such a block;
 * an output with fewer than 12 columns (N <= 11) takes another path whose row bits depend on M;
 * `bmm` falls back to a naive loop when K * M * N < 400 (ATen's small-problem path).
 
-So the kernels fix the family by padding, never by the batch: the row count is padded with zero
-rows up to a multiple of `ROW_MULTIPLE` (4), at least 4, and for `bmm` at least enough rows that
-K * M * N >= `BMM_MIN_WORK`; the column count is padded with zero columns to at least `MIN_COLS`
-(16). Zero rows and columns are separate outputs and are sliced away, so they change no bit of
-the real rows. A is handed to MKL row-major (unit inner stride; copied if not): its row stride
-(lda) was measured not to change any bit, so a strided view of rows needs no copy.
-The gemm itself runs through the `out=` overloads (`aten::mm.out`, `aten::bmm.out`), which the
-override mode leaves native, so these kernels never re-enter the mode.
+So the row count is padded with zero rows up to a multiple of `ROW_MULTIPLE` (4), at least 4,
+and for `bmm` at least enough rows that K * M * N >= `BMM_MIN_WORK`; the column count is padded
+with zero columns to at least `MIN_COLS` (16). A's row stride (lda) was measured not to change
+any bit, so a strided view of rows needs no copy. The gemm runs through the `out=` overloads
+(`aten::mm.out`, `aten::bmm.out`), which the override mode leaves native, so these kernels never
+re-enter the mode (the oneDNN op is not an aten op the mode overrides either).
 
-The padding rule is a claim about this MKL, proven by tests (tests/batch_invariant/
-test_matmul.py sweeps random shapes, row subsets and thread counts 1 and 2), with a negative
-control showing plain `torch.mm` does change bits there. The thread count is part of the numerics
-fingerprint; the bits were also measured to be equal for 1 and 2 threads.
+Zero rows and columns are separate outputs and are sliced away, so they change no bit of the
+real rows. These padding rules are claims about these two libraries, proven by tests
+(tests/batch_invariant/test_matmul.py sweeps random shapes, row subsets, weight layouts and
+thread counts 1 and 2), with negative controls showing plain `torch.mm` and oneDNN's own M == 1
+path do change bits. The thread count and the oneDNN/MKL versions are in the numerics
+fingerprint.
 
 Low-precision inputs (bfloat16, float16) are computed in float32 (their products are exact in
 float32) and rounded once at the end.
@@ -53,24 +63,35 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+ONEDNN_MIN_ROWS = 2  # oneDNN's inner product takes a gemv path for M == 1
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (contiguous, M >= 2) @ weight [N, K].T in float32 on oneDNN's brgemm family."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N] in a's compute dtype; row i of the result depends on a[i] and b only."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    out_dtype = torch.promote_types(a.dtype, b.dtype)
+    if out_dtype == torch.float64:
+        return bmm(a.unsqueeze(0), b.unsqueeze(0), _batched=False).squeeze(0)
     m, k = a.shape
     n = b.shape[1]
-    if (
-        a.dtype == torch.float32 and b.dtype == torch.float32 and m >= ROW_MULTIPLE and m % ROW_MULTIPLE == 0
-        and n >= MIN_COLS and a.stride(1) == 1 and (a.stride(0) >= k or m == 1) and k > 0
-    ):
-        out = a.new_empty((m, n))  # the common case: nothing to pad, straight to MKL
-        return torch.mm(a, b, out=out)
-    if (
-        a.dtype == torch.float32 and b.dtype == torch.float32 and 0 < m < ROW_MULTIPLE and n >= MIN_COLS and k > 0
-    ):  # a few rows (a decode step): pad to ROW_MULTIPLE zero rows, then the same MKL call
-        padded = a.new_zeros((ROW_MULTIPLE, k))
+    if m == 0 or n == 0 or k == 0:
+        return a.new_zeros((m, n), dtype=out_dtype)
+    a = a.to(torch.float32)
+    weight = b.to(torch.float32).t()  # [N, K]; oneDNN reads [N, K] and [K, N] storage alike
+    if weight.stride(0) != 1 and weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if m < ONEDNN_MIN_ROWS:
+        padded = a.new_zeros((ONEDNN_MIN_ROWS, k))
         padded[:m] = a
-        return torch.mm(padded, b, out=a.new_empty((ROW_MULTIPLE, n)))[:m]
-    return bmm(a.unsqueeze(0), b.unsqueeze(0), _batched=False).squeeze(0)
+        out = _onednn_linear(padded, weight)[:m]
+    else:
+        out = _onednn_linear(a.contiguous(), weight)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, *, _batched: bool = True) -> torch.Tensor:
