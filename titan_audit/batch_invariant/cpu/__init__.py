@@ -1,4 +1,4 @@
-"""The CPU backend: batch-invariant kernels in plain torch (MKL gemm with a fixed kernel family,
+"""The CPU backend: batch-invariant kernels in plain torch (oneDNN and MKL gemms held to one kernel family,
 fixed-tree reductions, fixed-chunk attention). Every kernel here is forward-only and works below
 autograd; `titan_audit.batch_invariant.ops` adds autograd and input checks on top.
 
