@@ -1,5 +1,9 @@
 """Start a training run on N local ranks through torchrun, or in this process.
 
+`start_run(source, out, ...)` is what `titan-audit train` runs: it resolves the config (a recipe
+or TOML file with `--set` overrides; on a resume without a source, the run's own config from its
+manifest), checks the run directory before any work (rank 0), then launches.
+
 `launch(config, out, nproc=N, ...)` writes the resolved config to a temporary JSON file and runs
 `python -m torch.distributed.run --standalone --nproc-per-node N -m titan_audit.trainer.train ...`
 as a subprocess; it returns torchrun's exit code (0 ok, 2 bad input found by rank 0). The ranks'
@@ -15,9 +19,38 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
-from titan_audit.trainer.config import TrainConfig, to_dict
+from titan_audit.trainer.config import TrainConfig, from_dict, load_config, to_dict
+
+
+def resolve_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> TrainConfig:
+    """`source` (a recipe name or a TOML file) with `overrides` (KEY=VALUE); with no source on a
+    resume, the config saved in `out`'s manifest with the overrides applied."""
+    from titan_audit.trainer.run_dir import read_manifest
+    from titan_audit.trainer.typed_config import apply_overrides
+
+    if source is not None:
+        return load_config(source, list(overrides))
+    if not resume:
+        raise ValueError("--config is required (a recipe name or a TOML file) unless --resume")
+    return from_dict(apply_overrides(read_manifest(out)["config"], list(overrides)), f"{out}/manifest.json config")
+
+
+def start_run(source: str | None, out: Path, *, nproc: int | None, steps: int | None, resume: bool,
+              overwrite: bool, overrides: Sequence[str]) -> int:  # fmt: skip
+    """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code."""
+    from titan_audit.trainer.train import check_run_dir
+
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    config = resolve_config(source, out, resume=resume,
+                            overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])])  # fmt: skip
+    world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_run_dir(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
+    return launch(config, out, nproc=nproc, resume=resume, overwrite=overwrite)
 
 
 def launch(config: TrainConfig, out: str | os.PathLike, *, nproc: int | None, resume: bool = False,
