@@ -22,7 +22,10 @@ were skipped. GQA folds the G query heads of one kv head into the gemm's rows, w
 row-invariant gemm allows; the rows of all (batch, kv head) pairs sit in one zero-padded
 [B*Hkv, R, D] buffer (R: the row count `matmul.padded_rows` gives, so a decode step's one or
 few rows per head run in the same >= 4-row kernel family as a prefill's many; padding rows
-are separate outputs and never read back). The scores of a group of chunks come from one gemm
+are separate outputs and never read back, so they may hold anything finite or not). The cost:
+a decode step of one row per kv head (MHA) pays for 4 rows in both gemms. No cheaper exact
+form exists here: with queries as columns instead, MKL's < 12-column paths give other bits
+than its wide path (and, measured, even depend on the batch count). The scores of a group of chunks come from one gemm
 (an output column's bits do not depend on the other columns: measured, tested in
 test_matmul.py); the reduction over keys (p @ v) is never merged across chunks: it is one
 [R, C] @ [C, D] gemm per chunk, on a strided view of p (the row stride does not change bits,
@@ -180,34 +183,23 @@ class _Workspace:
         return buf[:numel]
 
 
-def _p_times_v(
-    s_buf: torch.Tensor,
-    work: _Workspace,
-    v: torch.Tensor,
-    c0: int,
-    n: int,
-    real: int,
-) -> list[torch.Tensor]:
-    """p_c @ v_c for the group's chunks c0 .. c0+n-1, each [B*Hkv, R, Dv] (rows past `real` are
-    padding). s_buf [B*Hkv, R, n*C] holds p in its first `real` rows. One gemm per chunk,
-    [R, C] @ [C, Dv], on a strided view of s_buf (row stride n*C; MKL's lda was measured not
-    to change bits, see matmul.py), so p is never copied; the chunk past the cache end (if any)
-    takes a zero-padded copy of its values. (Measured: faster than copying p chunk-major for
-    one batched gemm over the chunks, even for decode steps.)
+def _p_times_v(s_buf: torch.Tensor, work: _Workspace, v: torch.Tensor, c0: int, n: int) -> torch.Tensor:
+    """p_c @ v_c for the group's chunks c0 .. c0+n-1 as one [n, B*Hkv, R, Dv] buffer. s_buf
+    [B*Hkv, R, n*C] holds p in its real rows (the padding rows hold finite or NaN scores of the
+    zero query rows: separate outputs, never read back). One gemm per chunk, [R, C] @ [C, Dv],
+    on a strided view of s_buf (row stride n*C; MKL's lda was measured not to change bits, see
+    matmul.py), so p is never copied; the chunk past the cache end (if any) takes a zero-padded
+    copy of its values. (Measured: faster than copying p chunk-major for one batched gemm over
+    the chunks, even for decode steps.)
     """
-    bh, r_pad, width = s_buf.shape
+    bh, r_pad, _ = s_buf.shape
     dim_v = v.shape[3]
     start = c0 * KEY_CHUNK
     p_chunks = s_buf.view(bh, r_pad, n, KEY_CHUNK)
-    pvs: list[torch.Tensor] = []
-    pv_store = work.get("pv", bh * r_pad * n * dim_v)
-    if r_pad != real:  # the padding rows hold raw scores: make them finite zeros
-        s_buf[:, real:] = 0.0
+    pv_all = work.get("pv", n * bh * r_pad * dim_v).view(n, bh, r_pad, dim_v)
     for c in range(n):
-        pv = pv_store[c * bh * r_pad * dim_v : (c + 1) * bh * r_pad * dim_v].view(bh, r_pad, dim_v)
-        _gemm_into(p_chunks[:, :, c], _keys(v, start + c * KEY_CHUNK, KEY_CHUNK), pv)
-        pvs.append(pv)
-    return pvs
+        _gemm_into(p_chunks[:, :, c], _keys(v, start + c * KEY_CHUNK, KEY_CHUNK), pv_all[c])
+    return pv_all
 
 
 def attention_forward(
@@ -227,8 +219,7 @@ def attention_forward(
     block's rows of all (batch, kv head) pairs sit in one zero-padded buffer [B*Hkv, R, D]
     (R = `padded_rows`, built once per block); chunks in groups (CHUNK_GROUP, more when the
     block is small, e.g. a decode step, up to a fixed element budget) so that the scores of a
-    group come from one gemm and its p @ v from one batched gemm with the chunks as batch
-    entries (each entry is one chunk's [R, C] @ [C, D]: the same per-chunk reduction); the
+    group come from one gemm and its p @ v from one [R, C] @ [C, D] gemm per chunk; the
     running max of a group's chunks is a cumulative max (exact, so equal to the chunk-by-chunk
     maximum); only the rescale-and-add recurrence walks the chunks one by one, ascending.
     """
@@ -295,11 +286,12 @@ def attention_forward(
             alpha = torch.exp(m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
             p = s.sub_(m_safe[..., 1:].unsqueeze(-1)).exp_()  # in place: s_buf's real rows hold p
             l_c = tree_sum(p)
-            pvs = _p_times_v(s_buf, work, v, c0, n, real)
-            for c in range(n):
-                a = alpha[..., c]
-                l.mul_(a).add_(l_c[..., c])
-                acc.mul_(a.unsqueeze(-1)).add_(pvs[c][:, :real].view(batch, hkv, groups, rows, dim_v))
+            pv = _p_times_v(s_buf, work, v, c0, n)[:, :, :real].view(n, batch, hkv, groups, rows, dim_v)
+            # The recurrence, chunk by chunk in ascending order (unbind: views, no copies).
+            alpha = alpha.movedim(-1, 0)
+            for a, a_col, l_one, pv_one in zip(alpha, alpha.unsqueeze(-1), l_c.movedim(-1, 0), pv):
+                l.mul_(a).add_(l_one)
+                acc.mul_(a_col).add_(pv_one)
             m = m_all[..., -1]
         l_col = l.unsqueeze(-1)
         out[:, :, :, r0:r1] = torch.where(l_col > 0, acc / l_col, 0.0) + 0.0
