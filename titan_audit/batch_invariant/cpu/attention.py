@@ -25,11 +25,11 @@ few rows per head run in the same >= 4-row kernel family as a prefill's many; pa
 are separate outputs and never read back, so they may hold anything finite or not). The cost:
 a decode step of one row per kv head (MHA) pays for 4 rows in both gemms. No cheaper exact
 form exists here: with queries as columns instead, MKL's < 12-column paths give other bits
-than its wide path (and, measured, even depend on the batch count). The scores of a group of chunks come from one gemm
-(an output column's bits do not depend on the other columns: measured, tested in
-test_matmul.py); the reduction over keys (p @ v) is never merged across chunks: it is one
-[R, C] @ [C, D] gemm per chunk, on a strided view of p (the row stride does not change bits,
-see matmul.py). How many chunks form a group depends on the block's size, for speed only;
+than its wide path (and, measured, even depend on the batch count). The scores of a group of
+chunks come from one gemm (an output column's bits do not depend on the other columns:
+measured, tested in test_matmul.py); the reduction over keys (p @ v) is never merged across
+chunks: it is one [R, C] @ [C, D] gemm per chunk, on a strided view of p (the row stride does
+not change bits, see matmul.py). How many chunks form a group depends on the block's size, for speed only;
 the bits of a row do not. Hidden scores are set to -inf either by the general mask or, for chunks
 every row of the block fully sees, only past the cache end: the same -inf in the same places.
 Values at keys a query cannot see
