@@ -19,6 +19,8 @@ from titan_audit.trainer.config import from_dict, load_config, to_dict
 from titan_audit.trainer.replay import compare_replay, prepare_replay
 from titan_audit.trainer.train import check_run_dir, train
 
+pytestmark = pytest.mark.slow  # the module's runs take ~17 s on 2 cores (shared by every test here)
+
 BF16 = ["model.compute_dtype=bfloat16", "steps=2", "checkpoint.interval=1"]
 
 
