@@ -7,7 +7,14 @@ from hypothesis import strategies as st
 
 from distributed import run_ranks
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
-from titan_audit.trainer.reduce import TreeReducer, block_subtrees, rank_block, split_point, tree_nodes
+from titan_audit.trainer.reduce import (
+    TreeReducer,
+    block_subtrees,
+    chunk_bounds,
+    rank_block,
+    split_point,
+    tree_nodes,
+)
 
 
 def _leaves(num_microbatches: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -56,6 +63,23 @@ def test_out_of_order_and_early_reduce_are_errors():
         reducer.all_reduce()
 
 
+def test_gradients_of_one_reduction_must_match_in_shape_and_dtype():
+    reducer = TreeReducer(4)
+    reducer.add(0, torch.zeros(3))
+    with pytest.raises(ValueError, match="microbatch 1: gradient torch.float64"):
+        reducer.add(1, torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="microbatch 1: gradient torch.float32\\[4\\]"):
+        reducer.add(1, torch.zeros(4))
+
+
+@given(st.integers(0, 50), st.integers(1, 9))
+def test_chunk_bounds_tile_the_vector_in_rank_order(numel, world_size):
+    bounds = chunk_bounds(numel, world_size)
+    assert len(bounds) == world_size and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(bounds, bounds[1:]))
+    assert max(hi - lo for lo, hi in bounds) == -(-numel // world_size)
+
+
 def test_world_size_must_divide_microbatches():
     with pytest.raises(ValueError, match="world size 3 must divide .* 8"):
         rank_block(8, 3, 0)
@@ -65,9 +89,12 @@ def _reduce_on_ranks(rank, world_size, num_microbatches, numel):
     leaves = _leaves(num_microbatches, numel)
     reducer = TreeReducer(num_microbatches)
     start, stop = reducer.block
-    for i in range(start, stop):
+    first = leaves[start].clone()
+    reducer.add(start, first)
+    for i in range(start + 1, stop):
         reducer.add(i, leaves[i].clone())
     full = reducer.all_reduce()
+    assert full.data_ptr() == first.data_ptr()  # documented: the result is in the first buffer added
     for i in range(start, stop):
         reducer.add(i, leaves[i].clone())
     chunk, c_start, c_stop = reducer.reduce_scatter()
@@ -97,3 +124,35 @@ def test_reduction_is_bitwise_identical_for_every_world_size(num_microbatches, w
         naive_results.append(results[0]["naive"])
     # negative control: plain local accumulation + all_reduce does depend on W
     assert not all(bitwise_equal(naive_results[0], other) for other in naive_results[1:])
+
+
+def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes):
+    """Several reductions through one reducer (its receive buffer is reused or regrown)."""
+    reducer = TreeReducer(num_microbatches)
+    start, stop = reducer.block
+    out = []
+    for round_, numel in enumerate(sizes):
+        leaves = _leaves(num_microbatches, numel, seed=round_)
+        for i in range(start, stop):
+            reducer.add(i, leaves[i].clone())
+        if round_ % 2:
+            out.append(("chunk", *reducer.reduce_scatter()))
+        else:
+            out.append(("full", reducer.all_reduce().clone(), 0, numel))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_microbatches, world_size", [(8, 2), (8, 4), (6, 2), (6, 3)])
+def test_reductions_of_any_size_repeat_bitwise(num_microbatches, world_size):
+    # sizes below W (empty chunks), not divisible by W, growing and shrinking between calls
+    sizes = [1, 3, 7, 1001, 5, 4096 + 3]
+    results = run_ranks(_reduce_rounds_on_ranks, world_size, args=(num_microbatches, sizes))
+    for round_, numel in enumerate(sizes):
+        expected = _reference_tree_sum(_leaves(num_microbatches, numel, seed=round_), 0, num_microbatches)
+        covered = 0
+        for rank, rounds in enumerate(results):
+            _, value, start, stop = rounds[round_]
+            assert_bitwise_equal(value, expected[start:stop], f"W={world_size} rank {rank} numel {numel}")
+            covered += stop - start
+        assert covered == (numel if round_ % 2 else numel * world_size)

@@ -165,11 +165,11 @@ class TreeReducer:
         bounds = chunk_bounds(out.numel(), self.world_size)
         start, stop = bounds[self.rank]
         size = stop - start
-        foreign = [(q, k, node) for q, nodes in enumerate(self.layout) if q != self.rank for k, node in enumerate(nodes)]
+        foreign = [(q, node) for q, nodes in enumerate(self.layout) if q != self.rank for node in nodes]
         recv = self._receive_buffer(len(foreign) * size, out)
         values: dict[Node, torch.Tensor] = {node: p[start:stop] for node, p in zip(self.layout[self.rank], partials)}
         sources: dict[int, list[torch.Tensor]] = {q: [] for q in range(self.world_size)}
-        for slot, (q, _, node) in enumerate(foreign):
+        for slot, (q, node) in enumerate(foreign):
             values[node] = recv[slot * size : (slot + 1) * size]
             sources[q].append(values[node])
 
