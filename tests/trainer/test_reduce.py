@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from distributed import run_ranks
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
+from titan_audit.trainer import reduce as reduce_module
 from titan_audit.trainer.reduce import (
     TreeReducer,
     block_subtrees,
@@ -126,8 +127,9 @@ def test_reduction_is_bitwise_identical_for_every_world_size(num_microbatches, w
     assert not all(bitwise_equal(naive_results[0], other) for other in naive_results[1:])
 
 
-def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes):
-    """Several reductions through one reducer (its receive buffer is reused or regrown)."""
+def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes, collective_max_bytes):
+    """Several reductions through one reducer (its scratch buffers are reused or regrown)."""
+    reduce_module.COLLECTIVE_MAX_BYTES = collective_max_bytes  # this spawned process only
     reducer = TreeReducer(num_microbatches)
     start, stop = reducer.block
     out = []
@@ -143,16 +145,17 @@ def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path, collective_max_bytes", [("point to point", 0), ("all_to_all", 1 << 40)])
 @pytest.mark.parametrize("num_microbatches, world_size", [(8, 2), (8, 4), (6, 2), (6, 3)])
-def test_reductions_of_any_size_repeat_bitwise(num_microbatches, world_size):
+def test_reductions_of_any_size_repeat_bitwise(num_microbatches, world_size, path, collective_max_bytes):
     # sizes below W (empty chunks), not divisible by W, growing and shrinking between calls
     sizes = [1, 3, 7, 1001, 5, 4096 + 3]
-    results = run_ranks(_reduce_rounds_on_ranks, world_size, args=(num_microbatches, sizes))
+    results = run_ranks(_reduce_rounds_on_ranks, world_size, args=(num_microbatches, sizes, collective_max_bytes))
     for round_, numel in enumerate(sizes):
         expected = _reference_tree_sum(_leaves(num_microbatches, numel, seed=round_), 0, num_microbatches)
         covered = 0
         for rank, rounds in enumerate(results):
             _, value, start, stop = rounds[round_]
-            assert_bitwise_equal(value, expected[start:stop], f"W={world_size} rank {rank} numel {numel}")
+            assert_bitwise_equal(value, expected[start:stop], f"{path} W={world_size} rank {rank} numel {numel}")
             covered += stop - start
         assert covered == (numel if round_ % 2 else numel * world_size)
