@@ -127,7 +127,8 @@ class TreeReducer:
             reducer.add(i, flat_grad_i)                # takes ownership; may add in place
         full = reducer.all_reduce()                    # same bits on every rank and every W
 
-    Without a process group (or W == 1) it reduces locally.
+    The result lives in the first gradient buffer added (valid until that buffer is reused).
+    Scratch buffers are kept across calls. Without a process group (or W == 1) it reduces locally.
     """
 
     def __init__(self, num_microbatches: int, group: dist.ProcessGroup | None = None) -> None:
