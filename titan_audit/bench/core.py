@@ -20,8 +20,11 @@ class BenchOptions:
     quick: bool = False  # small sizes and few repeats: for smoke tests, not for figures
     repeats: int = 5
     min_batch_s: float = 0.02
+    threads: int | None = None  # intra-op threads for the run (both sides); None: torch's current
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.min_batch_s <= 0:
@@ -138,5 +141,14 @@ def run_suite(name: str, options: BenchOptions, progress: Callable[[str], None] 
 
     if name not in SUITES:
         raise ValueError(f"unknown bench suite {name!r}; available: {', '.join(sorted(SUITES))}")
-    cases = SUITES[name](options, progress or (lambda _case: None))
-    return SuiteResult(suite=name, machine=fingerprint().to_dict(), cases=cases)
+    import torch
+
+    threads = torch.get_num_threads()
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    try:
+        machine = fingerprint().to_dict()  # records the thread count the suite runs with
+        cases = SUITES[name](options, progress or (lambda _case: None))
+    finally:
+        torch.set_num_threads(threads)
+    return SuiteResult(suite=name, machine=machine, cases=cases)

@@ -15,13 +15,15 @@ from titan_audit.cli.output import print_json
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--quick", is_flag=True, help="Small sizes, for a smoke run (figures not meaningful).")
 @click.option("--repeats", default=5, show_default=True, help="Timed batches per side; the minimum counts.")
-def bench(suite: str, as_json: bool, quick: bool, repeats: int) -> None:
+@click.option("--threads", type=int, default=None,
+              help="Intra-op threads for both sides (default: torch's; suites that pin their own keep them).")
+def bench(suite: str, as_json: bool, quick: bool, repeats: int, threads: int | None) -> None:
     """Time a suite; ratio = candidate time / baseline time (lower is better)."""
     err = Console(stderr=True)
     with err.status(f"bench {suite}") as status:
         result = run_suite(
             suite,
-            BenchOptions(quick=quick, repeats=repeats),
+            BenchOptions(quick=quick, repeats=repeats, threads=threads),
             progress=lambda case: status.update(f"bench {suite}: done {case}"),
         )
     data = result.to_dict()
