@@ -190,3 +190,9 @@ def test_layout_facts_the_attention_kernel_relies_on(data: st.DataObject) -> Non
     n = data.draw(st.integers(1, chunks - c0), label="n")
     part = bi.bmm(a, keys[:, c0 * 64 : (c0 + n) * 64].transpose(1, 2))
     assert_bitwise_equal(part, full[:, :, c0 * 64 : (c0 + n) * 64], "column chunks")
+
+
+def test_torch_without_onednn_is_refused_not_silently_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.raises(NotImplementedError, match="no oneDNN"):
+        bi.linear(randn(3, 8, seed=14), randn(5, 8, seed=15))

@@ -68,6 +68,11 @@ ONEDNN_MIN_ROWS = 2  # oneDNN's inner product takes a gemv path for M == 1
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] (contiguous, M >= 2) @ weight [N, K].T in float32 on oneDNN's brgemm family."""
+    if not torch.backends.mkldnn.is_available():
+        raise NotImplementedError(
+            "batch_invariant: the CPU float32 mm runs on oneDNN, and this torch build has no oneDNN "
+            "(torch.backends.mkldnn.is_available() is False); refusing to fall back to a batch-variant gemm"
+        )
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
