@@ -12,8 +12,9 @@ Guarantees:
   rebuilds the same TrainConfig (`from_dict(to_dict(c)) == c`); manifest.json stores it, and a
   resume compares it key by key (`resume_differences`).
 - Sections: model (preset + ModelConfig overrides, activation checkpointing, the MoE
-  load-balancing coefficient `router_aux_loss_coef`, `compute_dtype` float32 | bfloat16), data (token store or the built-in synthetic
-  corpus; seq_len, global_batch_size, microbatch_size -> V), optimizer, schedule, parallel (mode
+  load-balancing coefficient `router_aux_loss_coef`, `compute_dtype` float32 | bfloat16), data
+  (token store or the built-in synthetic corpus; seq_len, global_batch_size, microbatch_size ->
+  V), optimizer, schedule, parallel (mode
   dp | fsdp, threads per rank, backend), checkpoint (interval, keep_last, fallback), audit (level,
   modules, flush_every_steps), determinism (enabled, strict, batch_invariant); top-level `seed`
   (model init and the data order) and `steps`.
