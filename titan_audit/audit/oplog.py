@@ -25,8 +25,9 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,10 +78,9 @@ def oplog_path(run_dir: str | os.PathLike, label: str) -> Path:
     return Path(run_dir) / OPLOG_DIR / f"{label}.parquet"
 
 
-RERUN_UNAVAILABLE = (
-    "re-running step {step} of both runs from their checkpoints under DebugMode needs the trainer, "
-    "which is not available yet; record op logs with titan_audit.audit.record_op_log(fn, RUN, 'step_{step}') "
-    "and compare those"
+RERUN_HINT = (
+    "give two run directories (and no --log) to have step {step} re-run from their checkpoints "
+    "(trainer.op_bisect), or record op logs with titan_audit.audit.record_op_log(fn, RUN, 'step_{step}')"
 )
 
 
@@ -99,7 +99,7 @@ def find_op_log(target: str | os.PathLike, label: str | None = None, step: int |
         if path.is_file():
             return path
         if step is not None:
-            raise ValueError(f"{path}: no recorded op log; " + RERUN_UNAVAILABLE.format(step=step))
+            raise ValueError(f"{path}: no recorded op log; " + RERUN_HINT.format(step=step))
         raise ValueError(f"{path}: no such op log")
     logs = sorted((target / OPLOG_DIR).glob("*.parquet"))
     if len(logs) == 1:
@@ -111,6 +111,15 @@ def find_op_log(target: str | os.PathLike, label: str | None = None, step: int |
 
 def record_op_log(fn: Callable[[], Any], run_dir: str | os.PathLike, label: str) -> tuple[Any, Path]:
     """Run `fn()` under DebugMode with xxh3 op hashing; save the log to RUN/oplogs/<label>.parquet."""
+    with op_log(run_dir, label) as path:
+        result = fn()
+    return result, path
+
+
+@contextlib.contextmanager
+def op_log(run_dir: str | os.PathLike, label: str) -> Iterator[Path]:
+    """`record_op_log` as a context manager: the ops run inside the block are logged, and the log
+    is saved to the yielded path when the block exits normally (nothing is written on an error)."""
     from torch.utils._debug_mode import DebugMode, _OpCall
 
     path = oplog_path(run_dir, label)
@@ -128,7 +137,7 @@ def record_op_log(fn: Callable[[], Any], run_dir: str | os.PathLike, label: str)
     with mode, DebugMode.dispatch_hooks(record_hook=where), DebugMode.log_tensor_hashes(
         hash_fn=_hash, hash_inputs=True
     ):
-        result = fn()
+        yield path
 
     columns: dict[str, list] = {name: [] for name in OPLOG_SCHEMA.names}
     index = 0
@@ -157,7 +166,6 @@ def record_op_log(fn: Callable[[], Any], run_dir: str | os.PathLike, label: str)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return result, path
 
 
 def _op_name(op: Any) -> str:

@@ -1,9 +1,10 @@
 """`titan-audit bisect A B`: the first aten op at which two recorded DebugMode op logs part.
 
 A and B are op-log files (`RUN/oplogs/<label>.parquet`, written by
-`titan_audit.audit.oplog.record_op_log`) or run directories holding one. Thin wrapper over
-`titan_audit.audit.oplog.compare_op_logs`. Re-running step N of two runs from their checkpoints
-needs the trainer and is not available yet: asking for it exits 2 and says so.
+`titan_audit.audit.oplog.record_op_log`) or run directories holding one. With `--step N` and two
+run directories, a run without a recorded log for step N has that step re-run from its latest
+checkpoint before N, on one rank, under DebugMode (`titan_audit.trainer.op_bisect`; the runs are
+only read). Thin wrapper over `compare_op_logs` / `bisect_step`.
 Exit 0 identical, 1 different, 2 bad input.
 """
 
@@ -21,12 +22,18 @@ from titan_audit.cli.output import print_json
 @click.command(short_help="Name the first aten op at which two DebugMode op logs differ.")
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
-@click.option("--step", type=int, default=None, help="Use the op logs recorded for step N (oplogs/step_N.parquet).")
+@click.option("--step", type=int, default=None,
+              help="Step N: the runs' oplogs/step_N.parquet, else step N re-run from their checkpoints.")
 @click.option("--log", "label", default=None, metavar="NAME", help="Use oplogs/NAME.parquet of each run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def bisect(a: Path, b: Path, step: int | None, label: str | None, as_json: bool) -> None:
     """Compare two op logs (files, or run directories holding them); exit 1 if they differ."""
-    result = compare_op_logs(find_op_log(a, label, step), find_op_log(b, label, step))
+    if step is not None and label is None and a.is_dir() and b.is_dir():
+        from titan_audit.trainer.op_bisect import bisect_step  # the trainer loads only when needed
+
+        result = bisect_step(a, b, step)
+    else:
+        result = compare_op_logs(find_op_log(a, label, step), find_op_log(b, label, step))
     data = result.to_dict()
     if as_json:
         print_json(data)

@@ -49,6 +49,7 @@ invariance tests. DP and FSDP2 give the same bits as each other, at every W.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import sys
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from titan_audit import deterministic
-from titan_audit.audit import Recorder
+from titan_audit.audit import Recorder, op_log
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
 from titan_audit.models import build, token_logprobs
 from titan_audit.trainer.checkpoint import Checkpointer
@@ -244,11 +245,14 @@ def train(
     overwrite: bool = False,
     stop_at: int | None = None,
     quiet: bool = False,
+    oplog_step: int | None = None,
 ) -> TrainResult:
     """Run (or resume) a training run into `out` on this process's rank of the current group.
 
     stop_at: stop after this step (<= config.steps) without changing the schedule (replay
-    --verify-to); the last step always gets a checkpoint.
+    --verify-to); the last step always gets a checkpoint. oplog_step: record that step's
+    forward, backward, reduction and optimizer update as an op log, out/oplogs/step_N.parquet
+    (audit.oplog; what `titan-audit bisect --step N` compares).
     """
     rank, world_size = init_distributed(config.parallel.backend, single_group=config.parallel.mode == "fsdp")
     torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
@@ -258,6 +262,8 @@ def train(
     last_step = config.steps if stop_at is None else stop_at
     if not 1 <= last_step <= config.steps:
         raise ValueError(f"stop step {last_step} is outside 1..steps={config.steps}")
+    if oplog_step is not None and world_size != 1:
+        raise ValueError(f"an op log is recorded on one rank; this run has {world_size}")
 
     model = build(config.model.model_config(), seed=config.seed,
                   activation_checkpointing=config.model.activation_checkpointing)  # fmt: skip
@@ -309,55 +315,57 @@ def train(
         set_lr(optimizer, lr)
         microbatches = next(steps)
 
-        # forward + backward, one virtual microbatch at a time, gradients into the tree
-        mb_losses = []  # per local microbatch: [loss] or [loss, aux]
-        optimizer.zero_grad(set_to_none=True)
-        for j, mb in enumerate(microbatches):
-            if config.determinism.enabled and not sharded:
-                leaf = grad_buffers.zeroed(j)  # autograd accumulates 0 + g into views of it
-                set_grads(params, leaf)
-            recorder.set_microbatch(mb.index)
-            recorder.record_data(mb.tensors())
-            with bi():
-                if with_aux:
-                    loss, aux = microbatch_loss(model, mb, with_aux=True)
-                    recorder.record_loss(loss)
-                    recorder.record_loss(aux, name="aux_loss")
-                    objective = loss + aux * aux_scale if aux_scale else loss
-                    mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
-                else:
-                    loss = objective = microbatch_loss(model, mb)
-                    recorder.record_loss(loss)
-                    mb_losses.append(loss.detach().reshape(1))
-                objective.backward()
-            if config.determinism.enabled:
-                reducer.add(mb.index, sharded.take_flat(params) if sharded else leaf)
-                optimizer.zero_grad(set_to_none=True)
-        recorder.set_microbatch(-1)
+        # step `oplog_step` (bisect --step) runs under DebugMode: every aten op hashed, in order
+        with op_log(out, f"step_{step}") if step == oplog_step else contextlib.nullcontext():
+            # forward + backward, one virtual microbatch at a time, gradients into the tree
+            mb_losses = []  # per local microbatch: [loss] or [loss, aux]
+            optimizer.zero_grad(set_to_none=True)
+            for j, mb in enumerate(microbatches):
+                if config.determinism.enabled and not sharded:
+                    leaf = grad_buffers.zeroed(j)  # autograd accumulates 0 + g into views of it
+                    set_grads(params, leaf)
+                recorder.set_microbatch(mb.index)
+                recorder.record_data(mb.tensors())
+                with bi():
+                    if with_aux:
+                        loss, aux = microbatch_loss(model, mb, with_aux=True)
+                        recorder.record_loss(loss)
+                        recorder.record_loss(aux, name="aux_loss")
+                        objective = loss + aux * aux_scale if aux_scale else loss
+                        mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
+                    else:
+                        loss = objective = microbatch_loss(model, mb)
+                        recorder.record_loss(loss)
+                        mb_losses.append(loss.detach().reshape(1))
+                    objective.backward()
+                if config.determinism.enabled:
+                    reducer.add(mb.index, sharded.take_flat(params) if sharded else leaf)
+                    optimizer.zero_grad(set_to_none=True)
+            recorder.set_microbatch(-1)
 
-        # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
-        if config.determinism.enabled:
-            grad = reducer.all_reduce()
-            grad_norm = clip_(grad, config.optimizer.grad_clip)
-            if sharded:
-                sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
+            # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
+            if config.determinism.enabled:
+                grad = reducer.all_reduce()
+                grad_norm = clip_(grad, config.optimizer.grad_clip)
+                if sharded:
+                    sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
+                else:
+                    set_grads(params, grad)
+            elif sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(world_size)
+                grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf")))
             else:
+                grad = flat_grad(params)
+                if world_size > 1:
+                    dist.all_reduce(grad)
+                grad_norm = clip_(grad, config.optimizer.grad_clip)
                 set_grads(params, grad)
-        elif sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(world_size)
-            grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf")))
-        else:
-            grad = flat_grad(params)
-            if world_size > 1:
-                dist.all_reduce(grad)
-            grad_norm = clip_(grad, config.optimizer.grad_clip)
-            set_grads(params, grad)
-        recorder.record_grads()
-        optimizer.step()
-        recorder.record_optimizer(optimizer)
-        recorder.record_params()
+            recorder.record_grads()
+            optimizer.step()
+            recorder.record_optimizer(optimizer)
+            recorder.record_params()
 
         # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
         step_sums = tree_sum(gather_in_index_order(torch.stack(mb_losses), world_size))
@@ -405,8 +413,6 @@ def _batch_invariant(config: TrainConfig):
         from titan_audit.batch_invariant import enabled
 
         return enabled
-    import contextlib
-
     return contextlib.nullcontext
 
 

@@ -1,0 +1,79 @@
+"""`bisect --step N`: the first aten op at which two runs part in step N, by re-running that step.
+
+    comparison = bisect_step("runs/a", "runs/b", step=7)   # audit.OpLogComparison
+
+Guarantees:
+- A run's op log for step N is RUN/oplogs/step_N.parquet when the run recorded one. Otherwise step
+  N is re-run: the run's latest checkpoint before N is copied into a temporary run directory
+  (trainer.replay.prepare_replay: the source run is only read), resumed in this process on one
+  rank, and step N's forward, backward, gradient reduction and optimizer update run under
+  DebugMode (audit.oplog): every aten op in order, with the xxh3-128 hashes of its inputs and
+  outputs and the module it ran in.
+- One rank is enough for any run: by G3 the step's bits are those of every world size dividing V,
+  so two runs are compared on the same footing whatever W they were trained at.
+- Both logs are compared with audit.compare_op_logs: the first op whose outputs differ, and whether
+  its inputs were identical (the op itself is not reproducible) or already different (the
+  difference came from the checkpoint or the data: that op is its first consumer).
+- Bad input (no such run, N outside the run's recorded steps, no checkpoint before N) is a
+  ValueError before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+from titan_audit.audit import OpLogComparison, compare_op_logs
+from titan_audit.audit.oplog import oplog_path
+from titan_audit.trainer.checkpoint import Checkpointer
+from titan_audit.trainer.config import from_dict
+from titan_audit.trainer.replay import last_recorded_step, prepare_replay
+from titan_audit.trainer.run_dir import read_manifest
+
+
+def rerun_checkpoint(run: Path, step: int) -> int:
+    """The checkpoint a re-run of `step` starts from: the run's latest one before it."""
+    last = last_recorded_step(run)
+    if not 1 <= step <= last:
+        raise ValueError(f"{run}: step {step} is outside the run's recorded steps 1..{last}")
+    before = [s for s in Checkpointer(run).steps() if s < step]
+    if not before:
+        raise ValueError(f"{run}: no checkpoint before step {step} to re-run it from "
+                         f"(checkpoints: {Checkpointer(run).steps() or 'none'})")  # fmt: skip
+    return max(before)
+
+
+def step_op_log(run: str | os.PathLike, step: int, work: str | os.PathLike) -> Path:
+    """RUN's op log of `step`: the recorded one, else one made by re-running the step into `work`."""
+    run = Path(run)
+    recorded = oplog_path(run, f"step_{step}")
+    if recorded.is_file():
+        return recorded
+    config = from_dict(read_manifest(run)["config"], f"{run}/manifest.json config")
+    replay = prepare_replay(run, rerun_checkpoint(run, step), Path(work))
+    from titan_audit.trainer.train import train
+
+    train(config, replay, resume=True, stop_at=step, quiet=True, oplog_step=step)
+    return oplog_path(replay, f"step_{step}")
+
+
+def bisect_step(run_a: str | os.PathLike, run_b: str | os.PathLike, step: int) -> OpLogComparison:
+    """Compare step `step` of two runs op by op (recorded op logs, or re-runs; see the module doc)."""
+    for run in (Path(run_a), Path(run_b)):
+        if not oplog_path(run, f"step_{step}").is_file():
+            rerun_checkpoint(run, step)  # every input checked before any work
+    with tempfile.TemporaryDirectory(prefix="titan-audit-bisect-") as tmp:
+        log_a = step_op_log(run_a, step, Path(tmp) / "a")
+        log_b = step_op_log(run_b, step, Path(tmp) / "b")
+        comparison = compare_op_logs(log_a, log_b)
+    # a re-run's log lived in the temporary directory: name it by its run instead
+    return dataclasses.replace(comparison, log_a=_log_name(Path(run_a), step, log_a),
+                               log_b=_log_name(Path(run_b), step, log_b))  # fmt: skip
+
+
+def _log_name(run: Path, step: int, log: Path) -> str:
+    if log == oplog_path(run, f"step_{step}"):
+        return str(log)
+    return f"{run} step {step} (re-run from checkpoint step_{rerun_checkpoint(run, step)})"
