@@ -99,7 +99,7 @@ def test_tiny_moe_is_bitwise_identical_at_world_sizes_1_and_2(tmp_path):
     assert not compare_runs(tmp_path / "w1", tmp_path / "plain").identical
 
 
-def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size(dense, tmp_path):
+def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(dense, tmp_path):
     root, losses = dense
     fsdp = tmp_path / "fsdp-w2"
     assert _run(fsdp, 2, overrides=["parallel.mode=fsdp"]) == losses[1]
@@ -110,6 +110,13 @@ def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size(dense, tmp_p
     run_ranks(_train_rank, 4, args=(json.loads((replay / "manifest.json").read_text())["config"], str(replay),
                                     {"resume": True, "stop_at": 6}))  # fmt: skip
     assert compare_replay(root / "w1", replay, 4, 6).identical
+    # the checkpoints are reshardable across parallel modes too: FSDP2 -> DP at W=1, DP -> FSDP2 at W=2
+    for source, mode, world_size in ((fsdp, "dp", 1), (root / "w1", "fsdp", 2)):
+        switched = prepare_replay(source, 4, tmp_path / f"to-{mode}")
+        config = to_dict(load_config("tiny-dense", ["steps=8", f"parallel.mode={mode}"]))
+        run_ranks(_train_rank, world_size, args=(config, str(switched), {"resume": True, "stop_at": 6}))
+        assert json.loads((switched / "manifest.json").read_text())["config"]["parallel"]["mode"] == mode
+        assert compare_replay(root / "w1", switched, 4, 6).identical, mode
     # negative control: FSDP2's own reduce-scatter (determinism off) gives other gradient bits
     native = tmp_path / "fsdp-native"
     _run(native, 2, overrides=["parallel.mode=fsdp", "determinism.enabled=false", "checkpoint.interval=0"], stop_at=1)

@@ -23,6 +23,8 @@ Guarantees:
   load-balancing loss at `model.router_aux_loss_coef = 0.01`.
 - Neither `model.router_aux_loss_coef` nor `model.compute_dtype` is resume-mutable: both change
   the bits of every later step.
+- `parallel.mode` is resume-mutable: checkpoints are DCP state dicts from `get_state_dict`, so a
+  DP checkpoint loads into FSDP2 and back, and both modes give the same bits (tested).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 # length follows `steps`, so extending a run changes the learning rate of the steps to come.)
 RESUME_MUTABLE_KEYS = frozenset({
     "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
-    "audit.flush_every_steps", "parallel.backend", "data.workers",
+    "audit.flush_every_steps", "parallel.backend", "parallel.mode", "data.workers",
 })  # fmt: skip
 
 
