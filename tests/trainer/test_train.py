@@ -115,7 +115,10 @@ def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(den
         switched = prepare_replay(source, 4, tmp_path / f"to-{mode}")
         config = to_dict(load_config("tiny-dense", ["steps=8", f"parallel.mode={mode}"]))
         run_ranks(_train_rank, world_size, args=(config, str(switched), {"resume": True, "stop_at": 6}))
-        assert json.loads((switched / "manifest.json").read_text())["config"]["parallel"]["mode"] == mode
+        manifest = json.loads((switched / "manifest.json").read_text())
+        assert manifest["config"]["parallel"]["mode"] == mode
+        assert manifest["world_size_history"][-1] | {"time": 0} == \
+               {"world_size": world_size, "start_step": 4, "parallel_mode": mode, "time": 0}  # fmt: skip
         assert compare_replay(root / "w1", switched, 4, 6).identical, mode
     # negative control: FSDP2's own reduce-scatter (determinism off) gives other gradient bits
     native = tmp_path / "fsdp-native"

@@ -158,10 +158,11 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _record_start(out: Path, world_size: int, start_step: int) -> None:
+def _record_start(out: Path, world_size: int, start_step: int, parallel_mode: str) -> None:
     manifest = read_manifest(out)
     manifest.pop("format", None)
-    manifest["world_size_history"].append({"world_size": world_size, "start_step": start_step, "time": _now()})
+    manifest["world_size_history"].append({"world_size": world_size, "start_step": start_step,
+                                           "parallel_mode": parallel_mode, "time": _now()})  # fmt: skip
     write_manifest(out, manifest)
 
 
@@ -299,7 +300,7 @@ def train(
     metrics = MetricsLog(out) if rank == 0 else None
     if rank == 0:
         metrics.truncate_after(start_step)
-        _record_start(out, world_size, start_step)
+        _record_start(out, world_size, start_step, config.parallel.mode)
     _barrier()
 
     grad_buffers = GradBuffers(sum(p.numel() for p in params))
