@@ -121,6 +121,22 @@ def test_one_ulp_change_in_a_metric_fails_in_exact_mode(base_run, golden, tmp_pa
     assert "metric value(s) differ bitwise; first: loss at step 2" in result.output
 
 
+def test_moe_aux_loss_is_kept_and_checked_by_default(base_run, tmp_path):
+    """A run whose metrics have `aux_loss` (the trainer's MoE runs) gets it in the golden by
+    default; a one-ULP change in it fails the exact check."""
+    run = copy_run(base_run, tmp_path / "run")
+    rows = pq.read_table(run / "metrics.parquet").to_pylist()
+    for row in rows:
+        row["aux_loss"] = 2.0 + row["step"] / 7
+    pq.write_table(pa.Table.from_pylist(rows), run / "metrics.parquet")
+    record_golden(run, tmp_path / "golden")
+    assert "aux_loss" in read_golden(tmp_path / "golden").tolerance.metrics
+    rows[0]["aux_loss"] = math.nextafter(rows[0]["aux_loss"], math.inf)
+    pq.write_table(pa.Table.from_pylist(rows), run / "metrics.parquet")
+    result = run_cli("golden", "check", run, tmp_path / "golden")
+    assert result.exit_code == 1 and "first: aux_loss at step 1" in result.output, result.output
+
+
 def test_run_missing_a_golden_step_fails(golden, tmp_path, make_run):
     short = make_run(tmp_path / "short", steps=2)
     check = check_golden(short, golden)

@@ -39,7 +39,7 @@ def _selection_options(fn):
         click.option("--phases", default=None, metavar="LIST",
                      help="Comma-separated audit phases to keep (default: rollout,data,logprob,loss,grad,optim,param)."),
         click.option("--metrics", default=None, metavar="LIST",
-                     help="Comma-separated metrics.parquet columns to keep and check (default: loss,grad_norm,lr)."),
+                     help="Comma-separated metrics.parquet columns to keep and check (default: loss,grad_norm,lr,aux_loss where present)."),
         click.option("--rtol", multiple=True, metavar="METRIC=X", help="Tolerance-mode relative bound (repeatable)."),
         click.option("--atol", multiple=True, metavar="METRIC=X", help="Tolerance-mode absolute bound (repeatable)."),
         click.option("--max-failures", type=int, default=None,

@@ -3,7 +3,7 @@
 Guarantees:
 - `record_golden` keeps the run's audit records of the chosen steps (default: all) and phases
   (default: store.DEFAULT_PHASES), the chosen metric columns of those steps (default: loss,
-  grad_norm and lr where the run has them), the run's manifest and the tolerance policy. The run
+  grad_norm, lr and aux_loss where the run has them), the run's manifest and the tolerance policy. The run
   must have a manifest with a numerics fingerprint: without one, no check could tell whether an
   exact comparison is valid. An existing golden is refused (use `update_golden`).
 - `check_golden` picks the mode from the numerics fingerprints (deterministic.incompatibilities):

@@ -64,6 +64,7 @@ DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
     "loss": {"rtol": 1e-3, "atol": 1e-5},
     "grad_norm": {"rtol": 2e-2, "atol": 1e-5},
     "lr": {"rtol": 1e-9, "atol": 0.0},
+    "aux_loss": {"rtol": 1e-3, "atol": 1e-5},  # MoE load balancing (trainer metrics of MoE runs)
 }
 DEFAULT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-5}  # for a metric named explicitly without bounds
 
