@@ -2,7 +2,8 @@
 
 Each runs the recipe with `titan-audit train` for a few steps. On this machine type (same numerics
 fingerprint as the goldens) the check is bitwise: every audit hash of the data, loss, grad,
-optimizer-state and parameter records and the raw bits of loss, grad_norm and lr. Elsewhere it
+optimizer-state and parameter records and the raw bits of loss, grad_norm, lr (and aux_loss for
+tiny-moe). Elsewhere it
 runs in tolerance mode and warns (`--golden-require-exact` makes that a failure).
 tiny-dense at W=1 and W=2 must both match the one golden (G3). Refresh with `--golden-update`.
 """
