@@ -45,18 +45,20 @@ def rerun_checkpoint(run: Path, step: int) -> int:
     return max(before)
 
 
-def step_op_log(run: str | os.PathLike, step: int, work: str | os.PathLike) -> Path:
-    """RUN's op log of `step`: the recorded one, else one made by re-running the step into `work`."""
+def step_op_log(run: str | os.PathLike, step: int, work: str | os.PathLike) -> tuple[Path, str]:
+    """(RUN's op log of `step`, how to name it in a report): the recorded one, else one made by
+    re-running the step into `work` (named by its run, since `work` is temporary)."""
     run = Path(run)
     recorded = oplog_path(run, f"step_{step}")
     if recorded.is_file():
-        return recorded
+        return recorded, str(recorded)
     config = from_dict(read_manifest(run)["config"], f"{run}/manifest.json config")
-    replay = prepare_replay(run, rerun_checkpoint(run, step), Path(work))
+    from_step = rerun_checkpoint(run, step)
+    replay = prepare_replay(run, from_step, Path(work))
     from titan_audit.trainer.train import train
 
     train(config, replay, resume=True, stop_at=step, quiet=True, oplog_step=step)
-    return oplog_path(replay, f"step_{step}")
+    return oplog_path(replay, f"step_{step}"), f"{run} step {step} (re-run from checkpoint step_{from_step})"
 
 
 def bisect_step(run_a: str | os.PathLike, run_b: str | os.PathLike, step: int) -> OpLogComparison:
@@ -65,15 +67,7 @@ def bisect_step(run_a: str | os.PathLike, run_b: str | os.PathLike, step: int) -
         if not oplog_path(run, f"step_{step}").is_file():
             rerun_checkpoint(run, step)  # every input checked before any work
     with tempfile.TemporaryDirectory(prefix="titan-audit-bisect-") as tmp:
-        log_a = step_op_log(run_a, step, Path(tmp) / "a")
-        log_b = step_op_log(run_b, step, Path(tmp) / "b")
+        log_a, name_a = step_op_log(run_a, step, Path(tmp) / "a")
+        log_b, name_b = step_op_log(run_b, step, Path(tmp) / "b")
         comparison = compare_op_logs(log_a, log_b)
-    # a re-run's log lived in the temporary directory: name it by its run instead
-    return dataclasses.replace(comparison, log_a=_log_name(Path(run_a), step, log_a),
-                               log_b=_log_name(Path(run_b), step, log_b))  # fmt: skip
-
-
-def _log_name(run: Path, step: int, log: Path) -> str:
-    if log == oplog_path(run, f"step_{step}"):
-        return str(log)
-    return f"{run} step {step} (re-run from checkpoint step_{rerun_checkpoint(run, step)})"
+    return dataclasses.replace(comparison, log_a=name_a, log_b=name_b)
