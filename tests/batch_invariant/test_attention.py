@@ -183,3 +183,36 @@ def test_sdpa_in_mode_gqa_and_bool_mask() -> None:
         one = F.scaled_dot_product_attention(q[1:], kk[1:], vv[1:], attn_mask=mask[1:])
     torch.testing.assert_close(masked.double(), expected, rtol=1e-5, atol=1e-5)
     assert_bitwise_equal(one, masked[1:], "sample alone with a bool mask")
+
+
+@pytest.mark.parametrize("rows", [4, 12, 512])
+def test_accumulating_gemm_has_the_bits_of_a_separate_add(rows: int) -> None:
+    """The forward adds p @ v into its accumulator with `baddbmm_`: the bits must be those of
+    acc + bmm(p, v) (the product finished before the add), at decode and prefill row counts.
+    Negative control: the same sum taken over two halves of the keys gives other bits, so
+    the check tells summation orders apart."""
+    from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, _add_gemm_into
+    from titan_audit.batch_invariant.cpu.matmul import bmm
+
+    p = randn(16, rows, KEY_CHUNK, seed=11).abs()
+    v = randn(16, KEY_CHUNK, 64, seed=12)
+    acc = randn(16, rows, 64, seed=13)
+    expected = acc + bmm(p, v)
+    got = acc.clone()
+    _add_gemm_into(got, p, v)
+    assert_bitwise_equal(got, expected, "baddbmm_ accumulation")
+    half = KEY_CHUNK // 2
+    split = acc + bmm(p[:, :, :half].contiguous(), v[:, :half]) + bmm(p[:, :, half:].contiguous(), v[:, half:])
+    assert not bitwise_equal(split, expected), "negative control: expected split-K sums to differ"
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 16])
+def test_running_max_is_the_cumulative_max(n: int) -> None:
+    from titan_audit.batch_invariant.cpu.attention import _running_max
+
+    chunk_max = randn(5, 7, n, seed=n)
+    chunk_max[0, :, : n // 2 + 1] = float("-inf")  # rows that see no key in their first chunks
+    m = randn(5, 7, seed=n + 1)
+    m[1] = float("-inf")
+    expected = torch.cummax(torch.cat([m.unsqueeze(-1), chunk_max], dim=-1), dim=-1).values
+    assert_bitwise_equal(_running_max(m, chunk_max), expected, "running max")

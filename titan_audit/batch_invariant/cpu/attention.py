@@ -183,23 +183,27 @@ class _Workspace:
         return buf[:numel]
 
 
-def _p_times_v(s_buf: torch.Tensor, work: _Workspace, v: torch.Tensor, c0: int, n: int) -> torch.Tensor:
-    """p_c @ v_c for the group's chunks c0 .. c0+n-1 as one [n, B*Hkv, R, Dv] buffer. s_buf
-    [B*Hkv, R, n*C] holds p in its real rows (the padding rows hold finite or NaN scores of the
-    zero query rows: separate outputs, never read back). One gemm per chunk, [R, C] @ [C, Dv],
-    on a strided view of s_buf (row stride n*C; MKL's lda was measured not to change bits, see
-    matmul.py), so p is never copied; the chunk past the cache end (if any) takes a zero-padded
-    copy of its values. (Measured: faster than copying p chunk-major for one batched gemm over
-    the chunks, even for decode steps.)
-    """
-    bh, r_pad, _ = s_buf.shape
-    dim_v = v.shape[3]
-    start = c0 * KEY_CHUNK
-    p_chunks = s_buf.view(bh, r_pad, n, KEY_CHUNK)
-    pv_all = work.get("pv", n * bh * r_pad * dim_v).view(n, bh, r_pad, dim_v)
-    for c in range(n):
-        _gemm_into(p_chunks[:, :, c], _keys(v, start + c * KEY_CHUNK, KEY_CHUNK), pv_all[c])
-    return pv_all
+def _add_gemm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for acc [N, R, M] (contiguous), a [N, R, K] and b [N, K, M] as in `_gemm_into`,
+    with the bits of `acc + matmul.bmm(a, b)`: MKL's beta == 1 update adds the finished product
+    to acc after the k chain, one rounding per element (measured; tests/batch_invariant/test_attention.py
+    checks it), so `baddbmm_` needs no product buffer."""
+    if b.shape[2] >= MIN_COLS and a.stride(2) == 1:
+        acc.baddbmm_(a, b)
+    else:
+        acc.add_(bmm(a, b))
+
+
+def _running_max(m: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
+    """[..., n + 1]: m, then the running maximum of m and chunk_max[..., :c+1] (exact, so order-free).
+    A few in-place maximums beat `torch.cummax` (a scan that also tracks indices) for small n."""
+    n = chunk_max.shape[-1]
+    out = torch.cat([m.unsqueeze(-1), chunk_max], dim=-1)
+    if n > 8:
+        return torch.cummax(out, dim=-1).values
+    for c in range(1, n + 1):
+        torch.maximum(out[..., c], out[..., c - 1], out=out[..., c])
+    return out
 
 
 def attention_forward(
@@ -249,7 +253,8 @@ def attention_forward(
         q_buf[:, :real].view(batch, hkv, groups, rows, dim).copy_(qs[:, :, :, r0:r1])
         m = torch.full((batch, hkv, groups, rows), float("-inf"))
         l = torch.zeros((batch, hkv, groups, rows))  # noqa: E741
-        acc = torch.zeros((batch, hkv, groups, rows, dim_v))
+        acc_buf = torch.zeros((bh, r_pad, dim_v))  # rows past `real`: padding, never read
+        acc = acc_buf[:, :real].view(batch, hkv, groups, rows, dim_v)
         per_group = max(CHUNK_GROUP, GROUP_ELEMENTS // (bh * r_pad * KEY_CHUNK))
         # Causal rows that all see every key below the cache end need no mask but the tail.
         min_pos = int(masker.q_positions[:, r0:r1].min()) if causal and simple_mask else 0
@@ -281,20 +286,25 @@ def attention_forward(
                         s_buf[:, :real, tk - start :] = float("-inf")
             if seen < n:
                 _apply_mask(s[..., seen:, :], ~masker.visible_heads(r0, r1, start + seen * KEY_CHUNK, n - seen, hkv, groups))
-            m_all = torch.cummax(torch.cat([m.unsqueeze(-1), s.amax(dim=-1)], dim=-1), dim=-1).values + 0.0
+            m_all = _running_max(m, s.amax(dim=-1)).add_(0.0)
             m_safe = torch.where(m_all == float("-inf"), 0.0, m_all)
             alpha = torch.exp(m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
             p = s.sub_(m_safe[..., 1:].unsqueeze(-1)).exp_()  # in place: s_buf's real rows hold p
             l_c = tree_sum(p)
-            pv = _p_times_v(s_buf, work, v, c0, n)[:, :, :real].view(n, batch, hkv, groups, rows, dim_v)
-            # The recurrence, chunk by chunk in ascending order (unbind: views, no copies).
-            alpha = alpha.movedim(-1, 0)
-            for a, a_col, l_one, pv_one in zip(alpha, alpha.unsqueeze(-1), l_c.movedim(-1, 0), pv):
+            # The recurrence, chunk by chunk in ascending order: one [R, C] @ [C, Dv] gemm per
+            # chunk on a strided view of p (row stride n*C; lda does not change bits, see
+            # matmul.py), added straight into acc; the chunk past the cache end (if any) takes a
+            # zero-padded copy of its values.
+            p_chunks = s_buf.view(bh, r_pad, n, KEY_CHUNK)
+            for c, (a, l_one) in enumerate(zip(alpha.unbind(-1), l_c.unbind(-1))):
                 l.mul_(a).add_(l_one)
-                acc.mul_(a_col).add_(pv_one)
+                acc.mul_(a.unsqueeze(-1))
+                _add_gemm_into(acc_buf, p_chunks[:, :, c], _keys(v, start + c * KEY_CHUNK, KEY_CHUNK))
             m = m_all[..., -1]
-        l_col = l.unsqueeze(-1)
-        out[:, :, :, r0:r1] = torch.where(l_col > 0, acc / l_col, 0.0) + 0.0
+        # l >= 1 wherever a key is visible (the row maximum adds exp(0) == 1 and later chunks
+        # scale by exactly 1 or add), else l == 0 and acc == 0: dividing by max(l, 1) is acc / l
+        # or an exact zero, and `+ 0.0` makes every zero +0.0.
+        out[:, :, :, r0:r1] = acc.div_(l.clamp_min(1.0).unsqueeze(-1)).add_(0.0)
         lse[:, :, :, r0:r1] = torch.where(l > 0, m + torch.log(l), float("-inf"))
     return out.reshape(batch, hq, tq, dim_v), lse.reshape(batch, hq, tq)
 
