@@ -43,6 +43,8 @@ dk and dv are sums over query rows (deterministic: fixed shapes, fixed order).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from titan_audit.batch_invariant.cpu.matmul import MIN_COLS, bmm, padded_rows
@@ -52,6 +54,7 @@ KEY_CHUNK = 128
 QUERY_BLOCK = 128
 CHUNK_GROUP = 4
 GROUP_ELEMENTS = 1 << 20  # score elements per chunk group (small blocks take more chunks)
+WORKSPACE_KEEP = 1 << 22  # float32 elements a kept workspace buffer may hold (16 MiB)
 
 
 def _chunks(num_keys: int) -> int:
@@ -171,7 +174,12 @@ def _gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 class _Workspace:
-    """Flat float32 buffers by name, grown on demand and reused (contiguous views of a prefix)."""
+    """Flat float32 buffers by name, grown on demand and reused (contiguous views of a prefix).
+
+    One per thread, kept between calls: fresh multi-MB buffers cost a page fault per 4 KiB on
+    first touch (measured: thousands per prefill call). A buffer over `WORKSPACE_KEEP` elements
+    is handed out but not kept, so the memory held stays under 4 * WORKSPACE_KEEP bytes a name.
+    """
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
@@ -179,8 +187,20 @@ class _Workspace:
     def get(self, name: str, numel: int) -> torch.Tensor:
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[name] = torch.empty(numel)
+            buf = torch.empty(numel)
+            if numel <= WORKSPACE_KEEP:
+                self.buffers[name] = buf
         return buf[:numel]
+
+
+_THREAD_STATE = threading.local()
+
+
+def _workspace() -> _Workspace:
+    work = getattr(_THREAD_STATE, "work", None)
+    if work is None:
+        work = _THREAD_STATE.work = _Workspace()
+    return work
 
 
 def _add_gemm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -196,10 +216,11 @@ def _add_gemm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _running_max(m: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
     """[..., n + 1]: m, then the running maximum of m and chunk_max[..., :c+1] (exact, so order-free).
-    A few in-place maximums beat `torch.cummax` (a scan that also tracks indices) for small n."""
+    For large blocks and few chunks, a few in-place maximums beat `torch.cummax` (a scan that
+    also tracks indices); for small blocks (decode) one cummax call is cheaper."""
     n = chunk_max.shape[-1]
     out = torch.cat([m.unsqueeze(-1), chunk_max], dim=-1)
-    if n > 8:
+    if n > 8 or out.numel() < 1 << 14:
         return torch.cummax(out, dim=-1).values
     for c in range(1, n + 1):
         torch.maximum(out[..., c], out[..., c - 1], out=out[..., c])
@@ -232,15 +253,14 @@ def attention_forward(
     groups, bh = hq // hkv, batch * hkv
     masker = _Masker(q_positions, tk, causal, doc_ids, extra_mask)
     simple_mask = doc_ids is None and extra_mask is None
-    qs = (q.float() * scale).reshape(batch, hkv, groups, tq, dim)
+    q = q.reshape(batch, hkv, groups, tq, dim)  # scaled per block, into the gemm's row buffer
     k, v = k.float(), v.float()
     if doc_ids is not None:  # padding keys may hold anything (NaN); they meet an exact zero p
         v = v.masked_fill((doc_ids < 0)[:, None, :, None], 0.0)
     out = torch.empty((batch, hkv, groups, tq, dim_v))
     lse = torch.empty((batch, hkv, groups, tq))
     full_chunks = tk // KEY_CHUNK
-    # Workspaces reused by every block and group (fresh large buffers cost page faults).
-    work = _Workspace()
+    work = _workspace()  # reused by every block and group, and by later calls on this thread
     q_buf = None
     for r0 in range(0, tq, QUERY_BLOCK):
         r1 = min(r0 + QUERY_BLOCK, tq)
@@ -249,8 +269,8 @@ def attention_forward(
         nchunks = _chunks(masker.key_limit(r0, r1))
         r_pad = padded_rows(real, dim, KEY_CHUNK, batched=True)
         if q_buf is None or q_buf.shape[1] != r_pad or real != r_pad:
-            q_buf = qs.new_zeros((bh, r_pad, dim))
-        q_buf[:, :real].view(batch, hkv, groups, rows, dim).copy_(qs[:, :, :, r0:r1])
+            q_buf = torch.zeros((bh, r_pad, dim))
+        torch.mul(q[:, :, :, r0:r1].float(), scale, out=q_buf[:, :real].view(batch, hkv, groups, rows, dim))
         m = torch.full((batch, hkv, groups, rows), float("-inf"))
         l = torch.zeros((batch, hkv, groups, rows))  # noqa: E741
         acc_buf = torch.zeros((bh, r_pad, dim_v))  # rows past `real`: padding, never read
