@@ -216,3 +216,18 @@ def test_running_max_is_the_cumulative_max(n: int) -> None:
     m[1] = float("-inf")
     expected = torch.cummax(torch.cat([m.unsqueeze(-1), chunk_max], dim=-1), dim=-1).values
     assert_bitwise_equal(_running_max(m, chunk_max), expected, "running max")
+
+
+def test_kept_workspace_does_not_carry_state_between_calls() -> None:
+    """The score buffer is kept per thread between calls: a call must give the bits it gives on
+    a fresh thread (fresh workspace), after calls of other shapes on this one."""
+    import threading
+
+    q, k, v = _qkv(2, 4, 2, 300, 32, seed=21)
+    fresh: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: fresh.append(bi.attention(q, k, v)))
+    worker.start()
+    worker.join()
+    for shape in ((1, 8, 8, 700, 64), (3, 2, 1, 5, 16)):  # larger, then smaller buffers
+        bi.attention(*_qkv(*shape, seed=22))
+    assert_bitwise_equal(bi.attention(q, k, v), fresh[0], "attention after other shapes")

@@ -25,16 +25,23 @@ few rows per head run in the same >= 4-row kernel family as a prefill's many; pa
 are separate outputs and never read back, so they may hold anything finite or not). The cost:
 a decode step of one row per kv head (MHA) pays for 4 rows in both gemms. No cheaper exact
 form exists here: with queries as columns instead, MKL's < 12-column paths give other bits
-than its wide path (and, measured, even depend on the batch count). The scores of a group of
-chunks come from one gemm (an output column's bits do not depend on the other columns:
-measured, tested in test_matmul.py); the reduction over keys (p @ v) is never merged across
-chunks: it is one [R, C] @ [C, D] gemm per chunk, on a strided view of p (the row stride does
-not change bits, see matmul.py). How many chunks form a group depends on the block's size, for speed only;
-the bits of a row do not. Hidden scores are set to -inf either by the general mask or, for chunks
+than its wide path (and, measured, even depend on the batch count); MKL's 1- to 3-row paths
+differ from its >= 4-row path even at K = 64 and 128 (measured).
+
+The scores of a group of chunks come from one gemm (an output column's bits do not depend on
+the other columns: measured, tested in test_matmul.py); the reduction over keys (p @ v) is
+never merged across chunks: it is one [R, C] @ [C, D] gemm per chunk, on a strided view of p
+(the row stride does not change bits, see matmul.py), added into acc by `baddbmm_` (MKL adds
+the finished product to acc, one rounding per element: the bits of `acc + p @ v_c`, measured
+and tested). How many chunks form a group depends on the block's size, for speed only; the
+bits of a row do not. Hidden scores are set to -inf either by the general mask or, for chunks
 every row of the block fully sees, only past the cache end: the same -inf in the same places.
-Values at keys a query cannot see
-are multiplied by an exact zero, so they must be finite; padding keys (doc_ids < 0) are zeroed.
-Every kernel used was also measured to give the same bits with 1 and 2 threads.
+Values at keys a query cannot see are multiplied by an exact zero, so they must be finite;
+padding keys (doc_ids < 0) are zeroed. The exponential is `torch.exp`, whose bits do not depend
+on an element's position in the buffer; `torch.exp2` (the usual flash-attention choice, about
+3.5x faster here) computes a buffer's tail with a scalar routine that rounds differently, so
+a row's bits would depend on where it sits (tests/batch_invariant/test_reductions.py records
+it). Every kernel used was also measured to give the same bits with 1 and 2 threads.
 
 The backward (`attention_backward`) recomputes p per chunk from the saved log-sum-exp and walks
 the chunks in the same ascending order: dq accumulates per row over chunks (row-invariant);
@@ -247,6 +254,9 @@ def attention_forward(
     group come from one gemm and its p @ v from one [R, C] @ [C, D] gemm per chunk; the
     running max of a group's chunks is a cumulative max (exact, so equal to the chunk-by-chunk
     maximum); only the rescale-and-add recurrence walks the chunks one by one, ascending.
+    Buffers: the scores live in the thread's workspace (kept between calls), the queries are
+    scaled block by block straight into the gemm's row buffer, and acc is that block's rows
+    of a zero-initialised [B*Hkv, R, Dv] buffer the gemms add into.
     """
     batch, hq, tq, dim = q.shape
     hkv, tk, dim_v = k.shape[1], k.shape[2], v.shape[3]
