@@ -67,8 +67,9 @@ def test_elementwise_functions_do_not_depend_on_position() -> None:
 
 
 def test_negative_control_exp2_depends_on_position() -> None:
-    """exp2 is 3x faster than exp here, but its scalar tail and vector body disagree, so an
-    element's bits would depend on where it sits in a buffer: the kernels use exp, not exp2."""
+    """exp2 is 3-4x faster than exp here, but its scalar tail and vector body disagree, so an
+    element's bits would depend on where it sits in a buffer: the row ops use exp, and the
+    attention uses exp2 only on buffers whose length leaves no tail (cpu/exp2.py)."""
     x = torch.rand(4099) * 40 - 20
     whole = torch.exp2(x)
     alone = torch.cat([torch.exp2(x[i : i + 1]) for i in range(0, 4099, 7)])

@@ -7,26 +7,29 @@ the cache is padded with zero keys, so every reduction inside a chunk has the sa
 whether the chunk is full (prefill) or only partly filled (decode with a short cache). Per chunk,
 an online softmax in float32 (m: running max, l: running sum of p, acc: running sum of p*v):
 
-    s    = (q * scale) . k_c          gemm over head_dim D (row-invariant, see matmul.py)
+    s    = (q * scale * log2(e)) . k_c   gemm over head_dim D (row-invariant, see matmul.py)
     s    = -inf where the key is not visible (causal / document / padding / past the cache)
-    m'   = max(m, rowmax(s)) + 0.0    exact, order-free
-    p    = exp(s - m'),  alpha = exp(m - m')
-    l    = l * alpha + tree_sum(p)    fixed pairwise tree over the C keys (reductions.py)
-    acc  = acc * alpha + p @ v_c      gemm over the C keys of the chunk (row-invariant)
+    m'   = max(m, rowmax(s)) + 0.0       exact, order-free
+    p    = 2**(s - m'),  alpha = 2**(m - m')
+    l    = l * alpha + tree_sum(p)       fixed pairwise tree over the C keys (reductions.py)
+    acc  = acc * alpha + p @ v_c         gemm over the C keys of the chunk (row-invariant)
 
-and out = acc / l. A key the query cannot see has p == 0 exactly, so it adds an exact zero; a
-chunk with no visible key gives alpha == 1 and adds zeros, an exact no-op up to the sign of a
-zero. Chunks that no row of a query block can see (causal) are skipped, which changes nothing
-for the same reason; the output gets `+ 0.0` so the sign of a zero never depends on which chunks
-were skipped. GQA folds the G query heads of one kv head into the gemm's rows, which the
-row-invariant gemm allows; the rows of all (batch, kv head) pairs sit in one zero-padded
-[B*Hkv, R, D] buffer (R: the row count `matmul.padded_rows` gives, so a decode step's one or
-few rows per head run in the same >= 4-row kernel family as a prefill's many; padding rows
-are separate outputs and never read back, so they may hold anything finite or not). The cost:
-a decode step of one row per kv head (MHA) pays for 4 rows in both gemms. No cheaper exact
-form exists here: with queries as columns instead, MKL's < 12-column paths give other bits
-than its wide path (and, measured, even depend on the batch count); MKL's 1- to 3-row paths
-differ from its >= 4-row path even at K = 64 and 128 (measured).
+and out = acc / l, lse = (m + log2(l)) * ln(2). Scores are in base 2 (the scale folded into q)
+because 2**x is about 4x cheaper than e**x here; it runs on buffers whose length gives every
+element the vector routine (exp2.py: torch.exp2 rounds a buffer's left-over tail differently, so
+plain exp2 would make a row's bits depend on where it sits). A key the query cannot see has p ==
+0 exactly, so it adds an exact zero; a chunk with no visible key gives alpha == 1 and adds
+zeros, an exact no-op up to the sign of a zero. Chunks that no row of a query block can see
+(causal) are skipped, which changes nothing for the same reason; the output gets `+ 0.0` so the
+sign of a zero never depends on which chunks were skipped. GQA folds the G query heads of one kv
+head into the gemm's rows, which the row-invariant gemm allows; the rows of all (batch, kv head)
+pairs sit in one zero-padded [B*Hkv, R, D] buffer (R: the row count `matmul.padded_rows` gives,
+so a decode step's one or few rows per head run in the same >= 4-row kernel family as a
+prefill's many; padding rows are separate outputs and never read back, so they may hold anything
+finite or not). The cost: a decode step of one row per kv head (MHA) pays for 4 rows in both
+gemms. No cheaper exact form exists here: with queries as columns instead, MKL's < 12-column
+paths give other bits than its wide path (and, measured, even depend on the batch count); MKL's
+1- to 3-row paths differ from its >= 4-row path even at K = 64 and 128 (measured).
 
 The scores of a group of chunks come from one gemm (an output column's bits do not depend on
 the other columns: measured, tested in test_matmul.py); the reduction over keys (p @ v) is
@@ -37,26 +40,28 @@ and tested). How many chunks form a group depends on the block's size, for speed
 bits of a row do not. Hidden scores are set to -inf either by the general mask or, for chunks
 every row of the block fully sees, only past the cache end: the same -inf in the same places.
 Values at keys a query cannot see are multiplied by an exact zero, so they must be finite;
-padding keys (doc_ids < 0) are zeroed. The exponential is `torch.exp`, whose bits do not depend
-on an element's position in the buffer; `torch.exp2` (the usual flash-attention choice, about
-3.5x faster here) computes a buffer's tail with a scalar routine that rounds differently, so
-a row's bits would depend on where it sits (tests/batch_invariant/test_reductions.py records
-it). Every kernel used was also measured to give the same bits with 1 and 2 threads.
+padding keys (doc_ids < 0) are zeroed. Every kernel used was also measured to give the same
+bits with 1 to 4 threads.
 
-The backward (`attention_backward`) recomputes p per chunk from the saved log-sum-exp and walks
-the chunks in the same ascending order: dq accumulates per row over chunks (row-invariant);
-dk and dv are sums over query rows (deterministic: fixed shapes, fixed order).
+The backward (`attention_backward`) recomputes p per chunk (natural base, torch.exp) from the
+saved log-sum-exp and walks the chunks in the same ascending order: dq accumulates per row over
+chunks (row-invariant); dk and dv are sums over query rows (deterministic: fixed shapes, fixed
+order).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
+from titan_audit.batch_invariant.cpu.exp2 import aligned_numel, exp2_
 from titan_audit.batch_invariant.cpu.matmul import MIN_COLS, bmm, padded_rows
 from titan_audit.batch_invariant.cpu.reductions import tree_sum
 
+LOG2_E = math.log2(math.e)  # scores are kept in base 2: exp(x) == 2**(x * log2(e))
+LN_2 = math.log(2.0)
 KEY_CHUNK = 128
 QUERY_BLOCK = 128
 CHUNK_GROUP = 4
@@ -221,6 +226,15 @@ def _add_gemm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(bmm(a, b))
 
 
+def _exp2(work: _Workspace, x: torch.Tensor) -> torch.Tensor:
+    """2**x for a small tensor, through an aligned workspace buffer (see exp2.py)."""
+    flat = work.get("exp2", aligned_numel(x.numel()))
+    out = flat[: x.numel()].view(x.shape)
+    out.copy_(x)
+    exp2_(flat)
+    return out
+
+
 def _running_max(m: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
     """[..., n + 1]: m, then the running maximum of m and chunk_max[..., :c+1] (exact, so order-free).
     For large blocks and few chunks, a few in-place maximums beat `torch.cummax` (a scan that
@@ -280,7 +294,7 @@ def attention_forward(
         r_pad = padded_rows(real, dim, KEY_CHUNK, batched=True)
         if q_buf is None or q_buf.shape[1] != r_pad or real != r_pad:
             q_buf = torch.zeros((bh, r_pad, dim))
-        torch.mul(q[:, :, :, r0:r1].float(), scale, out=q_buf[:, :real].view(batch, hkv, groups, rows, dim))
+        torch.mul(q[:, :, :, r0:r1].float(), scale * LOG2_E, out=q_buf[:, :real].view(batch, hkv, groups, rows, dim))
         m = torch.full((batch, hkv, groups, rows), float("-inf"))
         l = torch.zeros((batch, hkv, groups, rows))  # noqa: E741
         acc_buf = torch.zeros((bh, r_pad, dim_v))  # rows past `real`: padding, never read
@@ -293,7 +307,8 @@ def attention_forward(
             start, width = c0 * KEY_CHUNK, n * KEY_CHUNK
             # One gemm for the group's n*C keys: an output column's bits do not depend on the
             # other columns (tests/batch_invariant/test_matmul.py: column chunks).
-            s_buf = work.get("s", bh * r_pad * width).view(bh, r_pad, width)
+            s_flat = work.get("s", aligned_numel(bh * r_pad * width))
+            s_buf = s_flat[: bh * r_pad * width].view(bh, r_pad, width)
             inside = max(0, min(n, full_chunks - c0))  # chunks entirely inside the cache
             if inside == n:
                 _gemm_into(q_buf, _keys(k, start, width).transpose(1, 2), s_buf)
@@ -318,8 +333,10 @@ def attention_forward(
                 _apply_mask(s[..., seen:, :], ~masker.visible_heads(r0, r1, start + seen * KEY_CHUNK, n - seen, hkv, groups))
             m_all = _running_max(m, s.amax(dim=-1)).add_(0.0)
             m_safe = torch.where(m_all == float("-inf"), 0.0, m_all)
-            alpha = torch.exp(m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
-            p = s.sub_(m_safe[..., 1:].unsqueeze(-1)).exp_()  # in place: s_buf's real rows hold p
+            alpha = _exp2(work, m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
+            s.sub_(m_safe[..., 1:].unsqueeze(-1))
+            exp2_(s_flat)  # every row, padding rows too (never read): s_buf's real rows hold p
+            p = s
             l_c = tree_sum(p)
             # The recurrence, chunk by chunk in ascending order: one [R, C] @ [C, Dv] gemm per
             # chunk on a strided view of p (row stride n*C; lda does not change bits, see
@@ -335,7 +352,7 @@ def attention_forward(
         # scale by exactly 1 or add), else l == 0 and acc == 0: dividing by max(l, 1) is acc / l
         # or an exact zero, and `+ 0.0` makes every zero +0.0.
         out[:, :, :, r0:r1] = acc.div_(l.clamp_min(1.0).unsqueeze(-1)).add_(0.0)
-        lse[:, :, :, r0:r1] = torch.where(l > 0, m + torch.log(l), float("-inf"))
+        lse[:, :, :, r0:r1] = torch.where(l > 0, (m + torch.log2(l)) * LN_2, float("-inf"))
     return out.reshape(batch, hq, tq, dim_v), lse.reshape(batch, hq, tq)
 
 
