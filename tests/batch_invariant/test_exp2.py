@@ -56,3 +56,18 @@ def test_negative_control_plain_exp2_over_unaligned_lengths_differs() -> None:
     x = _values(4096, seed=1)
     pieces = torch.cat([torch.exp2(x[i : i + 31]) for i in range(0, 4096, 31)])
     assert not bitwise_equal(pieces, _reference(x)), "expected scalar-path elements to differ"
+
+
+def test_exp_via_exp2_is_exp_within_float32_rounding_and_position_free() -> None:
+    from titan_audit.batch_invariant.cpu.exp2 import LOG2_E, exp_via_exp2
+
+    x = _values(3 * 1000, seed=3).view(3, 1000)
+    shift = x.amax(dim=-1, keepdim=True)
+    got = exp_via_exp2(x, shift)
+    expected = _reference(((x - shift) * LOG2_E).reshape(-1)).view(3, 1000)
+    assert_bitwise_equal(got, expected, "exp_via_exp2")
+    assert_bitwise_equal(exp_via_exp2(x[1:2], shift[1:2]), got[1:2], "one row alone")
+    exact = torch.exp(x.double() - shift.double())
+    torch.testing.assert_close(got.double(), exact, rtol=1e-7 * 60 + 2e-7, atol=0.0)
+    x64 = x.double()
+    assert_bitwise_equal(exp_via_exp2(x64), torch.exp(x64), "float64 keeps torch.exp")

@@ -3,7 +3,9 @@
 Proves: a row's result is the same bits alone, in any slice, and in a batch of 1..512 rows,
 for random lengths (including non-powers of two), float32 and bfloat16, 1 and 2 threads; the
 element-wise functions the kernels rely on (exp, log, rsqrt) give an element the same bits
-wherever it sits in a buffer (and exp2, which does not, is recorded as a negative control); results are within float32 tolerance of float64. Negative
+wherever it sits in a buffer (plain exp2, which does not, is recorded as a negative control;
+the kernels use it only on tail-free buffers, tests in test_exp2.py); results are within
+float32 tolerance of float64. Negative
 controls: native `torch.sum`/`mean` over a long row give a single row different bits than the
 same row in a batch (2 threads split a lone row between them); torch's fused softmax kernel
 happens to be row-invariant on this build, which the control records rather than hides.
@@ -68,8 +70,8 @@ def test_elementwise_functions_do_not_depend_on_position() -> None:
 
 def test_negative_control_exp2_depends_on_position() -> None:
     """exp2 is 3-4x faster than exp here, but its scalar tail and vector body disagree, so an
-    element's bits would depend on where it sits in a buffer: the row ops use exp, and the
-    attention uses exp2 only on buffers whose length leaves no tail (cpu/exp2.py)."""
+    element's bits would depend on where it sits in a buffer: the kernels use exp2 only on
+    buffers whose length leaves no tail (cpu/exp2.py)."""
     x = torch.rand(4099) * 40 - 20
     whole = torch.exp2(x)
     alone = torch.cat([torch.exp2(x[i : i + 1]) for i in range(0, 4099, 7)])

@@ -43,7 +43,7 @@ Values at keys a query cannot see are multiplied by an exact zero, so they must 
 padding keys (doc_ids < 0) are zeroed. Every kernel used was also measured to give the same
 bits with 1 to 4 threads.
 
-The backward (`attention_backward`) recomputes p per chunk (natural base, torch.exp) from the
+The backward (`attention_backward`) recomputes p per chunk (natural base, through exp2.py) from the
 saved log-sum-exp and walks the chunks in the same ascending order: dq accumulates per row over
 chunks (row-invariant); dk and dv are sums over query rows (deterministic: fixed shapes, fixed
 order).
@@ -56,12 +56,11 @@ import threading
 
 import torch
 
-from titan_audit.batch_invariant.cpu.exp2 import aligned_numel, exp2_
+from titan_audit.batch_invariant.cpu.exp2 import LOG2_E, aligned_numel, exp2_, exp_via_exp2
 from titan_audit.batch_invariant.cpu.matmul import MIN_COLS, bmm, padded_rows
 from titan_audit.batch_invariant.cpu.reductions import tree_sum
 
-LOG2_E = math.log2(math.e)  # scores are kept in base 2: exp(x) == 2**(x * log2(e))
-LN_2 = math.log(2.0)
+LN_2 = math.log(2.0)  # scores are kept in base 2 (LOG2_E folded into the scale)
 KEY_CHUNK = 128
 QUERY_BLOCK = 128
 CHUNK_GROUP = 4
@@ -400,7 +399,7 @@ def attention_backward(
         g_rows = _rows(g, r0)
         s = bmm(q_rows, k_c.transpose(1, 2)).view(batch, hkv, groups, rows, KEY_CHUNK)
         s = s.masked_fill(~masker.visible_heads(r0, tq, start, 1, hkv, groups)[..., 0, :], float("-inf"))
-        p = torch.exp(s - lse_safe[:, :, :, r0:, None])
+        p = exp_via_exp2(s, lse_safe[:, :, :, r0:, None])
         dp = bmm(g_rows, v_c.transpose(1, 2)).view(batch, hkv, groups, rows, KEY_CHUNK)
         ds = (p * (dp - delta[:, :, :, r0:, None])).reshape(batch * hkv, groups * rows, KEY_CHUNK)
         dq[:, :, :, r0:].add_(bmm(ds, k_c).view(batch, hkv, groups, rows, dim))

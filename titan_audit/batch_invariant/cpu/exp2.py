@@ -23,6 +23,8 @@ held: 2**garbage is computed and never read. Tests check the bits at 1 to 4 thre
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 GRAIN = 32768  # at::internal::GRAIN_SIZE
@@ -48,3 +50,25 @@ def exp2_(buffer: torch.Tensor) -> torch.Tensor:
     assert buffer.dim() == 1 and buffer.is_contiguous() and buffer.dtype == torch.float32
     assert buffer.numel() == aligned_numel(buffer.numel()), "exp2_ needs an aligned_numel length"
     return buffer.exp2_()
+
+
+LOG2_E = math.log2(math.e)
+
+
+def exp_via_exp2(x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """e**(x - shift), broadcasting shift, with bits that do not depend on an element's position:
+    float32 as 2**((x - shift) * log2(e)) on an aligned buffer (about 4x faster than torch.exp
+    here, one more rounding: a relative error under 1e-7 * |x - shift|); other dtypes torch.exp.
+    Returns a new tensor of x's shape (a view of the buffer's prefix)."""
+    if x.dtype != torch.float32:
+        return torch.exp(x if shift is None else x - shift)
+    shape = torch.broadcast_shapes(x.shape, shift.shape) if shift is not None else x.shape
+    numel = math.prod(shape)
+    buffer = torch.empty(aligned_numel(numel))
+    out = buffer[:numel].view(shape)
+    if shift is None:
+        torch.mul(x, LOG2_E, out=out)
+    else:
+        torch.sub(x, shift, out=out).mul_(LOG2_E)
+    exp2_(buffer)
+    return out
