@@ -10,6 +10,7 @@ unless `overwrite=True`. Progress (documents tokenized) is shown with tqdm when 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -86,10 +87,14 @@ def prepare(config: PrepareConfig, *, progress: bool = False) -> StoreInfo:
     with atomic_output_dir(out, overwrite=config.overwrite) as tmp:
         writer = TokenStoreWriter(tmp, tokenizer=tokenizer.identity, vocab_size=tokenizer.vocab_size,
                                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, origin=manifest)  # fmt: skip
-        with tqdm(total=manifest.total_rows, unit="doc", desc=f"prepare {out.name}", disable=not progress) as bar:
+        # No tqdm at all when quiet: even a disabled bar creates tqdm's process-shared lock, a
+        # semaphore that rank processes (which leave by os._exit) would leak.
+        bar = tqdm(total=manifest.total_rows, unit="doc", desc=f"prepare {out.name}") if progress else None
+        with bar if bar is not None else contextlib.nullcontext():
             for docs in _results(source, units, config):
                 writer.append(docs)
-                bar.update(len(docs))
+                if bar is not None:
+                    bar.update(len(docs))
         writer.close()
         if writer.num_docs != manifest.total_rows:
             raise ValueError(f"read {writer.num_docs} documents but the source manifest counts {manifest.total_rows} rows")
