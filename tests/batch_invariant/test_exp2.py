@@ -71,3 +71,14 @@ def test_exp_via_exp2_is_exp_within_float32_rounding_and_position_free() -> None
     torch.testing.assert_close(got.double(), exact, rtol=1e-7 * 60 + 2e-7, atol=0.0)
     x64 = x.double()
     assert_bitwise_equal(exp_via_exp2(x64), torch.exp(x64), "float64 keeps torch.exp")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exp2_of_zero_is_exactly_one(threads: int) -> None:
+    """The attention divides by max(l, 1), which is l only if a row's maximum contributes
+    exactly 1 (2**0) to l; -inf must give exactly 0 (hidden keys)."""
+    with num_threads(threads):
+        buf = torch.zeros(aligned_numel(5 * GRAIN))
+        buf[1::2] = float("-inf")
+        exp2_(buf)
+    assert bool((buf[0::2] == 1.0).all()) and bool((buf[1::2] == 0.0).all())

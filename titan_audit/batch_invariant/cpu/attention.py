@@ -334,7 +334,7 @@ def attention_forward(
             m_safe = torch.where(m_all == float("-inf"), 0.0, m_all)
             alpha = _exp2(work, m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
             s.sub_(m_safe[..., 1:].unsqueeze(-1))
-            exp2_(s_flat)  # every row, padding rows too (never read): s_buf's real rows hold p
+            exp2_(s_flat)  # whole buffer (padding rows only feed padding outputs): real rows hold p
             p = s
             l_c = tree_sum(p)
             # The recurrence, chunk by chunk in ascending order: one [R, C] @ [C, Dv] gemm per
@@ -347,9 +347,9 @@ def attention_forward(
                 acc.mul_(a.unsqueeze(-1))
                 _add_gemm_into(acc_buf, p_chunks[:, :, c], _keys(v, start + c * KEY_CHUNK, KEY_CHUNK))
             m = m_all[..., -1]
-        # l >= 1 wherever a key is visible (the row maximum adds exp(0) == 1 and later chunks
-        # scale by exactly 1 or add), else l == 0 and acc == 0: dividing by max(l, 1) is acc / l
-        # or an exact zero, and `+ 0.0` makes every zero +0.0.
+        # l >= 1 wherever a key is visible (the row maximum adds 2**0 == 1, exactly: tested, and
+        # later chunks scale by exactly 1 or add), else l == 0 and acc == 0: dividing by
+        # max(l, 1) is acc / l or an exact zero, and `+ 0.0` makes every zero +0.0.
         out[:, :, :, r0:r1] = acc.div_(l.clamp_min(1.0).unsqueeze(-1)).add_(0.0)
         lse[:, :, :, r0:r1] = torch.where(l > 0, (m + torch.log2(l)) * LN_2, float("-inf"))
     return out.reshape(batch, hq, tq, dim_v), lse.reshape(batch, hq, tq)
