@@ -82,3 +82,19 @@ def test_exp2_of_zero_is_exactly_one(threads: int) -> None:
         buf[1::2] = float("-inf")
         exp2_(buf)
     assert bool((buf[0::2] == 1.0).all()) and bool((buf[1::2] == 0.0).all())
+
+
+@pytest.mark.parametrize("numel", [100, GRAIN + 5, 5 * GRAIN + 77])
+def test_piecewise_path_under_omp_dynamic_gives_the_same_bits(numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _values(numel, seed=numel + 1)
+    with num_threads(2):
+        length = aligned_numel(numel)
+        parallel = torch.zeros(length)
+        parallel[:numel] = x
+        exp2_(parallel)
+        monkeypatch.setenv("OMP_DYNAMIC", "TRUE")
+        piecewise = torch.zeros(length)
+        piecewise[:numel] = x
+        exp2_(piecewise)
+    assert_bitwise_equal(piecewise, parallel, "piecewise vs parallel exp2_")
+    assert_bitwise_equal(piecewise[:numel], _reference(x), "piecewise vs reference")

@@ -15,20 +15,24 @@ What this fixes. A buffer whose length `aligned_numel` chose has no left-over el
   per `GRAIN` elements, each range exactly `GRAIN` long;
 - above that, a multiple of `GRAIN * threads`: every thread's range is a multiple of `GRAIN`.
 So every element, real or padding, goes through the vector exp2, whatever the length or the
-thread count (`torch.get_num_threads()` of the calling thread, which is the OpenMP team size
-unless OMP_DYNAMIC lets OpenMP shrink teams; do not set it). The padding holds whatever it
-held: 2**garbage is computed and never read. Tests check the bits at 1 to 4 threads against a
-32-element-row layout and across lengths and offsets.
+thread count (`torch.get_num_threads()` of the calling thread, which is the OpenMP team size).
+If OMP_DYNAMIC lets OpenMP shrink teams, the ranges would move: then the buffer is done in
+pieces of `PIECE` elements, each below `GRAIN` (one thread) and whole vectors: the same bits,
+on one core. The padding holds whatever it held: 2**garbage is computed and never read. Tests
+check the bits at 1 to 4 threads and on the piecewise path against a one-vector-at-a-time
+reference, across lengths and offsets.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 GRAIN = 32768  # at::internal::GRAIN_SIZE
 VECTOR_STEP = 64  # a multiple of the vector loop's step (2 registers: 32 floats on AVX512, 16 on AVX2)
+PIECE = GRAIN - VECTOR_STEP  # below GRAIN (one thread), whole vector steps
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -49,7 +53,16 @@ def exp2_(buffer: torch.Tensor) -> torch.Tensor:
     """2**x in place over a contiguous 1-D float32 buffer of an `aligned_numel` length."""
     assert buffer.dim() == 1 and buffer.is_contiguous() and buffer.dtype == torch.float32
     assert buffer.numel() == aligned_numel(buffer.numel()), "exp2_ needs an aligned_numel length"
+    if _dynamic_teams():
+        for start in range(0, buffer.numel(), PIECE):
+            buffer[start : start + PIECE].exp2_()
+        return buffer
     return buffer.exp2_()
+
+
+def _dynamic_teams() -> bool:
+    """Whether OpenMP may give a parallel region fewer threads than asked (OMP_DYNAMIC)."""
+    return os.environ.get("OMP_DYNAMIC", "false").strip().lower() not in ("", "false", "0")
 
 
 LOG2_E = math.log2(math.e)
