@@ -56,7 +56,7 @@ import threading
 
 import torch
 
-from titan_audit.batch_invariant.cpu.exp2 import LOG2_E, aligned_numel, exp2_, exp_via_exp2
+from titan_audit.batch_invariant.cpu.exp2 import LOG2_E, aligned_numel, exp2, exp2_, exp_via_exp2
 from titan_audit.batch_invariant.cpu.matmul import MIN_COLS, bmm, padded_rows
 from titan_audit.batch_invariant.cpu.reductions import tree_sum
 
@@ -225,15 +225,6 @@ def _add_gemm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(bmm(a, b))
 
 
-def _exp2(work: _Workspace, x: torch.Tensor) -> torch.Tensor:
-    """2**x for a small tensor, through an aligned workspace buffer (see exp2.py)."""
-    flat = work.get("exp2", aligned_numel(x.numel()))
-    out = flat[: x.numel()].view(x.shape)
-    out.copy_(x)
-    exp2_(flat)
-    return out
-
-
 def _running_max(m: torch.Tensor, chunk_max: torch.Tensor) -> torch.Tensor:
     """[..., n + 1]: m, then the running maximum of m and chunk_max[..., :c+1] (exact, so order-free).
     For large blocks and few chunks, a few in-place maximums beat `torch.cummax` (a scan that
@@ -332,7 +323,7 @@ def attention_forward(
                 _apply_mask(s[..., seen:, :], ~masker.visible_heads(r0, r1, start + seen * KEY_CHUNK, n - seen, hkv, groups))
             m_all = _running_max(m, s.amax(dim=-1)).add_(0.0)
             m_safe = torch.where(m_all == float("-inf"), 0.0, m_all)
-            alpha = _exp2(work, m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
+            alpha = exp2(m_all[..., :-1] - m_safe[..., 1:])  # [B, Hkv, G, rows, n]
             s.sub_(m_safe[..., 1:].unsqueeze(-1))
             exp2_(s_flat)  # whole buffer (padding rows only feed padding outputs): real rows hold p
             p = s

@@ -68,6 +68,21 @@ def _dynamic_teams() -> bool:
 LOG2_E = math.log2(math.e)
 
 
+def _aligned_empty(shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer of an `aligned_numel` length, a view of its prefix with `shape`)."""
+    numel = math.prod(shape)
+    buffer = torch.empty(aligned_numel(numel))
+    return buffer, buffer[:numel].view(shape)
+
+
+def exp2(x: torch.Tensor) -> torch.Tensor:
+    """2**x for a float32 tensor, as a new tensor, with position-free bits (via `exp2_`)."""
+    buffer, out = _aligned_empty(x.shape)
+    out.copy_(x)
+    exp2_(buffer)
+    return out
+
+
 def exp_via_exp2(x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
     """e**(x - shift), broadcasting shift, with bits that do not depend on an element's position:
     float32 as 2**((x - shift) * log2(e)) on an aligned buffer (about 4x faster than torch.exp
@@ -75,10 +90,7 @@ def exp_via_exp2(x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Te
     Returns a new tensor of x's shape (a view of the buffer's prefix)."""
     if x.dtype != torch.float32:
         return torch.exp(x if shift is None else x - shift)
-    shape = torch.broadcast_shapes(x.shape, shift.shape) if shift is not None else x.shape
-    numel = math.prod(shape)
-    buffer = torch.empty(aligned_numel(numel))
-    out = buffer[:numel].view(shape)
+    buffer, out = _aligned_empty(torch.broadcast_shapes(x.shape, shift.shape) if shift is not None else x.shape)
     if shift is None:
         torch.mul(x, LOG2_E, out=out)
     else:
