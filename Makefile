@@ -11,9 +11,46 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.titan-audit-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup clean-venv
+.PHONY: demo test setup kernels clean-venv clean-kernels
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
+
+# The batch-invariant CPU kernels (C++17, batch_invariant/cpu/kernels/): every source is compiled
+# once per ISA variant and all variants go into one shared library; Python picks one at run time.
+# -ffp-contract=off and no fast-math keep each kernel's operation order the one in its source.
+# Only the system compiler is needed (no torch headers, no isolated build environment).
+CXX        ?= g++
+KERNEL_DIR := titan_audit/batch_invariant/cpu/kernels
+KERNEL_LIB := titan_audit/batch_invariant/cpu/_titan_bi.so
+KERNEL_OBJ := build/kernels
+KERNEL_SRC := $(wildcard $(KERNEL_DIR)/*.cpp)
+KERNEL_HDR := $(wildcard $(KERNEL_DIR)/*.h)
+KERNEL_CXXFLAGS := -std=c++17 -O3 -fPIC -fopenmp -ffp-contract=off -fno-fast-math -fno-math-errno \
+                   -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter -Wno-unused-function
+ifeq ($(shell uname -m),x86_64)
+KERNEL_ISAS := scalar avx2 avx512
+else
+KERNEL_ISAS := scalar
+endif
+ISA_FLAGS_scalar := -DTA_ISA_SCALAR $(if $(filter x86_64,$(shell uname -m)),-mno-fma -mno-avx)
+ISA_FLAGS_avx2   := -DTA_ISA_AVX2 -mavx2 -mfma
+ISA_FLAGS_avx512 := -DTA_ISA_AVX512 -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx2 -mfma -mprefer-vector-width=512
+KERNEL_OBJS := $(foreach isa,$(KERNEL_ISAS),$(patsubst $(KERNEL_DIR)/%.cpp,$(KERNEL_OBJ)/%.$(isa).o,$(KERNEL_SRC)))
+
+kernels: $(KERNEL_LIB)
+
+$(KERNEL_LIB): $(KERNEL_OBJS)
+	$(CXX) -shared -fopenmp -o $@.tmp $^ && mv $@.tmp $@
+
+define KERNEL_RULE
+$(KERNEL_OBJ)/%.$(1).o: $(KERNEL_DIR)/%.cpp $(KERNEL_HDR) Makefile
+	@mkdir -p $(KERNEL_OBJ)
+	$(CXX) $(KERNEL_CXXFLAGS) $(ISA_FLAGS_$(1)) -c $$< -o $$@
+endef
+$(foreach isa,$(KERNEL_ISAS),$(eval $(call KERNEL_RULE,$(isa))))
+
+clean-kernels:
+	rm -rf $(KERNEL_OBJ) $(KERNEL_LIB)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,10 +58,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
 	@touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) kernels
 	$(VENV)/bin/titan-audit demo
 
-test: $(STAMP)
+test: $(STAMP) kernels
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:

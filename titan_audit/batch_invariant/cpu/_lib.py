@@ -1,0 +1,159 @@
+"""The compiled kernel library (`_titan_bi.so`, built by `make` from `cpu/kernels/*.cpp`) and the
+choice of its ISA variant.
+
+Guarantees:
+- Loading never falls back to anything: a missing library, a library older than its sources
+  (edited kernels, not rebuilt) or one whose version disagrees with this package raises
+  `KernelLibraryError` saying what to run. A batch-variant op never stands in for a kernel.
+- Every kernel exists in the variants `scalar` (portable C++, std::fma), `avx2` (AVX2 + FMA) and
+  `avx512`; all give identical bits (tests force each one the CPU has). The variant in use is
+  `TITAN_AUDIT_CPU_ISA` (`auto`, `scalar`, `avx2`, `avx512`; read at import) or what `set_isa`
+  / `forced_isa` chose; `auto` takes the widest the CPU supports. Asking for a variant the CPU
+  cannot run is a `ValueError`.
+
+Kernels are called through `kernel(name)`: a ctypes function `ta_<name>__<isa>` of the current
+variant, with the argument types declared once by `declare(name, restype, argtypes)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+LIB_PATH = Path(__file__).with_name("_titan_bi.so")
+SOURCE_DIR = Path(__file__).with_name("kernels")
+ISAS = ("scalar", "avx2", "avx512")
+ENV_VAR = "TITAN_AUDIT_CPU_ISA"
+KERNELS_VERSION = 1  # must equal TA_KERNELS_VERSION in kernels/ta_common.h
+
+_LOCK = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_isa: str | None = None
+_signatures: dict[str, tuple[object, list[object]]] = {}
+_functions: dict[tuple[str, str], ctypes._CFuncPtr] = {}
+
+
+class KernelLibraryError(RuntimeError):
+    """The compiled kernels are missing, stale or from another version of this package."""
+
+
+def _build_hint() -> str:
+    return f"build it with `make kernels` in the titan-audit checkout (it compiles {SOURCE_DIR})"
+
+
+def _check_fresh() -> None:
+    if not LIB_PATH.exists():
+        raise KernelLibraryError(f"batch_invariant: the CPU kernel library {LIB_PATH} is missing; {_build_hint()}")
+    if SOURCE_DIR.is_dir():
+        built = LIB_PATH.stat().st_mtime
+        stale = sorted(p.name for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h") and p.stat().st_mtime > built)
+        if stale:
+            raise KernelLibraryError(
+                f"batch_invariant: {LIB_PATH} is older than its sources ({', '.join(stale)}); {_build_hint()}"
+            )
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library (loaded and checked on first use)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _LOCK:
+        if _lib is None:
+            _check_fresh()
+            try:
+                lib = ctypes.CDLL(str(LIB_PATH))
+            except OSError as exc:
+                raise KernelLibraryError(f"batch_invariant: cannot load {LIB_PATH}: {exc}; {_build_hint()}") from None
+            version = lib.ta_kernels_version__scalar()
+            if version != KERNELS_VERSION:
+                raise KernelLibraryError(
+                    f"batch_invariant: {LIB_PATH} has kernels version {version}, this package expects "
+                    f"{KERNELS_VERSION}; {_build_hint()}"
+                )
+            _lib = lib
+    return _lib
+
+
+def available_isas() -> tuple[str, ...]:
+    """The variants this CPU can run, narrowest first."""
+    lib = library()
+    found = ["scalar"]
+    if hasattr(lib, "ta_cpu_supports_avx2") and lib.ta_cpu_supports_avx2():
+        found.append("avx2")
+    if hasattr(lib, "ta_cpu_supports_avx512") and lib.ta_cpu_supports_avx512():
+        found.append("avx512")
+    return tuple(found)
+
+
+def _resolve(name: str) -> str:
+    name = name.strip().lower()
+    if name == "auto":
+        return available_isas()[-1]
+    if name not in ISAS:
+        raise ValueError(f"{ENV_VAR}: unknown ISA variant {name!r}; choose from auto, {', '.join(ISAS)}")
+    if name not in available_isas():
+        raise ValueError(f"{ENV_VAR}: this CPU cannot run the {name!r} variant (it has {', '.join(available_isas())})")
+    return name
+
+
+def isa() -> str:
+    """The ISA variant in use."""
+    global _isa
+    if _isa is None:
+        _isa = _resolve(os.environ.get(ENV_VAR, "auto"))
+    return _isa
+
+
+def set_isa(name: str) -> str:
+    """Use variant `name` (`auto` or one of ISAS) from now on; returns the variant now in use."""
+    global _isa
+    _isa = _resolve(name)
+    return _isa
+
+
+@contextlib.contextmanager
+def forced_isa(name: str) -> Iterator[str]:
+    """Run a block on one variant, then restore the previous one."""
+    previous = isa()
+    try:
+        yield set_isa(name)
+    finally:
+        set_isa(previous)
+
+
+def declare(name: str, restype: object, argtypes: list[object]) -> None:
+    """Declare the C signature of kernel `ta_<name>__<isa>` (the same for every variant)."""
+    _signatures[name] = (restype, argtypes)
+
+
+def kernel(name: str) -> ctypes._CFuncPtr:
+    """The ctypes function for kernel `name` in the current variant."""
+    key = (name, _isa or isa())
+    fn = _functions.get(key)
+    if fn is None:
+        symbol = f"ta_{name}__{key[1]}"
+        try:
+            fn = getattr(library(), symbol)
+        except AttributeError:
+            raise KernelLibraryError(f"batch_invariant: {LIB_PATH} has no kernel {symbol}; {_build_hint()}") from None
+        if name in _signatures:
+            fn.restype, fn.argtypes = _signatures[name]
+        _functions[key] = fn
+    return fn
+
+
+def ptr(t: torch.Tensor) -> int:
+    """The data pointer of a tensor, for a kernel argument declared `ctypes.c_void_p`."""
+    return t.data_ptr()
+
+
+def num_threads() -> int:
+    """The intra-op thread count the kernels split outputs over (torch's; never changes bits)."""
+    return torch.get_num_threads()
