@@ -2,7 +2,8 @@
 
 While the mode is on, unmodified code (`torch.nn.functional`, `nn.Module`s, `x @ w`) runs the
 batch-invariant kernels for: `mm`, `addmm`, `bmm` (so `matmul` and `linear`, which decompose
-into them), `_softmax`, `_log_softmax` and their backward ops, `sum.dim_IntList`, `mean.dim`,
+into them), `_softmax`, `_log_softmax` and their backward ops, `sum` (all elements), `sum.dim_IntList`,
+`mean.dim`, `linalg_vector_norm` (ord 1, 2; +-inf native, order-free),
 `rms_norm` (a CompositeImplicitAutograd op in torch 2.13: overridden at that key by the
 functional op, which brings its own deterministic autograd; on a CUDA tensor it reaches the
 backend check like every op), and `scaled_dot_product_attention` (through its CPU kernel
@@ -112,6 +113,28 @@ def _sum_impl(mean: bool) -> Callable[..., torch.Tensor]:
     return impl
 
 
+def _sum_all(self: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """aten::sum (no dim, e.g. `loss.sum()`): every element by the fixed-tree sum."""
+    return _sum_impl(mean=False)(self, None, False, dtype=dtype)
+
+
+def _vector_norm(
+    self: torch.Tensor, ord: Any = 2, dim: list[int] | None = None, keepdim: bool = False, *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """aten::linalg_vector_norm for ord 2 (sqrt of the fixed-tree sum of squares: x * x and sqrt
+    are correctly rounded everywhere) and ord 1; max/min norms are order-free and run natively."""
+    x = self if dtype is None else self.to(dtype)
+    if ord in (float("inf"), float("-inf")):
+        out = torch.empty(0, dtype=x.dtype, device=x.device)
+        return torch.ops.aten.linalg_vector_norm.out(x, ord, dim, keepdim, dtype=None, out=out)
+    if ord not in (1, 2):
+        raise NotImplementedError(f"batch_invariant: linalg.vector_norm with ord={ord!r} (only 1, 2 and +-inf)")
+    terms = x.abs() if ord == 1 else x * x
+    total = _sum_impl(mean=False)(terms, dim, keepdim)
+    return total if ord == 1 else total.sqrt()
+
+
 def _sdpa_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """SDPA's attn_mask as a bool 'may attend' mask [B|1, H|1, Tq, Tk]; additive masks must be 0/-inf."""
     if attn_mask is None:
@@ -195,6 +218,8 @@ OVERRIDES: dict[str, Callable[..., Any]] = {
     "_log_softmax_backward_data": _softmax_backward_impl(log=True),
     "sum.dim_IntList": _sum_impl(mean=False),
     "mean.dim": _sum_impl(mean=True),
+    "sum": _sum_all,
+    "linalg_vector_norm": _vector_norm,
     "_scaled_dot_product_flash_attention_for_cpu": _sdpa,
     "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_backward,
 }

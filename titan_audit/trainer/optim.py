@@ -6,6 +6,13 @@ AdamW is elementwise, so sharding a parameter across ranks (FSDP2) or not cannot
 tests/trainer/test_optim.py checks that for torch's implementation on this machine, including
 shards that split SIMD vectors at odd offsets. The implementation is pinned (`foreach=False`,
 `fused=False`) so that the kernel family never changes with the number or size of tensors.
+
+`PortableAdamW` (used when `determinism.batch_invariant` is on) computes the same update with
+separate multiplies, adds, divides and square roots only: each is correctly rounded on every CPU
+and ISA, so the update's bits do not depend on the CPU. Torch's own AdamW uses `lerp_`,
+`addcmul_` and `addcdiv_`, whose vector kernels fuse multiply-adds on AVX2/AVX-512 and not in
+the default (scalar) build, so its bits change with `ATEN_CPU_CAPABILITY` (tested). Its state
+dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints load either way.
 """
 
 from __future__ import annotations
@@ -46,8 +53,43 @@ class ScheduleConfig:
             raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
-def build_optimizer(params, config: OptimizerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
+class PortableAdamW(torch.optim.AdamW):
+    """AdamW (decoupled weight decay) whose bits are the same on every CPU: see the module doc.
+    Order per element: p *= 1 - lr*wd; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2);
+    p += (m / (sqrt(v) / sqrt(1-b2^t) + eps)) * (-lr / (1-b1^t))."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        assert closure is None, "PortableAdamW.step takes no closure"
+        for group in self.param_groups:
+            assert not group["amsgrad"] and not group["maximize"], "PortableAdamW: amsgrad/maximize unsupported"
+            beta1, beta2 = group["betas"]
+            lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = int(state["step"].item())
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                p.mul_(1 - lr * weight_decay)
+                exp_avg.mul_(beta1).add_(grad * (1 - beta1))
+                exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
+                bias_correction1 = 1 - beta1**step
+                bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+                denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
+                p.add_(exp_avg.div(denom).mul_(-lr / bias_correction1))
+        return None
+
+
+def build_optimizer(params, config: OptimizerConfig, *, portable: bool = False) -> torch.optim.AdamW:
+    """torch's AdamW, or with `portable` the CPU-independent `PortableAdamW` (same hyper-parameters)."""
+    return (PortableAdamW if portable else torch.optim.AdamW)(
         params,
         lr=config.lr,
         betas=(config.betas[0], config.betas[1]),

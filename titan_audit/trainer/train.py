@@ -275,7 +275,7 @@ def train(
         sharded = None
         model.set_compute_dtype(compute_dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, config.optimizer)
+    optimizer = build_optimizer(params, config.optimizer, portable=config.determinism.batch_invariant)
     checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
 
     start_step, loader_state = 0, None
@@ -347,7 +347,8 @@ def train(
             # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
             if config.determinism.enabled:
                 grad = reducer.all_reduce()
-                grad_norm = clip_(grad, config.optimizer.grad_clip)
+                with bi():  # BI mode: the norm by the fixed-tree sum, the same bits on every CPU
+                    grad_norm = clip_(grad, config.optimizer.grad_clip)
                 if sharded:
                     sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
                 else:
