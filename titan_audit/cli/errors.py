@@ -1,8 +1,12 @@
-"""How user errors reach the terminal: one line, exit code 2, no traceback (unless -v)."""
+"""How user errors reach the terminal: one line, exit code 2, no traceback (unless -v).
+
+A missing or stale build of the CPU kernels (`KernelLibraryError`) counts as one: it says what to run."""
 
 from __future__ import annotations
 
 import click
+
+from titan_audit.batch_invariant.cpu._lib import KernelLibraryError
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
@@ -21,7 +25,7 @@ class AuditGroup(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:
+        except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, KernelLibraryError) as error:
             if ctx.obj and ctx.obj.get("verbose"):
                 raise
             raise UserError(str(error)) from None
