@@ -1,0 +1,316 @@
+// ta_gemm.h: the gemm building blocks (B panel packing, register-tile microkernels, the blocked
+// driver), header-only so that other kernels (attention) can reuse them. Owned by gemm.cpp's
+// author; include it, do not copy it. Everything here is `static inline` in namespace ta::gemm.
+//
+// Order (every variant, every caller): C[i, j] = one sequential fma chain over k = 0..K-1
+// ascending, starting from +0.0: acc = fma(A[i,k], B[k,j], acc). Nothing else touches acc.
+// Why it cannot depend on M, threads or the ISA: a lane of a register tile holds exactly one
+// output (lanes run along N), the chain for that output is the same fma sequence whatever tile,
+// row count or thread computes it, K-blocking stores and reloads the fp32/fp64 partial (exact),
+// and an IEEE fma rounds once on every ISA (std::fma in the scalar variant).
+//
+// Layouts: A element (i, k) at a[i * sam + k * sak] (any strides: the microkernel broadcasts one
+// A value at a time, so a transposed A needs no copy). B is read either packed (ceil(N/32) panels,
+// panel p holds B[k, 32p + c] at packed[(p * K + k) * 32 + c], zero-padded past N) or directly
+// from a row-major B (element (k, n) at b[k * ldb + n], full 32-column panels only).
+#pragma once
+
+#include <algorithm>
+#include <type_traits>
+
+#include "ta_common.h"
+
+#ifndef TA_GEMM_MR_AVX512
+#define TA_GEMM_MR_AVX512 12
+#endif
+#ifndef TA_GEMM_PF
+#define TA_GEMM_PF 16
+#endif
+
+namespace ta {
+namespace gemm {
+
+constexpr int64_t PANEL = 32;  // packed panel width (the same for every variant and dtype)
+#if defined(TA_ISA_AVX512)
+constexpr int MR = TA_GEMM_MR_AVX512;  // rows per register tile (12 x 32: 24 zmm accumulators)
+#else
+constexpr int MR = 6;  // rows per register tile (avx2: 6 x 16, 12 ymm accumulators)
+#endif
+#ifndef TA_GEMM_KC
+#if defined(TA_ISA_AVX512)
+#define TA_GEMM_KC 512
+#else
+#define TA_GEMM_KC 256
+#endif
+#endif
+constexpr int64_t KC = TA_GEMM_KC;  // k-block: the KC x 32 B sub-panel stays in L1/L2 across row tiles
+constexpr int64_t MC = 96;   // rows per M-block (an MC x KC packed A block stays in L2)
+constexpr int64_t PREFETCH_ROWS = TA_GEMM_PF;  // B rows ahead the microkernel prefetches
+
+inline int64_t num_panels(int64_t n) { return (n + PANEL - 1) / PANEL; }
+inline int64_t packed_elems(int64_t k, int64_t n) { return num_panels(n) * PANEL * k; }
+
+// Pack panels [p0, p1) of B (element (k, n) at b[k * sbk + n * sbn]) into `packed` (the full
+// packed buffer of K x N). A copy: no arithmetic, so no order to state.
+template <typename T>
+static inline void pack_panels(const T* b, int64_t K, int64_t N, int64_t sbk, int64_t sbn, T* packed,
+                               int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+        T* dst = packed + p * K * PANEL;
+        const int64_t n0 = p * PANEL;
+        const int64_t nv = std::min<int64_t>(PANEL, N - n0);
+        if (sbn == 1) {
+            for (int64_t k = 0; k < K; ++k) {
+                const T* src = b + k * sbk + n0;
+                T* d = dst + k * PANEL;
+                for (int64_t c = 0; c < nv; ++c) d[c] = src[c];
+                for (int64_t c = nv; c < PANEL; ++c) d[c] = T(0);
+            }
+        } else if (sbk == 1) {
+            // B = W.t() for W [N, K] row-major: a 32 x K block of W, transposed in 16-k chunks.
+            constexpr int64_t KB = 16;
+            for (int64_t k0 = 0; k0 < K; k0 += KB) {
+                const int64_t kb = std::min<int64_t>(KB, K - k0);
+                for (int64_t c = 0; c < nv; ++c) {
+                    const T* src = b + (n0 + c) * sbn + k0;
+                    T* d = dst + k0 * PANEL + c;
+                    for (int64_t kk = 0; kk < kb; ++kk) d[kk * PANEL] = src[kk];
+                }
+                for (int64_t c = nv; c < PANEL; ++c)
+                    for (int64_t kk = 0; kk < kb; ++kk) dst[(k0 + kk) * PANEL + c] = T(0);
+            }
+        } else {
+            for (int64_t k = 0; k < K; ++k)
+                for (int64_t c = 0; c < PANEL; ++c)
+                    dst[k * PANEL + c] = c < nv ? b[k * sbk + (n0 + c) * sbn] : T(0);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- microkernels
+// micro<T, R>(a, sam, sak, b, ldb, kc, c, ldc, first): c[R x W] (+)= A[R x kc] B[kc x W] with the
+// chain order above; first: the chain starts from +0.0, else it continues from c's stored partial.
+// W (the columns one call covers) is TILE_N<T>: 32 for avx512 and scalar, 16 for avx2 fp32.
+
+template <typename T>
+struct TileN {
+    static constexpr int64_t value = 32;
+};
+#if defined(TA_ISA_AVX2)
+template <>
+struct TileN<float> {
+    static constexpr int64_t value = 16;
+};
+#endif
+
+// Portable: the reference order in plain C++ (std::fma). fp64 uses it on every variant (the
+// compiler may vectorise the loop over columns; each element stays one std::fma chain).
+template <typename T, int R>
+static inline void micro_generic(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t kc, T* c,
+                                 int64_t ldc, bool first) {
+    constexpr int64_t W = TileN<T>::value;
+    T acc[R][W];
+    for (int i = 0; i < R; ++i)
+        for (int64_t j = 0; j < W; ++j) acc[i][j] = first ? T(0) : c[i * ldc + j];
+    for (int64_t k = 0; k < kc; ++k) {
+        const T* bk = b + k * ldb;
+        for (int i = 0; i < R; ++i) {
+            const T av = a[i * sam + k * sak];
+            for (int64_t j = 0; j < W; ++j) acc[i][j] = std::fma(av, bk[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int64_t j = 0; j < W; ++j) c[i * ldc + j] = acc[i][j];
+}
+
+#if defined(TA_ISA_AVX512)
+template <int R>
+static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t kc,
+                             float* c, int64_t ldc, bool first) {
+    __m512 acc0[R], acc1[R];
+    for (int i = 0; i < R; ++i) {
+        acc0[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc);
+        acc1[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + 16);
+    }
+    const float* ap[R];
+    for (int i = 0; i < R; ++i) ap[i] = a + i * sam;
+    for (int64_t k = 0; k < kc; ++k) {
+        const float* bk = b + k * ldb;
+        _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb + 16), _MM_HINT_T0);
+        const __m512 b0 = _mm512_loadu_ps(bk);
+        const __m512 b1 = _mm512_loadu_ps(bk + 16);
+        for (int i = 0; i < R; ++i) {
+            const __m512 av = _mm512_set1_ps(ap[i][k * sak]);
+            acc0[i] = _mm512_fmadd_ps(av, b0, acc0[i]);
+            acc1[i] = _mm512_fmadd_ps(av, b1, acc1[i]);
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        _mm512_storeu_ps(c + i * ldc, acc0[i]);
+        _mm512_storeu_ps(c + i * ldc + 16, acc1[i]);
+    }
+}
+#elif defined(TA_ISA_AVX2)
+template <int R>
+static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t kc,
+                             float* c, int64_t ldc, bool first) {
+    __m256 acc0[R], acc1[R];
+    for (int i = 0; i < R; ++i) {
+        acc0[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc);
+        acc1[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8);
+    }
+    const float* ap[R];
+    for (int i = 0; i < R; ++i) ap[i] = a + i * sam;
+    for (int64_t k = 0; k < kc; ++k) {
+        const float* bk = b + k * ldb;
+        _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
+        const __m256 b0 = _mm256_loadu_ps(bk);
+        const __m256 b1 = _mm256_loadu_ps(bk + 8);
+        for (int i = 0; i < R; ++i) {
+            const __m256 av = _mm256_broadcast_ss(ap[i] + k * sak);
+            acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
+            acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        _mm256_storeu_ps(c + i * ldc, acc0[i]);
+        _mm256_storeu_ps(c + i * ldc + 8, acc1[i]);
+    }
+}
+#else
+template <int R>
+static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t kc,
+                             float* c, int64_t ldc, bool first) {
+    micro_generic<float, R>(a, sam, sak, b, ldb, kc, c, ldc, first);
+}
+#endif
+
+template <typename T, int R>
+static inline void micro(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t kc, T* c,
+                         int64_t ldc, bool first) {
+    if constexpr (std::is_same<T, float>::value)
+        micro_f32<R>(a, sam, sak, b, ldb, kc, c, ldc, first);
+    else
+        micro_generic<T, R>(a, sam, sak, b, ldb, kc, c, ldc, first);
+}
+
+// One tile of r <= MR rows and w <= TILE_N valid columns: full tiles write C directly, edge
+// tiles go through a TILE_N-wide scratch tile (same chain; only the valid columns are kept).
+template <typename T>
+static inline void tile(int r, int64_t w, const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb,
+                        int64_t kc, T* c, int64_t ldc, bool first) {
+    constexpr int64_t W = TileN<T>::value;
+    alignas(64) T scratch[MR * W];
+    T* cc = c;
+    int64_t lc = ldc;
+    if (w < W) {
+        cc = scratch;
+        lc = W;
+        if (!first)
+            for (int i = 0; i < r; ++i)
+                for (int64_t j = 0; j < W; ++j) scratch[i * W + j] = j < w ? c[i * ldc + j] : T(0);
+    }
+    switch (r) {
+#if defined(TA_ISA_AVX512)
+        case 12: micro<T, 12>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 11: micro<T, 11>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 10: micro<T, 10>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 9: micro<T, 9>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 8: micro<T, 8>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 7: micro<T, 7>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+#endif
+        case 6: micro<T, 6>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 5: micro<T, 5>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 4: micro<T, 4>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 3: micro<T, 3>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 2: micro<T, 2>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        default: micro<T, 1>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+    }
+    if (w < W)
+        for (int i = 0; i < r; ++i)
+            for (int64_t j = 0; j < w; ++j) c[i * ldc + j] = scratch[i * W + j];
+}
+
+// Panel source: panel p's B[k, 32p + c] at base(p)[k * ldb + c].
+template <typename T>
+struct Panels {
+    const T* packed;  // non-null: packed panels (ldb = 32)
+    const T* direct;  // else row-major B with row stride ldb (full panels), packed_tail for the last
+    int64_t ldb;
+    const T* packed_tail;  // the last (partial) panel packed alone, or null when N % 32 == 0
+    int64_t K, N;
+    const T* base(int64_t p, int64_t* ld) const {
+        if (packed) {
+            *ld = PANEL;
+            return packed + p * K * PANEL;
+        }
+        if (packed_tail && p == num_panels(N) - 1) {
+            *ld = PANEL;
+            return packed_tail;
+        }
+        *ld = ldb;
+        return direct + p * PANEL;
+    }
+};
+
+// Pack rows [m0, m1) x k [k0, k0 + kc) of A into row tiles: tile t's A[m0 + MR t + r, k0 + k] at
+// abuf[t * kc * MR + k * MR + r] (a copy; contiguous broadcasts and no cache-set aliasing).
+template <typename T>
+static inline void pack_a(const T* a, int64_t sam, int64_t sak, int64_t m0, int64_t m1, int64_t k0, int64_t kc,
+                          T* abuf) {
+    for (int64_t i0 = m0; i0 < m1; i0 += MR) {
+        const int64_t r = std::min<int64_t>(MR, m1 - i0);
+        T* dst = abuf + ((i0 - m0) / MR) * kc * MR;
+        if (sak == 1) {
+            for (int64_t rr = 0; rr < r; ++rr) {
+                const T* src = a + (i0 + rr) * sam + k0;
+                for (int64_t k = 0; k < kc; ++k) dst[k * MR + rr] = src[k];
+            }
+        } else {
+            for (int64_t k = 0; k < kc; ++k)
+                for (int64_t rr = 0; rr < r; ++rr) dst[k * MR + rr] = a[(i0 + rr) * sam + (k0 + k) * sak];
+        }
+    }
+}
+
+// The k-block for a block of `rows` rows: with a single row tile the B sub-panel is not reused,
+// so whole panels are streamed (kc = K).
+inline int64_t k_block(int64_t rows, int64_t K) { return rows <= MR ? K : KC; }
+
+// Elements of the A buffer `block` needs for any row block of at most `rows` rows.
+inline int64_t a_buffer_elems(int64_t rows, int64_t K) {
+    return std::max<int64_t>(((rows + MR - 1) / MR) * MR * std::min<int64_t>(KC, K), MR * K);
+}
+
+// Rows [m0, m1) x panels [p0, p1) of one product: k-blocks outermost (the packed A block and the
+// B sub-panel stay in cache), then panels, then row tiles. Each output still sees k ascending.
+template <typename T>
+static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& bp, T* c, int64_t ldc,
+                         int64_t m0, int64_t m1, int64_t p0, int64_t p1, T* abuf) {
+    constexpr int64_t W = TileN<T>::value;
+    const int64_t K = bp.K, N = bp.N;
+    const int64_t kb = k_block(m1 - m0, K);
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t kc = std::min<int64_t>(kb, K - k0);
+        const bool first = k0 == 0;
+        pack_a<T>(a, sam, sak, m0, m1, k0, kc, abuf);
+        for (int64_t p = p0; p < p1; ++p) {
+            int64_t ldb;
+            const T* bpan = bp.base(p, &ldb) + k0 * ldb;
+            for (int64_t h = 0; h < PANEL; h += W) {
+                const int64_t n0 = p * PANEL + h;
+                if (n0 >= N) break;
+                const int64_t w = std::min<int64_t>(W, N - n0);
+                for (int64_t i = m0; i < m1; i += MR) {
+                    const int r = int(std::min<int64_t>(MR, m1 - i));
+                    tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, 1, MR, bpan + h, ldb, kc, c + i * ldc + n0, ldc,
+                            first);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace gemm
+}  // namespace ta
