@@ -287,3 +287,34 @@ def test_forked_sequences_decode_bitwise_as_alone(moe_model, make_tokens):
             assert_bitwise_equal(prefill, full[:13], "prefill")
             assert_bitwise_equal(decoded[s], full[13:], f"fork {s}")
     assert len({tuple(cache.block_tables[s]) for s in range(3)}) == 3
+
+
+@pytest.mark.parametrize("bi", [True, False], ids=["bi", "negative-control-default"])
+@torch.no_grad()
+def test_head_dim_128_paged_decode_token_by_token_is_bitwise_full_forward(make_tokens, bi):
+    """tiny-dense with head_dim=128 (the head_dim of every real Qwen3 model; issue 14: the
+    MKL-based attention broke G2 at this shape on AVX-512 CPUs): two prompts prefilled into a
+    paged cache, then decoded together token by token past the 128-key chunk boundary; every
+    step's logits equal one full forward over the same tokens, bitwise, in BI mode. Negative
+    control: the same comparison differs without it."""
+    config = models.get_preset("tiny-dense").replace(head_dim=128, num_hidden_layers=2)
+    model = models.build(config, seed=6).eval()
+    lengths, total = [3, 70], 140
+    tokens = make_tokens(10, 2, total, vocab=config.vocab_size)
+    with enabled(bi):
+        full = model(tokens)
+        cache = models.PagedKVCache(config, num_blocks=40, block_size=8)
+        pieces: list[list[torch.Tensor]] = [[], []]
+        for s, n in enumerate(lengths):
+            cache.add(s)
+            pieces[s].append(model(tokens[s : s + 1, :n], cache=cache.batch([s]))[0])
+        for step in range(total - lengths[1]):  # both rows decode one token per step
+            new = torch.stack([tokens[s, lengths[s] + step] for s in (0, 1)])[:, None]
+            logits = model(new, cache=cache.batch([0, 1]))
+            for s in (0, 1):
+                pieces[s].append(logits[s])
+        decoded = [torch.cat(p)[: total - lengths[1] + lengths[s]] for s, p in enumerate(pieces)]
+    same = all(bitwise_equal(decoded[s], full[s, : decoded[s].shape[0]]) for s in (0, 1))
+    assert same == bi
+    if not bi:
+        torch.testing.assert_close(decoded[1], full[1], atol=1e-4, rtol=0)  # same math, other bits
