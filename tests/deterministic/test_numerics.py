@@ -73,3 +73,35 @@ def test_newer_version_unknown_and_missing_keys_are_value_errors():
 def test_cuda_fingerprint_without_cuda_is_a_value_error():
     with pytest.raises(ValueError, match="CUDA is not available"):
         deterministic.fingerprint("cuda")
+
+
+def test_bi_mode_cpu_fingerprints_ignore_the_cpu_model_and_library_knobs():
+    """G2 on every CPU: two BI-mode CPU fingerprints that differ only in the CPU, its flags,
+    ATen's ISA, BLAS/oneDNN versions and their knobs are compatible (our kernels fix the bits)."""
+    from titan_audit import batch_invariant
+
+    with batch_invariant.enabled():
+        bi = deterministic.fingerprint("cpu")
+    assert bi.batch_invariant and bi.bi_kernels and bi.arch
+    other_cpu = dataclasses.replace(
+        bi, device_name="AMD EPYC 9654", cpu_capability="AVX2", cpu_isa_flags=("avx2", "fma"), blas="mkl 2025.0",
+        onednn="v3.7", env={**bi.env, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"},
+    )  # fmt: skip
+    assert incompatibilities(bi, other_cpu) == []
+    # what can still change bits stays compared
+    for change in ({"torch_version": "9.9"}, {"bi_kernels": "titan-bi-cpu v0"}, {"arch": "aarch64"},
+                   {"num_threads": bi.num_threads + 1}, {"default_dtype": "float64"}):  # fmt: skip
+        assert incompatibilities(bi, dataclasses.replace(other_cpu, **change)), change
+    # negative control: outside BI mode the same CPU change is an incompatibility
+    plain = deterministic.fingerprint("cpu")
+    assert plain.bi_kernels is None
+    assert incompatibilities(plain, dataclasses.replace(plain, device_name="AMD EPYC 9654"))
+    # a BI and a non-BI fingerprint never compare
+    assert incompatibilities(bi, plain)
+
+
+def test_version_1_fingerprints_still_read():
+    data = deterministic.fingerprint("cpu").to_dict()
+    old = {k: v for k, v in data.items() if k not in ("arch", "bi_kernels")}
+    fp = NumericsFingerprint.from_dict({**old, "fingerprint_version": 1})
+    assert fp.arch is None and fp.bi_kernels is None

@@ -13,6 +13,18 @@ and the environment variables that steer MKL, oneDNN, OpenBLAS and cuBLAS numeri
 Informational fields (recorded, never compared): python, numpy and titan-audit versions, the
 platform string, CPU count, and the thread-count variables a launcher sets (the effective thread
 count is compared instead).
+
+Batch-invariant mode on CPU follows the truth: there every op that reduces runs on our own
+compiled kernels (batch_invariant/cpu/kernels), whose bits are the same on every CPU and ISA
+variant (tests/batch_invariant force each variant and every library knob), and the remaining torch
+ops are correctly rounded elementwise ops, gathers and integer work. So when both fingerprints
+are BI-mode CPU fingerprints, the CPU model, its SIMD flags, ATen's dispatch ISA, the BLAS and
+oneDNN versions and the variables that steer them (`BI_CPU_PORTABLE_*`) become informational;
+what can still change bits stays compared: the kernel library's version (`bi_kernels`), the torch
+version (elementwise ops are still torch's), the CPU architecture (`arch`: another architecture
+runs other torch elementwise code), the thread count, dtype policy and the modes.
+`fingerprint_version` names the file format and is not compared; version 1 files (no `arch`,
+no `bi_kernels`) read as `arch` unknown, `bi_kernels` None.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2
 
 # Variables that steer kernel choice or rounding. Compared.
 NUMERICS_ENV_VARS = (
@@ -46,7 +58,9 @@ NUMERICS_ENV_VARS = (
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
 )
 # Variables worth seeing but superseded by a compared field (num_threads). Not compared.
-INFO_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET")
+INFO_ENV_VARS = (
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET", "TITAN_AUDIT_CPU_ISA",
+)  # fmt: skip
 
 # CPU flags that select SIMD kernels (Linux /proc/cpuinfo names).
 ISA_FLAGS = (
@@ -57,20 +71,28 @@ ISA_FLAGS = (
 )  # fmt: skip
 
 
-def _compared() -> Any:
-    return field(metadata={"compared": True})
+def _compared(*, bi_cpu_portable: bool = False) -> Any:
+    return field(metadata={"compared": True, "bi_cpu_portable": bi_cpu_portable})
+
+
+# Fields and variables that cannot change a BI-mode CPU result (see the module doc).
+BI_CPU_PORTABLE_ENV_VARS = (
+    "ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE",
+    "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_DEFAULT_FPMATH_MODE", "ONEDNN_DEFAULT_FPMATH_MODE",
+    "OPENBLAS_CORETYPE",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class NumericsFingerprint:
-    fingerprint_version: int = _compared()
+    fingerprint_version: int = field(metadata={"compared": False})
     torch_version: str = _compared()
     device_kind: str = _compared()
-    device_name: str = _compared()
-    cpu_capability: str = _compared()
-    cpu_isa_flags: tuple[str, ...] = _compared()
-    blas: str = _compared()
-    onednn: str = _compared()
+    device_name: str = _compared(bi_cpu_portable=True)
+    cpu_capability: str = _compared(bi_cpu_portable=True)
+    cpu_isa_flags: tuple[str, ...] = _compared(bi_cpu_portable=True)
+    blas: str = _compared(bi_cpu_portable=True)
+    onednn: str = _compared(bi_cpu_portable=True)
     cuda_version: str | None = _compared()
     cudnn_version: int | None = _compared()
     gpu_capability: str | None = _compared()
@@ -80,6 +102,8 @@ class NumericsFingerprint:
     deterministic_algorithms: bool = _compared()
     batch_invariant: bool = _compared()
     env: dict[str, str | None] = _compared()
+    arch: str | None = field(default=None, metadata={"compared": True})  # None: a version-1 file
+    bi_kernels: str | None = field(default=None, metadata={"compared": True})
     info: dict[str, Any] = field(default_factory=dict, metadata={"compared": False})
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,25 +128,36 @@ class NumericsFingerprint:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}")
-        missing = sorted(names - set(data) - {"info"})
+        optional = {"info"} | ({"arch", "bi_kernels"} if version == 1 else set())
+        missing = sorted(names - set(data) - optional)
         if missing:
             raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
         values = dict(data)
         values["cpu_isa_flags"] = tuple(values["cpu_isa_flags"])
         return cls(**values)
 
-    def compared_fields(self) -> dict[str, Any]:
-        return {
+    @property
+    def bi_cpu(self) -> bool:
+        """A batch-invariant-mode CPU fingerprint (our kernels: portable across CPUs)."""
+        return self.batch_invariant and self.device_kind == "cpu"
+
+    def compared_fields(self, *, portable: bool = False) -> dict[str, Any]:
+        """The fields that must match; `portable`: as between two BI-mode CPU fingerprints."""
+        out = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.metadata.get("compared")
+            if f.metadata.get("compared") and not (portable and f.metadata.get("bi_cpu_portable"))
         }
+        if portable:
+            out["env"] = {k: v for k, v in self.env.items() if k not in BI_CPU_PORTABLE_ENV_VARS}
+        return out
 
 
 def incompatibilities(a: NumericsFingerprint, b: NumericsFingerprint) -> list[str]:
     """Why runs with fingerprints a and b cannot be compared bitwise; empty when they can."""
     reasons = []
-    fields_a, fields_b = a.compared_fields(), b.compared_fields()
+    portable = a.bi_cpu and b.bi_cpu
+    fields_a, fields_b = a.compared_fields(portable=portable), b.compared_fields(portable=portable)
     for name, value_a in fields_a.items():
         value_b = fields_b[name]
         if name == "env":
@@ -169,6 +204,8 @@ def fingerprint(device: str | torch.device | None = None) -> NumericsFingerprint
         deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
         batch_invariant=batch_invariant.is_enabled(),
         env={name: os.environ.get(name) for name in NUMERICS_ENV_VARS},
+        arch=platform.machine(),
+        bi_kernels=_bi_kernels() if batch_invariant.is_enabled() and not cuda else None,
         info={
             "python": platform.python_version(),
             "numpy": np.__version__,
@@ -176,8 +213,27 @@ def fingerprint(device: str | torch.device | None = None) -> NumericsFingerprint
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "env": {name: os.environ.get(name) for name in INFO_ENV_VARS},
+            "cpu_kernel_isa": _kernel_isa(),
         },
     )
+
+
+def _bi_kernels() -> str:
+    """The CPU kernel library's identity: its bits-version (bumped whenever an output changes)."""
+    from titan_audit.batch_invariant.cpu import _lib
+
+    _lib.library()  # a missing or stale build is an error here too
+    return f"titan-bi-cpu v{_lib.KERNELS_VERSION}"
+
+
+def _kernel_isa() -> str | None:
+    """The kernel variant in use (informational: every variant gives the same bits)."""
+    from titan_audit.batch_invariant.cpu import _lib
+
+    try:
+        return _lib.isa()
+    except (_lib.KernelLibraryError, ValueError):
+        return None
 
 
 @functools.cache

@@ -143,7 +143,8 @@ def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, worl
             manifest = read_manifest(out) if resume else {"created": _now(), "world_size_history": []}
             manifest["config"] = to_dict(config)
             manifest["seed"] = config.seed
-            manifest["fingerprint"] = deterministic.fingerprint().to_dict()
+            with _batch_invariant(config)():  # the numerics the steps run under (BI mode on or off)
+                manifest["fingerprint"] = deterministic.fingerprint().to_dict()
             manifest["packages"] = package_versions()
             write_manifest(out, manifest)
         except ValueError as e:
