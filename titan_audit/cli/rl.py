@@ -1,0 +1,100 @@
+"""`titan-audit rl` (RL post-training) and `titan-audit verify-onpolicy` (the zero-gap report); rl/ does the work."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
+
+_INIT_HELP = "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; default: the deterministic init."
+
+
+def _guard(fn):
+    """A failed weight sync is a check that found a difference: one line, exit 1."""
+    from titan_audit.rl.rollouts import WeightSyncError
+
+    try:
+        return fn()
+    except WeightSyncError as error:
+        click.echo(f"Error: {error}", err=True)
+        sys.exit(EXIT_DIFFERENT)
+
+
+@click.command(short_help="GRPO post-training with the built-in generator and a deterministic rollout lag.")
+@click.option("--config", "source", help="An RL recipe (rl-tiny) or a TOML file; default on --resume: the run's own.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory.")
+@click.option("--init", "init", default=None, help=_INIT_HELP)
+@click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
+@click.option("--steps", type=int, default=None, help="Override the config's step count.")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Move a run already in --out aside and start anew.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. rollout.lag=2.")
+def rl(source, out, init, nproc, steps, resume, overwrite, overrides) -> None:
+    """RL on verifiable synthetic tasks (see titan_audit/rl/loop.py); no verification overhead."""
+    from titan_audit.rl.launch import start_rl
+
+    rc = _guard(lambda: start_rl(source, out, init=init, nproc=nproc, steps=steps, resume=resume,
+                                 overwrite=overwrite, overrides=overrides))  # fmt: skip
+    if rc:
+        sys.exit(rc)
+
+
+@click.command("verify-onpolicy", short_help="RL with the zero-gap check at every step; a report; exit 0 iff zero gap.")
+@click.option("--config", "source", required=True, help="An RL recipe (rl-tiny) or a TOML file.")
+@click.option("--steps", type=int, required=True, help="RL steps to run and verify.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory (reports in RUN/reports/).")
+@click.option("--generator", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True)
+@click.option("--compare-default", is_flag=True, help="Also run with native ops (RUN/compare-default) and plot both.")
+@click.option("--init", "init", default=None, help=_INIT_HELP)
+@click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
+@click.option("--overwrite", is_flag=True, help="Move a run already in --out aside and start anew.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
+def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc, overwrite, overrides, as_json) -> None:
+    """Run RL in batch-invariant mode recording, per step, the trainer/generator log-prob gap;
+    write RUN/reports/onpolicy.md and onpolicy.html; exit 0 iff the gap is exactly zero at every step."""
+    from titan_audit.rl.launch import start_rl
+    from titan_audit.rl.report import write_onpolicy_report
+
+    if generator != "builtin":
+        raise UserError("--generator vllm: the vLLM generator is not built yet; use --generator builtin")
+    if steps < 1:
+        raise UserError(f"--steps must be >= 1, got {steps}")
+    common = [*overrides, "verify=true"]
+    quiet = as_json
+    rc = _guard(lambda: start_rl(source, out, init=init, nproc=nproc, steps=steps, resume=False, overwrite=overwrite,
+                                 overrides=[*common, "determinism.batch_invariant=true"], quiet=quiet))  # fmt: skip
+    if rc:
+        sys.exit(rc)
+    default_run = None
+    if compare_default:
+        default_run = Path(out) / "compare-default"
+        rc = _guard(lambda: start_rl(source, default_run, init=init, nproc=nproc, steps=steps, resume=False,
+                                     overwrite=False, overrides=[*common, "determinism.batch_invariant=false"],
+                                     quiet=quiet))  # fmt: skip
+        if rc:
+            sys.exit(rc)
+    report = write_onpolicy_report(out, default_run)
+    bi = report["summary"]
+    verdict = {key: bi[key] for key in ("zero_gap", "steps", "tokens_compared", "tokens_differing", "steps_with_gap",
+                                        "first_step_with_gap", "max_abs_diff", "reward_first10", "reward_last10")}  # fmt: skip
+    verdict.update({"run": str(out), "report_md": report["md"], "report_html": report["html"]})
+    if report["default"] is not None:
+        d = report["default"]
+        verdict["default"] = {k: d[k] for k in ("tokens_compared", "tokens_differing", "steps_with_gap", "max_abs_diff")}
+    if as_json:
+        from titan_audit.cli.output import print_json
+
+        print_json(verdict)
+    else:
+        from titan_audit.rl.report import _verdict
+
+        click.echo(_verdict(bi))
+        click.echo(f"report: {report['md']}, {report['html']}")
+    if not bi["zero_gap"]:
+        sys.exit(EXIT_DIFFERENT)
+
+

@@ -1,0 +1,70 @@
+"""Start an RL run on N local ranks through torchrun, or in this process (what `titan-audit rl` runs).
+
+`start_rl(source, out, ...)` resolves the config (a recipe or TOML file with `--set` overrides;
+on a resume without a source, the run's own config from its manifest), checks the input and the
+run directory before any work (an unknown task, temperature <= 0, a lag larger than the buffer,
+a prompt longer than the model's context, `--init` of another shape: ValueError, exit 2, nothing
+written), then launches. `nproc=None` runs in this process (under an external torchrun the
+ranks join its rendezvous); `nproc=N` runs `python -m torch.distributed.run --standalone
+--nproc-per-node N -m titan_audit.rl.loop CONFIG_JSON OUT ...` with OMP_NUM_THREADS set from
+`parallel.threads` (never from N) and returns its exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from titan_audit.rl.config import RLConfig, from_dict, load_rl_config, to_dict
+
+
+def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> RLConfig:
+    from titan_audit.trainer.run_dir import read_manifest
+    from titan_audit.trainer.typed_config import apply_overrides
+
+    if source is not None:
+        return load_rl_config(source, list(overrides))
+    if not resume:
+        raise ValueError("--config is required (an RL recipe name or a TOML file) unless --resume")
+    try:
+        return from_dict(apply_overrides(read_manifest(out)["config"], list(overrides)))
+    except ValueError as error:
+        raise ValueError(f"{out}/manifest.json config: {error}") from None
+
+
+def start_rl(source: str | None, out: Path, *, init: str | None, nproc: int | None, steps: int | None, resume: bool,
+             overwrite: bool, overrides: Sequence[str], quiet: bool = False) -> int:  # fmt: skip
+    from titan_audit.rl.loop import check_run_dir
+
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    config = resolve_rl_config(source, out, resume=resume,
+                               overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])])  # fmt: skip
+    world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_run_dir(config, Path(out), init=init, resume=resume, overwrite=overwrite, world_size=world_size)
+    return launch_rl(config, out, init=init, nproc=nproc, resume=resume, overwrite=overwrite, quiet=quiet)
+
+
+def launch_rl(config: RLConfig, out: str | os.PathLike, *, init: str | None = None, nproc: int | None = None,
+              resume: bool = False, overwrite: bool = False, quiet: bool = False) -> int:  # fmt: skip
+    if nproc is None:
+        from titan_audit.rl.loop import rl_train
+
+        rl_train(config, out, init=init, resume=resume, overwrite=overwrite, quiet=quiet)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="titan-audit-rl-launch-") as tmp:
+        config_file = Path(tmp) / "config.json"
+        config_file.write_text(json.dumps(to_dict(config)))
+        flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
+        if init is not None:
+            flags.append(f"init={os.fspath(init)}")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "titan_audit.rl.loop", str(config_file), os.fspath(out), *flags]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(config.parallel.threads)}
+        return subprocess.run(command, env=env).returncode

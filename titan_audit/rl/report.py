@@ -1,0 +1,197 @@
+"""The zero-gap on-policy report: RUN/reports/onpolicy.md and a self-contained onpolicy.html.
+
+    summary = onpolicy_summary(run_dir)                          # verdict + per-step figures
+    paths = write_onpolicy_report(run_dir, default_run=None)     # md + html (plots embedded)
+
+Guarantees:
+- The verdict is computed from the run's metrics.parquet alone: `zero_gap` is True iff the run
+  recorded the zero-gap figures (`verify`), ran in batch-invariant mode, compared at least one
+  token, and every step has `gap_tokens_differing == 0` (no token whose generator log-prob
+  differs by any bit from the trainer's recomputation with the same weights).
+- The HTML is one file with no external resources: the plots (matplotlib, Agg backend) are
+  embedded as base64 PNG data URIs; the tables are plain HTML. Plots: tokens with a bit
+  difference and max |diff| per step, with batch-invariant mode on and (given a second run
+  with native ops) off; the mean reward per step.
+- Both files are written atomically.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from titan_audit.atomic import write_bytes_atomic
+from titan_audit.trainer.run_dir import read_manifest
+
+COLUMNS = ("step", "reward_mean", "gap_tokens", "gap_tokens_differing", "gap_max_abs", "gap_mean_abs", "gap_k3_kl",
+           "ratio_min", "ratio_mean", "ratio_max", "policy_age")  # fmt: skip
+
+
+def onpolicy_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The verdict and per-step figures of one RL run (see the module docstring)."""
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    if manifest.get("kind") != "rl":
+        raise ValueError(f"{run_dir}: not an RL run")
+    config = manifest["config"]
+    path = run_dir / "metrics.parquet"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no metrics.parquet")
+    rows = pq.read_table(path).to_pylist()
+    verified = bool(config.get("verify")) and all("gap_tokens_differing" in r for r in rows)
+    bi = bool(config["determinism"]["batch_invariant"])
+    steps = [{k: r.get(k) for k in COLUMNS} for r in rows]
+    differing = [r["gap_tokens_differing"] for r in steps] if verified else []
+    compared = sum(r["gap_tokens"] for r in steps) if verified else 0
+    first = next((r["step"] for r in steps if verified and r["gap_tokens_differing"]), None)
+    rewards = [r["reward_mean"] for r in steps]
+    head, tail = rewards[:10], rewards[-10:]
+    return {
+        "run": str(run_dir),
+        "batch_invariant": bi,
+        "verified": verified,
+        "steps": len(steps),
+        "lag": config["rollout"]["lag"],
+        "task": config["task"]["name"],
+        "tokens_compared": compared,
+        "tokens_differing": sum(differing),
+        "steps_with_gap": sum(1 for d in differing if d),
+        "first_step_with_gap": first,
+        "max_abs_diff": max((r["gap_max_abs"] for r in steps), default=0.0) if verified else None,
+        "zero_gap": verified and bi and compared > 0 and not any(differing),
+        "reward_first10": sum(head) / len(head) if head else None,
+        "reward_last10": sum(tail) / len(tail) if tail else None,
+        "per_step": steps,
+    }
+
+
+def _plots(bi: dict[str, Any], default: dict[str, Any] | None) -> dict[str, str]:
+    """name -> base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for summary, label, style in ((bi, "batch-invariant", "o-"), (default, "native ops (default)", "s--")):
+        if summary is None or not summary["verified"]:
+            continue
+        steps = [r["step"] for r in summary["per_step"]]
+        ax1.plot(steps, [r["gap_tokens_differing"] for r in summary["per_step"]], style, ms=3, label=label)
+        ax2.plot(steps, [max(r["gap_max_abs"], 1e-12) for r in summary["per_step"]], style, ms=3, label=label)
+    ax1.set_title("tokens whose log-prob differs (any bit)")
+    ax2.set_title("max |generator lp - trainer lp| (floor 1e-12)")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("RL step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    out["gap"] = _png(fig, plt)
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    for summary, label, style in ((bi, "batch-invariant", "o-"), (default, "native ops (default)", "s--")):
+        if summary is not None:
+            ax.plot([r["step"] for r in summary["per_step"]], [r["reward_mean"] for r in summary["per_step"]], style,
+                    ms=3, label=label)  # fmt: skip
+    ax.set_title("mean reward per step")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    out["reward"] = _png(fig, plt)
+    return out
+
+
+def _png(fig, plt) -> str:
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _verdict(summary: dict[str, Any]) -> str:
+    if summary["zero_gap"]:
+        return (f"ZERO GAP: {summary['tokens_compared']} sampled tokens over {summary['steps']} steps, every "
+                f"generator log-prob bitwise equal to the trainer's recomputation")  # fmt: skip
+    if not summary["verified"]:
+        return "NOT VERIFIED: the run did not record the zero-gap figures (run it with verify-onpolicy)"
+    return (f"GAP: {summary['tokens_differing']} of {summary['tokens_compared']} tokens differ, on "
+            f"{summary['steps_with_gap']} of {summary['steps']} steps (first: step {summary['first_step_with_gap']}; "
+            f"max |diff| {summary['max_abs_diff']:.3g})" + ("" if summary["batch_invariant"] else "; native ops"))  # fmt: skip
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "-" if value is None else str(value)
+
+
+def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
+    lines = ["# On-policy verification (zero gap)", "",
+             f"Run `{bi['run']}`: task {bi['task']}, {bi['steps']} steps, lag {bi['lag']}, batch-invariant mode "
+             f"{'on' if bi['batch_invariant'] else 'off'}.", "", f"**{_verdict(bi)}**", ""]  # fmt: skip
+    if bi["reward_first10"] is not None:
+        lines += [f"Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps {bi['reward_last10']:.4f} "
+                  f"(change {bi['reward_last10'] - bi['reward_first10']:+.4f}).", ""]  # fmt: skip
+    if default is not None:
+        lines += [f"Control, native ops (`{default['run']}`): {_verdict(default)}", ""]
+    for summary, title in ((bi, "Per step"), (default, "Per step, native ops")):
+        if summary is None:
+            continue
+        lines += [f"## {title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in summary["per_step"]]
+        lines.append("")
+    lines += ["Columns: gap_* compare each sampled token's generator log-prob with the trainer's recomputation",
+              "under the same weights (tokens compared, tokens with any bit difference, max and mean |diff|, k3 KL);",
+              "ratio_* = exp(trainer lp - generator lp) of the loss; policy_age = steps between the weights that",
+              "generated and the weights being updated.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
+    plots = _plots(bi, default)
+    esc = html.escape
+    ok = bi["zero_gap"]
+    parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>titan-audit on-policy verification</title>",
+             "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;font-size:12px}"
+             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}.ok{color:#060}.bad{color:#a00}</style></head><body>",
+             "<h1>On-policy verification (zero gap)</h1>",
+             f"<p>Run <code>{esc(bi['run'])}</code>: task {esc(bi['task'])}, {bi['steps']} steps, lag {bi['lag']}, "
+             f"batch-invariant mode {'on' if bi['batch_invariant'] else 'off'}.</p>",
+             f"<p class='{'ok' if ok else 'bad'}'><b>{esc(_verdict(bi))}</b></p>"]  # fmt: skip
+    if default is not None:
+        parts.append(f"<p>Control, native ops (<code>{esc(default['run'])}</code>): {esc(_verdict(default))}</p>")
+    if bi["reward_first10"] is not None:
+        parts.append(f"<p>Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps "
+                     f"{bi['reward_last10']:.4f}.</p>")  # fmt: skip
+    parts.append("<h2>Gap per step</h2>")
+    parts.append(f"<img alt='gap per step' src='data:image/png;base64,{plots['gap']}'>")
+    parts.append("<h2>Reward</h2>")
+    parts.append(f"<img alt='reward per step' src='data:image/png;base64,{plots['reward']}'>")
+    for summary, title in ((bi, "Per step"), (default, "Per step, native ops")):
+        if summary is None:
+            continue
+        parts.append(f"<h2>{title}</h2><table><tr>" + "".join(f"<th>{c}</th>" for c in COLUMNS) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{esc(_fmt(r[c]))}</td>" for c in COLUMNS) + "</tr>" for r in summary["per_step"]]
+        parts.append("</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_onpolicy_report(run_dir: str | os.PathLike, default_run: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Write RUN/reports/onpolicy.{md,html}; returns {"md", "html", "summary", "default"}."""
+    run_dir = Path(run_dir)
+    bi = onpolicy_summary(run_dir)
+    default = onpolicy_summary(default_run) if default_run is not None else None
+    reports = run_dir / "reports"
+    md_path, html_path = reports / "onpolicy.md", reports / "onpolicy.html"
+    write_bytes_atomic(md_path, markdown(bi, default).encode(), overwrite=True)
+    write_bytes_atomic(html_path, html_page(bi, default).encode(), overwrite=True)
+    return {"md": str(md_path), "html": str(html_path), "summary": bi, "default": default}
