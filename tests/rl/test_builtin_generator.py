@@ -254,3 +254,20 @@ def test_a_request_beyond_the_cache_capacity_and_a_bad_stop_token(model):
     assert [s.key for s in samples] == [r.key for r in requests]
     alone = BuiltinGenerator(model).generate(requests, PARAMS)
     assert [s.tokens for s in samples] == [s.tokens for s in alone]
+
+
+@pytest.mark.parametrize("preset,compute_dtype", [("tiny-dense", torch.bfloat16), ("tiny-moe", None)])
+def test_bi_logprobs_bitwise_with_bf16_compute_and_moe(preset, compute_dtype, requests):
+    model = models.build(preset, seed=0).set_compute_dtype(compute_dtype)
+    params = SamplingParams(temperature=1.3, max_new_tokens=3)
+    _, samples = _generate(model, requests[:6], params, batch_invariant=True, max_batch_size=4)
+    for s, lp in zip(samples, _recompute(model, samples, temperature=1.3)):
+        assert _bits_equal(s.logprobs, lp)
+
+
+def test_numpy_integer_prompt_ids_are_accepted(model):
+    import numpy as np
+
+    ids = tuple(np.arange(1, 6, dtype=np.int64))
+    (sample,) = BuiltinGenerator(model).generate([GenerationRequest(ids, SampleKey(0, 0, 0, 0))], PARAMS)
+    assert sample.prompt_ids == (1, 2, 3, 4, 5) and all(type(t) is int for t in sample.prompt_ids)

@@ -40,6 +40,7 @@ one takes the prompt's sequence over). Blocks are reserved per sample for its wo
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -201,7 +202,7 @@ class BuiltinGenerator:
         model_config = self.model.config
         vocab, max_pos = model_config.vocab_size, model_config.max_position_embeddings
         for stop in params.stop_token_ids:
-            if not isinstance(stop, int) or not 0 <= stop < vocab:
+            if not _is_int(stop) or not 0 <= stop < vocab:
                 raise ValueError(f"stop token id {stop!r} is not in [0, {vocab})")
         max_new = params.max_new_tokens
         prompts: dict[tuple[int, int, int], _Prompt] = {}
@@ -217,9 +218,10 @@ class BuiltinGenerator:
             ids = request.prompt_ids
             if len(ids) == 0:
                 raise ValueError(f"{where}: empty prompt")
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"{where}: prompt token id {bad[0]!r} is not in [0, {vocab})")
+                raise ValueError(f"{where}: prompt token id {bad[0]!r} is not an int in [0, {vocab})")
+            ids = tuple(int(t) for t in ids)
             if len(ids) + max_new > max_pos:
                 raise ValueError(
                     f"{where}: prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the "
@@ -266,6 +268,10 @@ class BuiltinGenerator:
         return cache
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class _Run:
     """The scheduler state of one generate call."""
 
@@ -284,7 +290,7 @@ class _Run:
         self.params = params
         self.device = gen.model.output_weight.device
         self.max_batch = gen.config.max_batch_size
-        self.stop = frozenset(params.stop_token_ids)
+        self.stop = frozenset(int(t) for t in params.stop_token_ids)
         self.waiting = deque(prompts)
         self.active: list[_Prompt] = []  # prefilled, samples still to start
         self.running: list[_Running] = []
@@ -318,7 +324,8 @@ class _Run:
                 self.active = [p for p in admitted if p.remaining]
             assert step.decoded or step.started, "scheduler made no progress"
         assert not self.cache.lengths and self.reserved == 0
-        return [s for s in self.results if s is not None]
+        assert all(s is not None for s in self.results)
+        return list(self.results)
 
     def _token_logprobs(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scaled_BV = scale_logits(logits_BV, self.params.temperature)
@@ -357,7 +364,7 @@ class _Run:
         request = self.requests[r.request]
         self.results[r.request] = Sample(
             key=request.key,
-            prompt_ids=tuple(request.prompt_ids),
+            prompt_ids=tuple(int(t) for t in request.prompt_ids),
             tokens=r.tokens,
             logprobs=torch.tensor(r.logprobs, dtype=torch.float32),
             finish_reason=reason,
