@@ -40,10 +40,6 @@ from titan_audit.batch_invariant.cpu import _lib
 
 PANEL = 32  # packed panel width (ta::gemm::PANEL)
 PACKED_CACHE_MAX_BYTES = 1 << 30  # the packed-weight cache's bound (least recently used go first)
-# Kept for the attention module until its rewrite on our own kernels lands (it imports them); the
-# gemm itself pads nothing. TODO(coordinator): drop with the old attention.py.
-MIN_COLS = 16
-ROW_MULTIPLE = 4
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -66,11 +62,6 @@ def _args_buffer() -> tuple[bytearray, int]:
         found = (buf, ctypes.addressof((ctypes.c_char * _ARGS.size).from_buffer(buf)))
         _ARGS_BUFFERS.buffer = found
     return found
-
-
-def padded_rows(m: int, k: int = 1, n: int = MIN_COLS, *, batched: bool = False) -> int:
-    """The old attention module's row padding (multiples of 4); the gemm needs none."""
-    return max(ROW_MULTIPLE, -(-m // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
 def _suffix(dtype: torch.dtype) -> str:
