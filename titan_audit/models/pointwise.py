@@ -1,56 +1,99 @@
-"""Position-independent `exp`, `sigmoid` and `silu`: an element's bits depend on its value only.
+"""Position-independent `exp`, `sigmoid` and `silu` with autograd: an element's bits depend on its
+value only, the same on every CPU and ISA variant.
 
 Why this exists: on CPU, PyTorch's transcendental elementwise kernels run a SIMD approximation
 (Sleef) over the body of a tensor and the scalar libm function over the tail that does not fill a
 vector. The two can differ in the last bit, so `F.silu(x)[i]` depends on where element `i` sits in
-the flattened tensor, i.e. on the batch size and on the other rows. Measured on this project's
-AVX512 CPU: fp32 `F.silu` over row prefixes of one matrix differs in ~1 element of 1000.
+the flattened tensor, i.e. on the batch size and on the other rows (tests/models/test_pointwise.py
+keeps the negative control), and the vector routine chosen depends on the CPU.
 
-These versions use only IEEE operations that are correctly rounded on every backend and in both
-vector and scalar paths (add, sub, mul, div, round, clamp, integer shifts), each as its own kernel,
-so an element's result is a function of its value alone. `exp` is Cephes-style: n = round(x/ln2),
-r = x - n*ln2 (ln2 split in two for an exact product), a degree-6 polynomial for e^r, and 2^n
-built from the exponent bits. Accuracy is about 2 ulp in float32, on [-87, 88] (inputs are
-clamped there: below, e^x underflows to ~1e-38; above, it would overflow).
-
-The model uses these in batch-invariant mode only; outside it, the native (faster) kernels run.
-Inputs of other floating dtypes are computed in float32 and cast back.
+These functions run our own compiled kernels (`titan_audit.batch_invariant.cpu.pointwise`, source
+`batch_invariant/cpu/kernels/pointwise.cpp`): exp = `ta::exp_f32` (our polynomial, within 2 ulp),
+sigmoid(x) = 1 / (1 + exp(-x)), silu(x) = x / (1 + exp(-x)); the backward passes are kernels
+of the same kind (sigmoid: g * (y * (1 - y)); silu: g * (s * fma(x, 1 - s, 1)), s = sigmoid(x);
+exp: g * y, one IEEE multiply). Each is a fixed sequence of IEEE operations per element, with no
+tail path. The model uses these in batch-invariant mode only; outside it, the native (faster)
+kernels run. Float32 compute: inputs of other floating dtypes are computed in float32 and the
+result is rounded once to the input dtype. CPU tensors only (a batch-invariant GPU backend is a
+later issue): another device raises NotImplementedError rather than running a variant kernel.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-_LOG2E = 1.4426950408889634
-_LN2_HI = 0.693145751953125  # float32 with the low 12 mantissa bits zero: n * _LN2_HI is exact
-_LN2_LO = 1.428606765330187e-06
-_EXP_MIN, _EXP_MAX = -87.0, 88.0
-# Cephes expf coefficients for e^r - 1 - r on |r| <= ln2 / 2, highest degree first.
-_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+import torch
+from torch.autograd.function import once_differentiable
+
+from titan_audit.batch_invariant.cpu import pointwise as kernels
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.device.type != "cpu":
+        raise NotImplementedError(
+            f"pointwise: no batch-invariant kernels for device {x.device.type!r} yet; refusing to fall back "
+            "to native kernels, whose bits depend on an element's position"
+        )
+
+
+def _needs_autograd(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+class _Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.exp(x).to(x.dtype)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return (grad.float() * y.float()).to(grad.dtype)
+
+
+class _Sigmoid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y32 = kernels.sigmoid(x)
+        ctx.save_for_backward(y32)
+        return y32.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y32,) = ctx.saved_tensors
+        return kernels.sigmoid_backward(grad, y32).to(grad.dtype)
+
+
+class _Silu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return kernels.silu(x).to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return kernels.silu_backward(grad, x).to(grad.dtype)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
     """e^x, same bits for the same input element wherever it sits; differentiable."""
-    dtype = x.dtype
-    x = x.float().clamp(_EXP_MIN, _EXP_MAX)
-    n = torch.round(x * _LOG2E)
-    r = (x - n * _LN2_HI) - n * _LN2_LO
-    poly = torch.full_like(r, _POLY[0])
-    for coefficient in _POLY[1:]:
-        poly = poly * r + coefficient
-    e_r = (poly * (r * r) + r) + 1.0
-    two_n = torch.bitwise_left_shift(n.detach().to(torch.int32) + 127, 23).view(torch.float32)
-    return (e_r * two_n).to(dtype)
+    _check(x)
+    return _Exp.apply(x) if _needs_autograd(x) else kernels.exp(x).to(x.dtype)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + e^-x), position independent (see module doc)."""
-    dtype = x.dtype
-    return (1.0 / (1.0 + exp(-x.float()))).to(dtype)
+    """1 / (1 + e^-x), position independent (see module doc); differentiable."""
+    _check(x)
+    return _Sigmoid.apply(x) if _needs_autograd(x) else kernels.sigmoid(x).to(x.dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x), position independent (see module doc)."""
-    dtype = x.dtype
-    x32 = x.float()
-    return (x32 * sigmoid(x32)).to(dtype)
+    """x * sigmoid(x) (as x / (1 + e^-x)), position independent (see module doc); differentiable."""
+    _check(x)
+    return _Silu.apply(x) if _needs_autograd(x) else kernels.silu(x).to(x.dtype)

@@ -1,6 +1,9 @@
-"""The CPU backend: batch-invariant kernels in plain torch (oneDNN and MKL gemms held to one kernel family,
-fixed-tree reductions, fixed-chunk attention). Every kernel here is forward-only and works below
-autograd; `titan_audit.batch_invariant.ops` adds autograd and input checks on top.
+"""The CPU backend: batch-invariant kernels of our own, compiled from `cpu/kernels/*.cpp` into one
+library with scalar / AVX2 / AVX-512 variants that give identical bits (`_lib`): gemm
+(`matmul.py`), attention (`attention.py`), the row reductions and fused row ops
+(`reductions.py`) and the element-wise functions (`pointwise.py`, used by the model). Every
+kernel here is forward-only and works below autograd; `titan_audit.batch_invariant.ops` adds
+autograd and input checks on top.
 
 The backend interface (what a GPU backend must provide, by these names and signatures) is the
 `Backend` protocol in `titan_audit.batch_invariant.backend`.
@@ -8,6 +11,7 @@ The backend interface (what a GPU backend must provide, by these names and signa
 
 from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backward, attention_forward
 from titan_audit.batch_invariant.cpu.matmul import bmm, mm
+from titan_audit.batch_invariant.cpu import pointwise
 from titan_audit.batch_invariant.cpu.reductions import (
     log_softmax,
     log_softmax_backward,
@@ -30,6 +34,7 @@ __all__ = [
     "log_softmax",
     "log_softmax_backward",
     "mm",
+    "pointwise",
     "rms_norm",
     "rms_norm_backward",
     "softmax",

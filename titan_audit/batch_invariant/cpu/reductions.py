@@ -1,58 +1,135 @@
-"""CPU row reductions (sum, mean, softmax, log_softmax, rms_norm) with a reduction order fixed by
-the reduced length alone.
+"""CPU row reductions (sum, softmax, log_softmax, rms_norm and their backward) on our own compiled
+kernels (`kernels/rowops.cpp`), with a reduction order fixed by the row length alone.
 
-Why this is invariant. Torch's own CPU reductions pick their order at run time: a vectorised
-cascade inside a row, and when there are few rows and several threads, a split of the row
-between threads (two-pass reduction) whose cut points depend on the number of rows. Here every
-sum over the last dim is a fixed binary tree built from element-wise adds:
+Guarantee: a row's result is a fixed sequence of IEEE operations on that row (and the shared
+weight), the same bits whatever the number of rows, the thread count or the ISA variant
+(`_lib.forced_isa`). The order, written next to each kernel in rowops.cpp:
+- a sum along a row: 16 lanes, lane l adds elements l, l+16, ... in ascending order from -0.0,
+  then the fixed tree `ta::tree16` (AVX-512: one zmm, AVX2: two ymm, scalar: 16 floats);
+- the row max: exact (a select per lane, NaN skipped, `+ 0.0` so a zero max is +0.0);
+- exp / log: `ta::exp_f32` / `ta::log_f32` (ta_math.h, float64: `exp_f64` / `log_f64`);
+- threads split rows; rms_norm's weight gradient (a sum over rows) is split by columns, each
+  column adding its rows in ascending order: deterministic, but it depends on which rows are in
+  the batch, as every weight gradient must.
 
-    pad the row to the next power of two P with -0.0 (the exact additive identity:
-    x + -0.0 == x for every x, including +0.0), then P/2, P/4, ..., 1 times
-    x[..., :h] + x[..., h:]
+Dtypes: float32 compute; bfloat16/float16 are upcast (exactly) to float32; float64 runs the
+float64 kernels of the same order. Results are in the compute dtype; callers round them once.
 
-An element-wise add is one IEEE rounding per element, independent of how torch vectorises or
-threads the loop, so the tree, and every bit of its result, depends only on the row's values
-and its length. The tree is also pairwise summation, so it is more accurate than a running sum.
-
-A row maximum needs no fixed order: max is exact, so any order gives the same value, except
-for the sign of a zero, which `+ 0.0` canonicalises (-0.0 + 0.0 == +0.0). Element-wise log and
-rsqrt are per element (tests check their bits do not depend on a value's position in the
-buffer, which on some builds decides between a vector and a scalar code path). The float32
-exponential is 2**(x * log2(e)) on a buffer whose length leaves no scalar tail (exp2.py), about
-4x faster than torch.exp here; float64 keeps torch.exp.
-
-Everything is computed in float32 (float64 stays float64) and rounded once to the input dtype.
+Every function is also a `torch.library` custom op (`titan_audit::softmax`, ...) with a fake
+(meta) implementation, used while `torch.compile` traces, so compiled code keeps the kernels.
+Eager calls skip the custom-op dispatcher and call the kernel directly (the same function, the
+same bits).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import ctypes
+from collections.abc import Callable
+from typing import Optional
 
-from titan_audit.batch_invariant.cpu.exp2 import exp_via_exp2
+import torch
+
+from titan_audit.batch_invariant.cpu import _lib
+
+PARALLEL_MIN_ELEMENTS = 1 << 15  # below this one thread does the call (threads never change bits)
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+for _sfx in ("f32", "f64"):
+    _lib.declare(f"row_sum_{_sfx}", None, [_P, _P, _I64, _I64, _INT])
+    _lib.declare(f"softmax_{_sfx}", None, [_P, _P, _I64, _I64, _INT])
+    _lib.declare(f"log_softmax_{_sfx}", None, [_P, _P, _I64, _I64, _INT])
+    _lib.declare(f"softmax_backward_{_sfx}", None, [_P, _P, _P, _I64, _I64, _INT])
+    _lib.declare(f"log_softmax_backward_{_sfx}", None, [_P, _P, _P, _I64, _I64, _INT])
+    _lib.declare(f"rms_norm_{_sfx}", None, [_P, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT])
+    _lib.declare(f"rms_norm_backward_{_sfx}", None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _INT])
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim by a fixed pairwise tree; the result drops the last dim."""
-    n = x.shape[-1]
-    if n == 0:
-        return x.new_zeros(x.shape[:-1])
-    width = 1 << (n - 1).bit_length()
-    if width != n:
-        x = F.pad(x, (0, width - n), value=-0.0)
-    while width > 1:
-        width //= 2
-        x = x[..., :width] + x[..., width:]
-    return x.squeeze(-1)
+def _suffix(dtype: torch.dtype) -> str:
+    return "f64" if dtype == torch.float64 else "f32"
 
 
-def row_max(x: torch.Tensor) -> torch.Tensor:
-    """Max over the last dim, keepdim, with -0.0 turned into +0.0 (max itself is order-free)."""
-    return x.amax(dim=-1, keepdim=True) + 0.0
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, contiguous (a copy only when needed)."""
+    return x.to(dtype).contiguous()
+
+
+def _threads(numel: int) -> int:
+    return _lib.num_threads() if numel >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def _shape_mn(x: torch.Tensor) -> tuple[int, int]:
+    n = x.shape[-1] if x.dim() else 1
+    return (x.numel() // n if n else 0), n
+
+
+# ---------------------------------------------------------------- kernels (eager)
+
+
+def _row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (dropped), lanes + tree16."""
+    x = _rows(x, compute_dtype(x.dtype))
+    m, n = _shape_mn(x)
+    out = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    if m and n:
+        _lib.kernel(f"row_sum_{_suffix(x.dtype)}")(_lib.ptr(x), _lib.ptr(out), m, n, _threads(x.numel()))
+    return out
+
+
+def _row_map(name: str, x: torch.Tensor) -> torch.Tensor:
+    x = _rows(x, compute_dtype(x.dtype))
+    m, n = _shape_mn(x)
+    y = torch.empty(x.shape, dtype=x.dtype)
+    if m and n:
+        _lib.kernel(f"{name}_{_suffix(x.dtype)}")(_lib.ptr(x), _lib.ptr(y), m, n, _threads(x.numel()))
+    return y
+
+
+def _row_backward(name: str, grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = compute_dtype(y.dtype)
+    grad, y = _rows(grad, dtype), _rows(y, dtype)
+    if grad.shape != y.shape:
+        raise ValueError(f"{name}: grad {tuple(grad.shape)} and output {tuple(y.shape)} must have one shape")
+    m, n = _shape_mn(y)
+    out = torch.empty(y.shape, dtype=dtype)
+    if m and n:
+        _lib.kernel(f"{name}_{_suffix(dtype)}")(_lib.ptr(grad), _lib.ptr(y), _lib.ptr(out), m, n, _threads(y.numel()))
+    return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = compute_dtype(x.dtype)
+    x = _rows(x, dtype)
+    w = None if weight is None else _rows(weight, dtype)
+    m, n = _shape_mn(x)
+    y = torch.empty(x.shape, dtype=dtype)
+    rstd = torch.empty(*x.shape[:-1], 1, dtype=dtype)
+    if m and n:
+        _lib.kernel(f"rms_norm_{_suffix(dtype)}")(
+            _lib.ptr(x), None if w is None else _lib.ptr(w), _lib.ptr(y), _lib.ptr(rstd), m, n, float(eps),
+            _threads(x.numel()),
+        )
+    return y, rstd
+
+
+def _rms_norm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dtype = rstd.dtype
+    grad, x, rstd = _rows(grad, dtype), _rows(x, dtype), _rows(rstd, dtype)
+    w = None if weight is None else _rows(weight, dtype)
+    m, n = _shape_mn(x)
+    grad_x = torch.empty(x.shape, dtype=dtype)
+    grad_w = None if w is None else torch.zeros(n, dtype=dtype)
+    if m and n:
+        _lib.kernel(f"rms_norm_backward_{_suffix(dtype)}")(
+            _lib.ptr(grad), _lib.ptr(x), None if w is None else _lib.ptr(w), _lib.ptr(rstd), _lib.ptr(grad_x),
+            None if grad_w is None else _lib.ptr(grad_w), m, n, _threads(x.numel()),
+        )
+    return grad_x, grad_w
 
 
 def _last_dim_first(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
@@ -62,65 +139,150 @@ def _last_dim_first(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
     return x.reshape(*x.shape[: len(rest)], -1)
 
 
-def sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    """Sum over `dims` (normalised, distinct) in compute dtype, tree over their flattened extent."""
+def _sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
     dims = sorted(dims)
-    out = tree_sum(_last_dim_first(x.to(compute_dtype(x.dtype)), dims))
+    out = _row_sum(_last_dim_first(x, dims) if x.dim() else x.reshape(1))
     if keepdim:
         for d in dims:
             out = out.unsqueeze(d)
     return out
 
 
+# ---------------------------------------------------------------- custom ops (torch.compile)
+
+
+def _fake_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=compute_dtype(x.dtype), device=x.device)
+
+
+@torch.library.custom_op("titan_audit::sum_dims", mutates_args=())
+def _sum_dims_op(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    return _sum_dims(x, dims, keepdim)
+
+
+@_sum_dims_op.register_fake
+def _(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    shape = [1 if d in dims else s for d, s in enumerate(x.shape)] if keepdim else [
+        s for d, s in enumerate(x.shape) if d not in dims
+    ]
+    return torch.empty(shape, dtype=compute_dtype(x.dtype), device=x.device)
+
+
+def _unary_op(name: str, kernel_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    op = torch.library.custom_op(f"titan_audit::{name}", mutates_args=())(
+        _typed_unary(lambda x: _row_map(kernel_name, x))
+    )
+    op.register_fake(_fake_like)
+    return op
+
+
+def _binary_op(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    op = torch.library.custom_op(f"titan_audit::{name}", mutates_args=())(
+        _typed_binary(lambda grad, y: _row_backward(name, grad, y))
+    )
+    op.register_fake(lambda grad, y: _fake_like(y))
+    return op
+
+
+def _typed_unary(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def impl(x: torch.Tensor) -> torch.Tensor:
+        return f(x)
+
+    return impl
+
+
+def _typed_binary(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def impl(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return f(grad, y)
+
+    return impl
+
+
+_softmax_op = _unary_op("softmax", "softmax")
+_log_softmax_op = _unary_op("log_softmax", "log_softmax")
+_softmax_backward_op = _binary_op("softmax_backward")
+_log_softmax_backward_op = _binary_op("log_softmax_backward")
+
+
+@torch.library.custom_op("titan_audit::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+    return _rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+    dtype = compute_dtype(x.dtype)
+    return _fake_like(x), torch.empty(*x.shape[:-1], 1, dtype=dtype, device=x.device)
+
+
+@torch.library.custom_op("titan_audit::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    grad: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = _rms_norm_backward(grad, x, weight, rstd)
+    return grad_x, grad_x.new_empty(0) if grad_w is None else grad_w
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045, E501
+    return (torch.empty(x.shape, dtype=rstd.dtype, device=x.device),
+            torch.empty(0 if weight is None else x.shape[-1], dtype=rstd.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------- the backend functions
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (16 lanes + tree16), in compute dtype; the result drops the last dim."""
+    if torch.compiler.is_compiling():
+        return _sum_dims_op(x, [x.dim() - 1], False)
+    return _row_sum(x)
+
+
+def sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    """Sum over `dims` (normalised, distinct) in compute dtype, one row per kept index: the dims
+    flattened in row-major order and summed by the lanes + tree16 order."""
+    if torch.compiler.is_compiling():
+        return _sum_dims_op(x, sorted(dims), keepdim)
+    return _sum_dims(x, dims, keepdim)
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim, in compute dtype."""
-    x = x.to(compute_dtype(x.dtype))
-    e = exp_via_exp2(x, row_max(x))
-    return e.div_(tree_sum(e).unsqueeze(-1))
+    """Softmax over the last dim, in compute dtype (fused: max, exp + sum, scale)."""
+    return _softmax_op(x) if torch.compiler.is_compiling() else _row_map("softmax", x)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Log-softmax over the last dim, in compute dtype."""
-    x = x.to(compute_dtype(x.dtype))
-    shifted = x - row_max(x)
-    return shifted.sub_(torch.log(tree_sum(exp_via_exp2(shifted))).unsqueeze(-1))
+    """Log-softmax over the last dim, in compute dtype: (x - max) - log(sum exp(x - max))."""
+    return _log_softmax_op(x) if torch.compiler.is_compiling() else _row_map("log_softmax", x)
 
 
 def softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """d softmax: y * (g - sum(g * y)), the row sum by the same tree."""
-    grad, y = grad.to(y.dtype), y
-    return y * (grad - tree_sum(grad * y).unsqueeze(-1))
+    """d softmax: y * (g - sum(g * y)), the row sum in the lanes + tree16 order."""
+    return _softmax_backward_op(grad, y) if torch.compiler.is_compiling() else _row_backward("softmax_backward", grad, y)
 
 
 def log_softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """d log_softmax: g - exp(y) * sum(g), the row sum by the same tree."""
-    grad = grad.to(y.dtype)
-    return grad - exp_via_exp2(y) * tree_sum(grad).unsqueeze(-1)
+    """d log_softmax: g - exp(y) * sum(g) (one fma), the row sum in the lanes + tree16 order."""
+    if torch.compiler.is_compiling():
+        return _log_softmax_backward_op(grad, y)
+    return _row_backward("log_softmax_backward", grad, y)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd) with y = x * rstd * weight and rstd = rsqrt(mean(x^2) + eps) over the last dim."""
-    x = x.to(compute_dtype(x.dtype))
-    rstd = torch.rsqrt(tree_sum(x * x) / x.shape[-1] + eps).unsqueeze(-1)
-    y = x * rstd
-    if weight is not None:
-        y.mul_(weight.to(x.dtype))
-    return y, rstd
+    """(y, rstd) with rstd = 1 / sqrt(sum(x^2) / N + eps) over the last dim (rstd [..., 1]) and
+    y = (x * rstd) * weight, in compute dtype (fused: one pass for the sum, one for y)."""
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(x, weight, float(eps))
+    return _rms_norm(x, weight, eps)
 
 
 def rms_norm_backward(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(grad_x, grad_weight). grad_x is per row (tree sums over the row); grad_weight sums over
-    rows in a fixed tree too (deterministic; it is a batch reduction, so not batch-invariant)."""
-    x = x.to(rstd.dtype)
-    grad = grad.to(rstd.dtype)
-    gw = grad * weight.to(rstd.dtype) if weight is not None else grad
-    n = x.shape[-1]
-    dot = tree_sum(gw * x).unsqueeze(-1) / n
-    grad_x = rstd * gw - x * (rstd * rstd * rstd) * dot
-    grad_weight = None
-    if weight is not None:
-        rows = (grad * x * rstd).reshape(-1, n)
-        grad_weight = tree_sum(rows.t())
-    return grad_x, grad_weight
+    """(grad_x, grad_weight). grad_x per row (its row sum in the lanes + tree16 order);
+    grad_weight sums over rows, per column in ascending row order (deterministic)."""
+    if torch.compiler.is_compiling():
+        grad_x, grad_w = _rms_norm_backward_op(grad, x, weight, rstd)
+        return grad_x, None if weight is None else grad_w
+    return _rms_norm_backward(grad, x, weight, rstd)

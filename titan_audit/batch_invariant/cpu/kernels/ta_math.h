@@ -8,8 +8,17 @@
 // Accuracy against a float64 reference: exp/exp2 within 2 ulp, log within 3 ulp (tested).
 // Special values: exp(-inf) = exp2(-inf) = 0, exp2(0) = exp(0) = 1 exactly, +inf -> +inf,
 // NaN -> NaN; log(0) = -inf, log(x < 0) = NaN, log(+inf) = +inf, subnormal inputs handled.
+// exp_f64 / log_f64: the same constructions in float64 (for the float64 row ops), within 2 ulp.
+// Change log (names and bits of the float32 functions are unchanged since the coordinator's
+// version; K2's attention relies on ta::exp2_f32 / ta::exp_f32): K3 added exp_f64, log_f64 and
+// select_f32/select_f64 (bit selects in place of ?: so that AVX2 loops vectorise; same values)
+// and canon_nan_f32/f64. NOTE for every kernel: a NaN *result's* sign and payload are not fixed
+// by IEEE (x86 keeps the first operand's NaN, and the compiler may swap the operands of a
+// commutative op differently in each variant; the tests found exp(NaN) differing between the
+// scalar and avx2 objects), so a kernel whose output may be NaN stores canon_nan_f32(y).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -17,6 +26,17 @@ namespace ta {
 
 static inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline uint32_t f32_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// c ? a : b as a bit select. Both arms are always computed: with a plain ?: GCC (trapping math
+// on) will not if-convert a branch holding float arithmetic, and the loop stays scalar on AVX2.
+// The value is that of ?: exactly.
+static inline float select_f32(bool c, float a, float b) {
+    uint32_t m = 0u - (uint32_t)c;
+    return bits_to_f32((f32_to_bits(a) & m) | (f32_to_bits(b) & ~m));
+}
+
+// Any NaN becomes the one quiet NaN 0x7fc00000; every other value is unchanged.
+static inline float canon_nan_f32(float y) { return select_f32(y != y, bits_to_f32(0x7fc00000u), y); }
 
 static constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: v + magic - magic == rint(v)
 
@@ -61,8 +81,8 @@ static inline float exp_poly(float r) {
 // 2^x. Order: clamp to [-160, 128] (NaN passes), n = rint(x), f = x - n (exact), 2^f by
 // exp2_poly, times 2^n.
 static inline float exp2_f32(float x) {
-    x = x < -160.0f ? -160.0f : x;
-    x = x > 128.0f ? 128.0f : x;
+    x = select_f32(x < -160.0f, -160.0f, x);
+    x = select_f32(x > 128.0f, 128.0f, x);
     float n = (x + kRoundMagic) - kRoundMagic;
     float f = x - n;
     return scale_pow2(exp2_poly(f), n);
@@ -71,8 +91,8 @@ static inline float exp2_f32(float x) {
 // e^x. Order: clamp to [-110, 89] (NaN passes), n = rint(x * log2e), r = x - n ln2 in two
 // fma steps (Cody-Waite, ln2 = hi + lo), e^r by exp_poly, times 2^n.
 static inline float exp_f32(float x) {
-    x = x < -110.0f ? -110.0f : x;
-    x = x > 89.0f ? 89.0f : x;
+    x = select_f32(x < -110.0f, -110.0f, x);
+    x = select_f32(x > 89.0f, 89.0f, x);
     float n = (x * 1.4426950408889634f + kRoundMagic) - kRoundMagic;
     float r = std::fma(-n, 6.93145752e-01f, x);     // ln2 hi (exact in 16 bits)
     r = std::fma(-n, 1.42860677e-06f, r);           // ln2 lo
@@ -84,13 +104,13 @@ static inline float exp_f32(float x) {
 // result = e * ln2_hi + (e * ln2_lo + log(1 + f)); then the special values by selects.
 static inline float log_f32(float x) {
     bool sub = x < 1.17549435e-38f;  // also true for 0, negatives (fixed up below)
-    float xs = sub ? x * 8388608.0f : x;
-    float eadj = sub ? -23.0f : 0.0f;
+    float xs = select_f32(sub, x * 8388608.0f, x);
+    float eadj = select_f32(sub, -23.0f, 0.0f);
     uint32_t u = f32_to_bits(xs);
     int32_t e = (int32_t)((u >> 23) & 0xff) - 127;
     float m = bits_to_f32((u & 0x007fffffu) | 0x3f800000u);
     bool big = m > 1.41421356f;
-    m = big ? m * 0.5f : m;
+    m = select_f32(big, m * 0.5f, m);
     float ef = (float)(e + (big ? 1 : 0)) + eadj;
     float f = m - 1.0f;
     float s = f / (2.0f + f);
@@ -103,10 +123,95 @@ static inline float log_f32(float x) {
     float logm = p * s;
     float r = std::fma(ef, 6.93145752e-01f, std::fma(ef, 1.42860677e-06f, logm));
     const float inf = bits_to_f32(0x7f800000u), qnan = bits_to_f32(0x7fc00000u);
-    r = x == 0.0f ? -inf : r;
-    r = x < 0.0f ? qnan : r;
-    r = x == inf ? inf : r;
-    r = x != x ? x : r;
+    r = select_f32(x == 0.0f, -inf, r);
+    r = select_f32(x < 0.0f, qnan, r);
+    r = select_f32(x == inf, inf, r);
+    r = select_f32(x != x, x, r);
+    return r;
+}
+
+// ---------------------------------------------------------------- float64
+
+static inline double bits_to_f64(uint64_t u) { double f; std::memcpy(&f, &u, 8); return f; }
+static inline uint64_t f64_to_bits(double f) { uint64_t u; std::memcpy(&u, &f, 8); return u; }
+
+static inline double select_f64(bool c, double a, double b) {
+    uint64_t m = 0ull - (uint64_t)c;
+    return bits_to_f64((f64_to_bits(a) & m) | (f64_to_bits(b) & ~m));
+}
+
+static inline double canon_nan_f64(double y) { return select_f64(y != y, bits_to_f64(0x7ff8000000000000ull), y); }
+
+static constexpr double kRoundMagic64 = 6755399441055744.0;  // 1.5 * 2^52
+
+// 2^n for an integer-valued double n in [-1076, 1026], as two normal factors.
+static inline double scale_pow2_f64(double p, double n) {
+    int64_t ni = (int64_t)n;
+    int64_t n1 = ni >> 1;
+    int64_t n2 = ni - n1;
+    double s1 = bits_to_f64((uint64_t)(n1 + 1023) << 52);
+    double s2 = bits_to_f64((uint64_t)(n2 + 1023) << 52);
+    return (p * s1) * s2;
+}
+
+// e^x in float64. Order: clamp to [-746, 710] (NaN passes), n = rint(x * log2e),
+// r = x - n ln2 in two fma steps (fdlibm's ln2 hi/lo), e^r by its Taylor series to degree 13
+// (Horner with fma; truncation < 1e-17 relative on |r| <= ln2/2), times 2^n.
+static inline double exp_f64(double x) {
+    x = select_f64(x < -746.0, -746.0, x);
+    x = select_f64(x > 710.0, 710.0, x);
+    double n = (x * 1.4426950408889634 + kRoundMagic64) - kRoundMagic64;
+    double r = std::fma(-n, 6.93147180369123816490e-01, x);  // ln2 hi (low 32 bits zero)
+    r = std::fma(-n, 1.90821492927058770002e-10, r);         // ln2 lo
+    double p = 1.0 / 6227020800.0;                            // 1/13!
+    p = std::fma(p, r, 1.0 / 479001600.0);
+    p = std::fma(p, r, 1.0 / 39916800.0);
+    p = std::fma(p, r, 1.0 / 3628800.0);
+    p = std::fma(p, r, 1.0 / 362880.0);
+    p = std::fma(p, r, 1.0 / 40320.0);
+    p = std::fma(p, r, 1.0 / 5040.0);
+    p = std::fma(p, r, 1.0 / 720.0);
+    p = std::fma(p, r, 1.0 / 120.0);
+    p = std::fma(p, r, 1.0 / 24.0);
+    p = std::fma(p, r, 1.0 / 6.0);
+    p = std::fma(p, r, 0.5);
+    p = std::fma(p, r, 1.0);
+    p = std::fma(p, r, 1.0);
+    return scale_pow2_f64(p, n);
+}
+
+// natural log in float64: log_f32's construction, series 2s + 2s^3/3 + ... + 2s^21/21.
+static inline double log_f64(double x) {
+    bool sub = x < 2.2250738585072014e-308;
+    double xs = select_f64(sub, x * 4503599627370496.0, x);  // 2^52
+    double eadj = select_f64(sub, -52.0, 0.0);
+    uint64_t u = f64_to_bits(xs);
+    int64_t e = (int64_t)((u >> 52) & 0x7ff) - 1023;
+    double m = bits_to_f64((u & 0x000fffffffffffffull) | 0x3ff0000000000000ull);
+    bool big = m > 1.4142135623730951;
+    m = select_f64(big, m * 0.5, m);
+    double ef = (double)(e + (big ? 1 : 0)) + eadj;
+    double f = m - 1.0;
+    double s = f / (2.0 + f);
+    double z = s * s;
+    double p = 2.0 / 21.0;
+    p = std::fma(p, z, 2.0 / 19.0);
+    p = std::fma(p, z, 2.0 / 17.0);
+    p = std::fma(p, z, 2.0 / 15.0);
+    p = std::fma(p, z, 2.0 / 13.0);
+    p = std::fma(p, z, 2.0 / 11.0);
+    p = std::fma(p, z, 2.0 / 9.0);
+    p = std::fma(p, z, 2.0 / 7.0);
+    p = std::fma(p, z, 2.0 / 5.0);
+    p = std::fma(p, z, 2.0 / 3.0);
+    p = std::fma(p, z, 2.0);
+    double logm = p * s;
+    double r = std::fma(ef, 6.93147180369123816490e-01, std::fma(ef, 1.90821492927058770002e-10, logm));
+    const double inf = bits_to_f64(0x7ff0000000000000ull), qnan = bits_to_f64(0x7ff8000000000000ull);
+    r = select_f64(x == 0.0, -inf, r);
+    r = select_f64(x < 0.0, qnan, r);
+    r = select_f64(x == inf, inf, r);
+    r = select_f64(x != x, x, r);
     return r;
 }
 

@@ -1,0 +1,279 @@
+// rowops.cpp: row reductions and the fused row ops (sum, softmax, log_softmax, rms_norm and
+// their backward) over a contiguous [M, N] matrix, float32 and float64.
+//
+// Guarantee: every output element is a fixed sequence of IEEE operations on its own row (and the
+// shared weight), set by N alone: never by M, the thread count or the ISA variant. How:
+//   * A reduction along a row uses TA_LANES (16) logical lanes: lane l starts at -0.0 (the exact
+//     additive identity) and accumulates elements l, l+16, l+32, ... in ascending order; the 16
+//     lanes are then combined by ta::tree16. The lanes are written as a plain 16-wide inner loop:
+//     the compiler holds them in one zmm (avx512), two ymm (avx2) or 16 scalars (scalar), and
+//     without fast-math or contraction it may not change a single operation of the loop.
+//   * The row max is exact, so its order is free: the select `x > m ? x : m` skips NaN elements
+//     (a NaN still reaches every output through the exp sum), and the result gets `+ 0.0`, so a
+//     max of zeros is +0.0 whatever their signs and order.
+//   * exp is ta::exp_f32 / ta::exp_f64, log ta::log_f32 / ta::log_f64 (ta_math.h), the same
+//     bits on every variant; sqrt and division are correctly rounded everywhere.
+//   * Every NaN result is stored as the one quiet NaN (ta::canon_nan_f32 / f64): a NaN's sign and
+//     payload otherwise depend on operand order, which the compiler picks per variant.
+//   * Threads split rows (ta::parallel_for); the one reduction over rows (rms_norm's weight
+//     gradient) is split by columns, each column summing its rows in ascending order.
+#include "ta_common.h"
+#include "ta_math.h"
+
+#include <limits>
+
+namespace {
+
+constexpr int L = TA_LANES;
+
+inline float exp_t(float x) { return ta::exp_f32(x); }
+inline double exp_t(double x) { return ta::exp_f64(x); }
+inline float log_t(float x) { return ta::log_f32(x); }
+inline double log_t(double x) { return ta::log_f64(x); }
+inline float canon(float y) { return ta::canon_nan_f32(y); }
+inline double canon(double y) { return ta::canon_nan_f64(y); }
+
+template <typename T>
+inline T tree16_max(const T* l) {
+    T s[8];
+    for (int i = 0; i < 8; ++i) s[i] = l[i + 8] > l[i] ? l[i + 8] : l[i];
+    for (int i = 0; i < 4; ++i) s[i] = s[i + 4] > s[i] ? s[i + 4] : s[i];
+    for (int i = 0; i < 2; ++i) s[i] = s[i + 2] > s[i] ? s[i + 2] : s[i];
+    return s[1] > s[0] ? s[1] : s[0];
+}
+
+// Order: lane l = (((-0 + x[l]) + x[l+16]) + ...), then ta::tree16.
+template <typename T>
+inline T lane_sum(const T* x, int64_t n) {
+    T acc[L];
+    for (int l = 0; l < L; ++l) acc[l] = T(-0.0);
+    int64_t i = 0;
+    for (; i + L <= n; i += L)
+        for (int l = 0; l < L; ++l) acc[l] = acc[l] + x[i + l];
+    for (int l = 0; i + l < n; ++l) acc[l] = acc[l] + x[i + l];
+    return ta::tree16(acc);
+}
+
+// Order: lane l = fma(a[l+16k], b[l+16k], lane l) for k ascending, from -0.0; then ta::tree16.
+template <typename T>
+inline T lane_dot(const T* a, const T* b, int64_t n) {
+    T acc[L];
+    for (int l = 0; l < L; ++l) acc[l] = T(-0.0);
+    int64_t i = 0;
+    for (; i + L <= n; i += L)
+        for (int l = 0; l < L; ++l) acc[l] = std::fma(a[i + l], b[i + l], acc[l]);
+    for (int l = 0; i + l < n; ++l) acc[l] = std::fma(a[i + l], b[i + l], acc[l]);
+    return ta::tree16(acc);
+}
+
+// Order: lane l = fma(a*w, b, lane l) over l+16k ascending (a*w rounded first), then ta::tree16.
+template <typename T>
+inline T lane_dot_scaled(const T* a, const T* w, const T* b, int64_t n) {
+    T acc[L];
+    for (int l = 0; l < L; ++l) acc[l] = T(-0.0);
+    int64_t i = 0;
+    for (; i + L <= n; i += L)
+        for (int l = 0; l < L; ++l) acc[l] = std::fma(a[i + l] * w[i + l], b[i + l], acc[l]);
+    for (int l = 0; i + l < n; ++l) acc[l] = std::fma(a[i + l] * w[i + l], b[i + l], acc[l]);
+    return ta::tree16(acc);
+}
+
+// The row max. Max is exact, so any order gives the same value: NaN elements are skipped by the
+// select `x > m ? x : m`, and `+ 0.0` turns a max of -0.0 into +0.0 whichever zero came first.
+// Order (for speed only): 4 x 16 lanes over blocks of 64 from -inf, merged, then tree16_max.
+template <typename T>
+inline T lane_max(const T* x, int64_t n) {
+    T a0[L], a1[L], a2[L], a3[L];
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int l = 0; l < L; ++l) a0[l] = a1[l] = a2[l] = a3[l] = ninf;
+    int64_t i = 0;
+    for (; i + 4 * L <= n; i += 4 * L)
+        for (int l = 0; l < L; ++l) {
+            a0[l] = x[i + l] > a0[l] ? x[i + l] : a0[l];
+            a1[l] = x[i + L + l] > a1[l] ? x[i + L + l] : a1[l];
+            a2[l] = x[i + 2 * L + l] > a2[l] ? x[i + 2 * L + l] : a2[l];
+            a3[l] = x[i + 3 * L + l] > a3[l] ? x[i + 3 * L + l] : a3[l];
+        }
+    for (; i < n; ++i) a0[i % L] = x[i] > a0[i % L] ? x[i] : a0[i % L];
+    for (int l = 0; l < L; ++l) {
+        a0[l] = a1[l] > a0[l] ? a1[l] : a0[l];
+        a2[l] = a3[l] > a2[l] ? a3[l] : a2[l];
+        a0[l] = a2[l] > a0[l] ? a2[l] : a0[l];
+    }
+    return tree16_max(a0) + T(0.0);
+}
+
+// Order: lane l = (((-0 + e[l]) + e[l+16]) + ...) with e_j = exp(x_j - mx), then ta::tree16;
+// e_j is stored to y when y is non-null.
+template <typename T>
+inline T lane_sum_exp(const T* x, T mx, T* y, int64_t n) {
+    T acc[L];
+    for (int l = 0; l < L; ++l) acc[l] = T(-0.0);
+    int64_t i = 0;
+    if (y) {
+        for (; i + L <= n; i += L)
+            for (int l = 0; l < L; ++l) {
+                const T e = exp_t(x[i + l] - mx);
+                y[i + l] = e;
+                acc[l] = acc[l] + e;
+            }
+        for (int l = 0; i + l < n; ++l) {
+            const T e = exp_t(x[i + l] - mx);
+            y[i + l] = e;
+            acc[l] = acc[l] + e;
+        }
+    } else {
+        for (; i + L <= n; i += L)
+            for (int l = 0; l < L; ++l) acc[l] = acc[l] + exp_t(x[i + l] - mx);
+        for (int l = 0; i + l < n; ++l) acc[l] = acc[l] + exp_t(x[i + l] - mx);
+    }
+    return ta::tree16(acc);
+}
+
+// sum over the last dim: out[r] = lane_sum(x[r, :]).
+template <typename T>
+void row_sum(const T* x, T* out, int64_t m, int64_t n, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) out[r] = canon(lane_sum(x + r * n, n));
+    });
+}
+
+// softmax: mx = lane_max(x); s = lane_sum_exp(x, mx) (e_j = exp(x_j - mx)); y_j = e_j * (1 / s).
+template <typename T>
+void softmax(const T* x, T* y, int64_t m, int64_t n, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T* xr = x + r * n;
+            T* yr = y + r * n;
+            const T mx = lane_max(xr, n);
+            const T inv = T(1) / lane_sum_exp(xr, mx, yr, n);
+            for (int64_t j = 0; j < n; ++j) yr[j] = canon(yr[j] * inv);
+        }
+    });
+}
+
+// log_softmax: mx = lane_max(x); s = lane_sum_exp(x, mx); y_j = (x_j - mx) - log(s).
+template <typename T>
+void log_softmax(const T* x, T* y, int64_t m, int64_t n, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T* xr = x + r * n;
+            T* yr = y + r * n;
+            const T mx = lane_max(xr, n);
+            const T ls = log_t(lane_sum_exp(xr, mx, static_cast<T*>(nullptr), n));
+            for (int64_t j = 0; j < n; ++j) yr[j] = canon((xr[j] - mx) - ls);
+        }
+    });
+}
+
+// softmax backward: d = lane_dot(g, y); out_j = y_j * (g_j - d).
+template <typename T>
+void softmax_backward(const T* g, const T* y, T* out, int64_t m, int64_t n, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T *gr = g + r * n, *yr = y + r * n;
+            T* orow = out + r * n;
+            const T d = lane_dot(gr, yr, n);
+            for (int64_t j = 0; j < n; ++j) orow[j] = canon(yr[j] * (gr[j] - d));
+        }
+    });
+}
+
+// log_softmax backward: s = lane_sum(g); out_j = fma(-exp(y_j), s, g_j).
+template <typename T>
+void log_softmax_backward(const T* g, const T* y, T* out, int64_t m, int64_t n, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T *gr = g + r * n, *yr = y + r * n;
+            T* orow = out + r * n;
+            const T s = lane_sum(gr, n);
+            for (int64_t j = 0; j < n; ++j) orow[j] = canon(std::fma(-exp_t(yr[j]), s, gr[j]));
+        }
+    });
+}
+
+// rms_norm: ss = lane_dot(x, x); rstd = 1 / sqrt(ss / n + eps); y_j = (x_j * rstd) * w_j
+// (w null: y_j = x_j * rstd). rstd is written per row.
+template <typename T>
+void rms_norm(const T* x, const T* w, T* y, T* rstd, int64_t m, int64_t n, T eps, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T* xr = x + r * n;
+            T* yr = y + r * n;
+            const T rs = T(1) / std::sqrt(lane_dot(xr, xr, n) / T(n) + eps);
+            rstd[r] = canon(rs);
+            if (w) {
+                for (int64_t j = 0; j < n; ++j) yr[j] = canon((xr[j] * rs) * w[j]);
+            } else {
+                for (int64_t j = 0; j < n; ++j) yr[j] = canon(xr[j] * rs);
+            }
+        }
+    });
+}
+
+// rms_norm backward, per row: gw_j = g_j * w_j (w null: g_j); d = lane_dot(gw, x) (gw rounded
+// first); k = ((rstd * rstd) * rstd) * (d / n); gx_j = fma(-x_j, k, rstd * gw_j).
+// Weight gradient (w non-null), per column j: gwt_j = fma(g_ij * x_ij, rstd_i, gwt_j) for rows
+// i ascending from -0.0; threads split the columns.
+template <typename T>
+void rms_norm_backward(const T* g, const T* x, const T* w, const T* rstd, T* gx, T* gwt, int64_t m, int64_t n,
+                       int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T *gr = g + r * n, *xr = x + r * n;
+            T* out = gx + r * n;
+            const T rs = rstd[r];
+            if (w) {
+                const T k = ((rs * rs) * rs) * (lane_dot_scaled(gr, w, xr, n) / T(n));
+                for (int64_t j = 0; j < n; ++j) out[j] = canon(std::fma(-xr[j], k, rs * (gr[j] * w[j])));
+            } else {
+                const T k = ((rs * rs) * rs) * (lane_dot(gr, xr, n) / T(n));
+                for (int64_t j = 0; j < n; ++j) out[j] = canon(std::fma(-xr[j], k, rs * gr[j]));
+            }
+        }
+    });
+    if (!w || !gwt) return;
+    // Column blocks of 64 (whole cache lines); block boundaries do not touch any column's order.
+    const int64_t blocks = (n + 63) / 64;
+    ta::parallel_for(blocks, threads, [&](int64_t b0, int64_t b1) {
+        const int64_t c0 = b0 * 64, c1 = b1 * 64 < n ? b1 * 64 : n;
+        for (int64_t j = c0; j < c1; ++j) gwt[j] = T(-0.0);
+        for (int64_t i = 0; i < m; ++i) {
+            const T *gr = g + i * n, *xr = x + i * n;
+            const T rs = rstd[i];
+            for (int64_t j = c0; j < c1; ++j) gwt[j] = std::fma(gr[j] * xr[j], rs, gwt[j]);
+        }
+        for (int64_t j = c0; j < c1; ++j) gwt[j] = canon(gwt[j]);
+    });
+}
+
+}  // namespace
+
+#define TA_ROWOPS(T, sfx)                                                                                      \
+    TA_EXPORT(void, row_sum_##sfx)(const T* x, T* out, int64_t m, int64_t n, int threads) {                    \
+        row_sum<T>(x, out, m, n, threads);                                                                     \
+    }                                                                                                          \
+    TA_EXPORT(void, softmax_##sfx)(const T* x, T* y, int64_t m, int64_t n, int threads) {                      \
+        softmax<T>(x, y, m, n, threads);                                                                       \
+    }                                                                                                          \
+    TA_EXPORT(void, log_softmax_##sfx)(const T* x, T* y, int64_t m, int64_t n, int threads) {                  \
+        log_softmax<T>(x, y, m, n, threads);                                                                   \
+    }                                                                                                          \
+    TA_EXPORT(void, softmax_backward_##sfx)(const T* g, const T* y, T* out, int64_t m, int64_t n, int threads) { \
+        softmax_backward<T>(g, y, out, m, n, threads);                                                         \
+    }                                                                                                          \
+    TA_EXPORT(void, log_softmax_backward_##sfx)(const T* g, const T* y, T* out, int64_t m, int64_t n,          \
+                                                int threads) {                                                 \
+        log_softmax_backward<T>(g, y, out, m, n, threads);                                                     \
+    }                                                                                                          \
+    TA_EXPORT(void, rms_norm_##sfx)(const T* x, const T* w, T* y, T* rstd, int64_t m, int64_t n, double eps,   \
+                                    int threads) {                                                             \
+        rms_norm<T>(x, w, y, rstd, m, n, T(eps), threads);                                                     \
+    }                                                                                                          \
+    TA_EXPORT(void, rms_norm_backward_##sfx)(const T* g, const T* x, const T* w, const T* rstd, T* gx, T* gwt, \
+                                             int64_t m, int64_t n, int threads) {                              \
+        rms_norm_backward<T>(g, x, w, rstd, gx, gwt, m, n, threads);                                           \
+    }
+
+TA_ROWOPS(float, f32)
+TA_ROWOPS(double, f64)

@@ -1,0 +1,112 @@
+"""CPU element-wise exp, exp2, log, sigmoid, silu (and the backward of sigmoid and silu) on our
+own compiled kernels (`kernels/pointwise.cpp`).
+
+Guarantee: an element's result is a function of its value alone (for a backward: of its value
+and its gradient), the same bits wherever it sits in a tensor, whatever the tensor's length, the
+thread count or the ISA variant. Torch's versions are not: their vector body and scalar tail
+round differently (tests/models/test_pointwise.py and tests/batch_invariant/test_math.py keep
+the negative controls). The sequences, written next to each kernel:
+    exp  = ta::exp_f32        exp2 = ta::exp2_f32          log = ta::log_f32
+    e = exp(-|x|), num = (1 if x >= 0 else e)     (no overflow; tiny results stay accurate)
+    sigmoid(x) = num / (1 + e)                  silu(x) = (x * num) / (1 + e)
+    sigmoid'(g, y) = g * (y * (1 - y))         silu'(g, x) = g * (s * fma(x, 1 - s, 1)), s = sigmoid(x)
+
+Float32 compute: inputs of other floating dtypes are converted to float32 and the result is
+float32 (callers round it). Forward-only; `titan_audit.models.pointwise` adds autograd. Each
+function is also a `torch.library` custom op (`titan_audit::silu`, ...) with a fake
+implementation, used while `torch.compile` traces; eager calls go to the kernel directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+from titan_audit.batch_invariant.cpu import _lib
+
+PARALLEL_MIN_ELEMENTS = 1 << 16  # below this one thread does the call (threads never change bits)
+
+UNARY = ("exp", "exp2", "log", "sigmoid", "silu")
+BINARY = ("sigmoid_backward", "silu_backward")
+
+for _name in UNARY:
+    _lib.declare(f"{_name}_f32", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+for _name in BINARY:
+    _lib.declare(f"{_name}_f32", None, [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int])
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"pointwise: expected a floating tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"pointwise: the CPU kernels need a CPU tensor, got one on {x.device}")
+    return x.to(torch.float32).contiguous()
+
+
+def _threads(numel: int) -> int:
+    return _lib.num_threads() if numel >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def _unary(name: str, x: torch.Tensor) -> torch.Tensor:
+    x = _f32(x)
+    y = torch.empty(x.shape, dtype=torch.float32)
+    if x.numel():
+        _lib.kernel(f"{name}_f32")(_lib.ptr(x), _lib.ptr(y), x.numel(), _threads(x.numel()))
+    return y
+
+
+def _binary(name: str, grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    grad, other = _f32(grad), _f32(other)
+    if grad.shape != other.shape:
+        raise ValueError(f"{name}: grad {tuple(grad.shape)} and its input {tuple(other.shape)} must have one shape")
+    out = torch.empty(grad.shape, dtype=torch.float32)
+    if grad.numel():
+        _lib.kernel(f"{name}_f32")(_lib.ptr(grad), _lib.ptr(other), _lib.ptr(out), grad.numel(), _threads(grad.numel()))
+    return out
+
+
+def _fake(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def _make_unary(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def impl(x: torch.Tensor) -> torch.Tensor:
+        return _unary(name, x)
+
+    op = torch.library.custom_op(f"titan_audit::{name}", mutates_args=())(impl)
+    op.register_fake(_fake)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return op(x) if torch.compiler.is_compiling() else _unary(name, x)
+
+    call.__name__ = name
+    call.__doc__ = f"{name} of a float tensor, element by element (float32 result); see the module doc."
+    return call
+
+
+def _make_binary(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def impl(grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return _binary(name, grad, other)
+
+    op = torch.library.custom_op(f"titan_audit::{name}", mutates_args=())(impl)
+    op.register_fake(_fake)
+
+    def call(grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return op(grad, other) if torch.compiler.is_compiling() else _binary(name, grad, other)
+
+    call.__name__ = name
+    call.__doc__ = f"{name}(grad, saved) element by element (float32 result); see the module doc."
+    return call
+
+
+exp = _make_unary("exp")
+exp2 = _make_unary("exp2")
+log = _make_unary("log")
+sigmoid = _make_unary("sigmoid")
+silu = _make_unary("silu")
+sigmoid_backward = _make_binary("sigmoid_backward")  # (grad, sigmoid's output y)
+silu_backward = _make_binary("silu_backward")  # (grad, silu's input x)
+
+__all__ = ["exp", "exp2", "log", "sigmoid", "sigmoid_backward", "silu", "silu_backward"]
