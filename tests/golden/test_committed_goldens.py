@@ -6,11 +6,21 @@ optimizer-state and parameter records and the raw bits of loss, grad_norm, lr (a
 tiny-moe). Elsewhere it
 runs in tolerance mode and warns (`--golden-require-exact` makes that a failure).
 tiny-dense at W=1 and W=2 must both match the one golden (G3). Refresh with `--golden-update`.
+
+tiny-dense-bi is tiny-dense trained in batch-invariant mode: every reduction runs on our own CPU
+kernels, so its fingerprint is compatible with any CPU's (deterministic/numerics.py) and the check
+is exact everywhere (`require_exact=True`), also when the run's CPU differs from the recorder's.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
+
+from titan_audit.golden import check_golden
 
 STEPS = 4
 
@@ -24,6 +34,42 @@ def test_tiny_dense(golden_run, nproc):
 @pytest.mark.golden("tiny-moe", recipe="tiny-moe", steps=STEPS)
 def test_tiny_moe(golden_run):
     assert golden_run is None or golden_run.passed
+
+
+BI = ["determinism.batch_invariant=true"]
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_tiny_dense_bi_is_exact(golden_run, nproc):
+    result = golden_run("tiny-dense-bi", recipe="tiny-dense", steps=STEPS, nproc=nproc, overrides=BI, require_exact=True)
+    assert result is None or (result.passed and result.mode == "exact")
+
+
+def _as_if_on_another_cpu(run: Path, out: Path) -> Path:
+    """A copy of `run` whose manifest says it ran on another CPU with other libraries and knobs."""
+    shutil.copytree(run, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    fp = manifest["fingerprint"]
+    fp.update(device_name="AMD EPYC 7B13 64-Core Processor", cpu_capability="AVX2", blas="mkl 2025.1",
+              cpu_isa_flags=["sse4_2", "avx", "avx2", "fma", "f16c"], onednn="v3.7.1")  # fmt: skip
+    fp["env"].update(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="COMPATIBLE")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.skipif("config.getoption('--golden-update')", reason="checks the committed goldens")
+def test_bi_golden_is_exact_on_another_cpu_and_the_plain_one_is_not(tmp_path):
+    """The BI golden checks exact against a run whose fingerprint names another CPU; negative
+    control: the plain (non-BI) golden cannot, and --require-exact fails it."""
+    from titan_audit.golden.pytest_plugin import train_recipe
+
+    golden = Path(__file__).parent
+    train_recipe(tmp_path / "bi", "tiny-dense", steps=STEPS, overrides=BI)
+    bi = check_golden(_as_if_on_another_cpu(tmp_path / "bi", tmp_path / "bi-amd"), golden / "tiny-dense-bi", require_exact=True)
+    assert bi.passed and bi.mode == "exact", bi.to_dict()
+    train_recipe(tmp_path / "plain", "tiny-dense", steps=STEPS)
+    plain = check_golden(_as_if_on_another_cpu(tmp_path / "plain", tmp_path / "plain-amd"), golden / "tiny-dense", require_exact=True)
+    assert not plain.passed and plain.mode != "exact"
 
 
 @pytest.mark.skipif("config.getoption('--golden-update')", reason="would overwrite the golden with the perturbed run")

@@ -18,7 +18,8 @@ Guarantees:
   the numerics fingerprints are compatible, tolerance mode otherwise. A failed check fails the
   test with the check's report (first divergence, metric mismatches). A pass in tolerance mode
   is never silent: it emits a `GoldenToleranceWarning` (shown in pytest's summary) naming the
-  fingerprint fields that differ, and `--golden-require-exact` makes it a failure.
+  fingerprint fields that differ, and `--golden-require-exact` (or `require_exact=True` for one
+  call, e.g. for a BI-mode golden, which is exact on every CPU) makes it a failure.
 - `--golden-update` records a missing golden or updates an existing one from the run instead of
   checking, and reports what changed (as a `GoldenUpdatedWarning`); a golden whose compared
   content would not change is left byte for byte as it is. Without it a missing golden
@@ -120,6 +121,7 @@ class GoldenRunner:
         nproc: int = 1,
         overrides: Sequence[str] = (),
         run: Callable[[Path], Any] | None = None,
+        require_exact: bool | None = None,
     ):
         from titan_audit.golden import GoldenCorrupt, check_golden, record_golden, update_golden
         from titan_audit.golden.report import check_report
@@ -148,7 +150,8 @@ class GoldenRunner:
         if not golden.exists():
             pytest.fail(f"no golden {golden}; create it with `pytest --golden-update` (or `titan-audit golden record`)", pytrace=False)
         try:
-            result = check_golden(out, golden, require_exact=self.require_exact)
+            exact = self.require_exact if require_exact is None else require_exact
+            result = check_golden(out, golden, require_exact=exact)
         except GoldenCorrupt as error:
             pytest.fail(f"corrupt golden: {error}", pytrace=False)
         if not result.passed:
