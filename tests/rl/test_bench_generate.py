@@ -12,7 +12,8 @@ from titan_audit.cli.main import cli
 @pytest.mark.slow
 def test_bench_generate_quick_json_schema():
     pytest.importorskip("transformers")
-    result = CliRunner().invoke(cli, ["bench", "generate", "--quick", "--repeats", "1", "--threads", "1", "--json"])
+    args = ["bench", "generate", "--quick", "--repeats", "1", "--threads", "1", "--json"]
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["suite"] == "generate"
@@ -20,7 +21,8 @@ def test_bench_generate_quick_json_schema():
     assert list(cases) == ["generate B=8", "generate B=8 vs HF transformers"]
     bi_case, hf_case = cases.values()
     assert bi_case["target"] == 1.25 and hf_case["target"] is None
-    assert bi_case["baseline"] == "builtin generator, native ops" and bi_case["candidate"] == "builtin generator, BI mode"
+    assert bi_case["baseline"] == "builtin generator, native ops"
+    assert bi_case["candidate"] == "builtin generator, BI mode"
     assert hf_case["baseline"] == "HF transformers generate"
     for case in cases.values():
         assert case["ratio"] > 0 and case["new_tokens"] == 8 * 4

@@ -49,7 +49,8 @@ def requests():
     for prompt_id in range(5):
         prompt = tuple(rng.randrange(2048) for _ in range(rng.randint(2, 40)))
         for sample_index in range(rng.randint(1, 3)):
-            out.append(GenerationRequest(prompt, SampleKey(seed=3, step=1, prompt_id=prompt_id, sample_index=sample_index)))
+            key = SampleKey(seed=3, step=1, prompt_id=prompt_id, sample_index=sample_index)
+            out.append(GenerationRequest(prompt, key))
     assert any(r.key.sample_index > 0 for r in out)
     return out
 
@@ -189,7 +190,7 @@ def test_top_k_is_respected_against_the_trainer_logits(model, requests):
 
 def test_weights_copy_load_and_fingerprint(model, requests):
     trainer = models.build("tiny-dense", seed=0)
-    gen = BuiltinGenerator(trainer, policy_version=3)
+    gen = BuiltinGenerator(trainer, BuiltinGeneratorConfig(batch_invariant=True), policy_version=3)
     assert gen.policy_version == 3
     assert gen.weights_fingerprint() == {n: fingerprint(t) for n, t in trainer.state_dict().items()}
     before = gen.generate(requests[:2], PARAMS)
@@ -203,6 +204,9 @@ def test_weights_copy_load_and_fingerprint(model, requests):
     after = gen.generate(requests[:2], PARAMS)
     assert all(s.policy_version == 4 for s in after) and all(s.policy_version == 3 for s in before)
     assert [s.logprobs.tolist() for s in after] != [s.logprobs.tolist() for s in before]
+    # in-place loads reach every kernel (no stale packed weight): bitwise the new trainer's log-probs
+    for s, lp in zip(after, _recompute(trainer, after)):
+        assert _bits_equal(s.logprobs, lp)
 
 
 def test_load_weights_rejects_a_state_dict_of_another_model(model):

@@ -41,7 +41,9 @@ QUICK_PROMPT_LEN, QUICK_NEW_TOKENS = 8, 4
 NATIVE, BI, HF = "builtin generator, native ops", "builtin generator, BI mode", "HF transformers generate"
 
 
-def _hf_generate(model: models.Transformer, tmp: str, prompts_BT: torch.Tensor, new_tokens: int) -> Callable[[], object]:
+def _hf_generate(
+    model: models.Transformer, tmp: str, prompts_BT: torch.Tensor, new_tokens: int
+) -> Callable[[], object]:
     import transformers
 
     models.save_pretrained(model, tmp)
@@ -75,7 +77,9 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
     with tempfile.TemporaryDirectory(prefix="titan-audit-bench-generate-") as tmp:
         for batch in batches:
             prompts_BT = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
-            requests = [GenerationRequest(tuple(row), SampleKey(0, 0, i, 0)) for i, row in enumerate(prompts_BT.tolist())]
+            requests = [
+                GenerationRequest(tuple(row), SampleKey(0, 0, i, 0)) for i, row in enumerate(prompts_BT.tolist())
+            ]
             sides = {
                 NATIVE: lambda: native.generate(requests, params),
                 BI: lambda: bi.generate(requests, params),
@@ -96,7 +100,9 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
     return cases
 
 
-def _case(name: str, baseline: str, candidate: str, seconds: dict[str, float], tokens: int, target: float | None) -> Case:
+def _case(
+    name: str, baseline: str, candidate: str, seconds: dict[str, float], tokens: int, target: float | None
+) -> Case:
     return Case(
         case=name, baseline=baseline, candidate=candidate,
         baseline_s=seconds[baseline], candidate_s=seconds[candidate],

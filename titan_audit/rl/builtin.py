@@ -259,10 +259,12 @@ class BuiltinGenerator:
             slots = min(self.config.max_batch_size, len(requests))
             num_blocks = slots * self._blocks(longest + params.max_new_tokens) + self._blocks(longest)
         cache = self._cache
-        if cache is None or cache.num_blocks < num_blocks or (self.config.num_blocks is not None and cache.num_blocks != num_blocks):
+        if cache is None or cache.num_blocks < num_blocks:  # kept between calls (empty after each)
             weight = self.model.output_weight
             dtype = self.model.compute_dtype or weight.dtype
-            cache = PagedKVCache(self.model.config, num_blocks, self.config.block_size, dtype=dtype, device=weight.device)
+            cache = PagedKVCache(
+                self.model.config, num_blocks, self.config.block_size, dtype=dtype, device=weight.device
+            )
             self._cache = cache
         assert not cache.lengths and cache.num_free_blocks == cache.num_blocks
         return cache
