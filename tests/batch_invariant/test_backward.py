@@ -4,7 +4,8 @@ Proves, for every op (functional API and the override mode): the gradient w.r.t.
 is the same bits whether the row was alone or in a batch (random shapes and batch sizes, 200
 examples); for attention dq of a query row is the same from a prefill and a decode step; two
 identical backward passes give identical bits for every gradient, including the weight/key
-gradients (sums over rows). Accuracy against float64 autograd. Negative control: native
+gradients (sums over rows); the row ops' gradients (rms_norm's weight gradient included) are the
+same bits at 1 and 2 threads and under every ISA variant. Accuracy against float64 autograd. Negative control: native
 autograd through torch.mm gives a row's input gradient different bits alone and in a batch.
 """
 
@@ -158,6 +159,29 @@ def test_mode_backward_deterministic_and_row_invariant(name: str) -> None:
             leaf = x[i : i + 1].clone().requires_grad_()
             (f(leaf, w) * g[i : i + 1]).sum().backward()
             assert_bitwise_equal(leaf.grad, full[0][i : i + 1], f"{name} input grad row {i}")
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_and_softmax_grads_same_bits_at_any_thread_count_and_isa(weighted: bool) -> None:
+    """The weight gradient is a sum over rows: threads split its columns, each column adds its
+    rows in ascending order, so 1 and 2 threads and every ISA variant give the same bits."""
+    from titan_audit.batch_invariant.cpu import _lib
+
+    x, w = randn(300, 257, seed=14), randn(257, seed=15)  # 77k elements: both threads work
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return bi.rms_norm(x, w if weighted else None) + bi.softmax(x) + bi.log_softmax(x * w)
+
+    results = {}
+    for threads in (1, 2):
+        with num_threads(threads):
+            for isa in _lib.available_isas():
+                with _lib.forced_isa(isa):
+                    results[threads, isa] = _grads(f, x, w, seed=16)
+    first = results[1, "scalar"]
+    for key, grads in results.items():
+        for name, a, b in zip(("x", "w"), grads, first):
+            assert_bitwise_equal(a, b, f"grad {name} at {key}")
 
 
 def test_negative_control_native_input_grad_differs() -> None:
