@@ -134,7 +134,9 @@ class PagedKVCache:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
+        # token-major blocks [block, slot, kv_head, head_dim]: a batch's keys are then one
+        # index_select of its blocks, viewed (not copied) as [B, heads, S, head_dim]
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.k, self.v = _buffers(config, shape, dtype, device)
         self._free: list[int] = list(range(num_blocks))  # a heap: lowest free block first
         self.block_tables: dict[Hashable, list[int]] = {}
@@ -240,6 +242,7 @@ class _PagedStep:
         self.table_BN = torch.tensor(
             [t + [0] * (num_table_blocks - len(t)) for t in tables], dtype=torch.long, device=device
         )
+        self.table_flat = self.table_BN.reshape(-1)
         self.block_BT = self.table_BN.gather(1, self.q_pos_BT // block_size)
         self.offset_BT = self.q_pos_BT % block_size
 
@@ -247,16 +250,17 @@ class _PagedStep:
         self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k_store, v_store = self.cache.k[layer], self.cache.v[layer]
-        k_store[self.block_BT, :, self.offset_BT] = k_BHTD.transpose(1, 2).to(k_store.dtype)
-        v_store[self.block_BT, :, self.offset_BT] = v_BHTD.transpose(1, 2).to(v_store.dtype)
+        k_store[self.block_BT, self.offset_BT] = k_BHTD.transpose(1, 2).to(k_store.dtype)
+        v_store[self.block_BT, self.offset_BT] = v_BHTD.transpose(1, 2).to(v_store.dtype)
         return self._gather(k_store), self._gather(v_store)
 
-    def _gather(self, store_NHKD: torch.Tensor) -> torch.Tensor:
-        blocks_BNHKD = store_NHKD[self.table_BN]
-        batch, num_blocks, heads, block_size, head_dim = blocks_BNHKD.shape
-        return blocks_BNHKD.permute(0, 2, 1, 3, 4).reshape(
-            batch, heads, num_blocks * block_size, head_dim
-        )
+    def _gather(self, store_NKHD: torch.Tensor) -> torch.Tensor:
+        """The rows' blocks in table order as [B, heads, blocks * block_size, head_dim]: one copy
+        (index_select), then a transposed view (attention takes strided keys; same values)."""
+        batch, num_table_blocks = self.table_BN.shape
+        _, block_size, heads, head_dim = store_NKHD.shape
+        blocks = store_NKHD.index_select(0, self.table_flat)
+        return blocks.view(batch, num_table_blocks * block_size, heads, head_dim).transpose(1, 2)
 
     def commit(self) -> None:
         for seq in self.seqs:

@@ -375,23 +375,31 @@ class _Run:
         step.finished.append(r.request)
 
     def _admit(self) -> list[_Prompt]:
-        """Take prompts off the queue while slots and blocks allow at least one sample each."""
+        """Take prompts off the queue while slots and blocks allow at least one sample each.
+
+        A prompt whose samples all start now costs n * (sample blocks): its own sequence is
+        forked n - 1 times and then taken over (the prompt's blocks never exceed a sample's). One
+        that must wait for more slots keeps its sequence: prompt blocks + started samples."""
         slots = self.max_batch - len(self.running)
         blocks = self.cache.num_blocks - self.reserved
         admitted = []
         while self.waiting and slots >= 1:
             prompt = self.waiting[0]
             prompt_blocks, sample_blocks = self._prompt_blocks(prompt), self._sample_blocks(prompt)
-            if blocks < prompt_blocks + sample_blocks:
+            count = prompt.remaining
+            if count <= slots and count * sample_blocks <= blocks:
+                starts, cost = count, count * sample_blocks
+            else:
+                starts = min(count, slots, max(0, blocks - prompt_blocks) // sample_blocks)
+                cost = prompt_blocks + starts * sample_blocks
+            if starts == 0:
                 break
             self.waiting.popleft()
             admitted.append(prompt)
             self.reserved += prompt_blocks
-            blocks -= prompt_blocks
-            starts = min(prompt.remaining, slots, blocks // sample_blocks)
             slots -= starts
-            blocks -= starts * sample_blocks
-            if starts < prompt.remaining:
+            blocks -= cost
+            if starts < count:
                 break  # it waits for slots: admit nothing after it
         return admitted
 
