@@ -154,6 +154,20 @@ def test_every_isa_variant_gives_identical_bits(data: st.DataObject) -> None:
         assert_same_bits_as_scalar(_variant_products(a3, b3, batched=True))
 
 
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (37, 70), (64, 32), (33, 100)])
+def test_packing_layout_is_the_same_on_every_variant(k: int, n: int) -> None:
+    """pack(B): panel p holds B[k, 32p + c] at (p * K + k) * 32 + c, zero past N, from either B
+    layout and on every variant (the avx512 transposing pack included)."""
+    b = randn(k, n, seed=38)
+    padded = torch.zeros(k, -(-n // 32) * 32)
+    padded[:, :n] = b
+    expected = padded.reshape(k, -1, 32).permute(1, 0, 2).reshape(-1)
+    for isa in _lib.available_isas():
+        with _lib.forced_isa(isa):
+            assert_bitwise_equal(cpu_matmul.pack(b), expected, f"{isa} row-major")
+            assert_bitwise_equal(cpu_matmul.pack(b.t().contiguous().t()), expected, f"{isa} W.t()")
+
+
 def _round_f32(q: Fraction) -> float:
     """The float32 nearest to q (ties to even), by exact arithmetic (finite, no overflow)."""
     if q == 0:

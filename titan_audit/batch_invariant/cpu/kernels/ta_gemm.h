@@ -50,6 +50,52 @@ constexpr int64_t PREFETCH_ROWS = TA_GEMM_PF;  // B rows ahead the microkernel p
 inline int64_t num_panels(int64_t n) { return (n + PANEL - 1) / PANEL; }
 inline int64_t packed_elems(int64_t k, int64_t n) { return num_panels(n) * PANEL * k; }
 
+#if defined(TA_ISA_AVX512)
+// gcc 12 flags the intrinsics' internal _mm512_undefined_ps() operands (a false positive).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// In-register transpose of 16 x 16 floats (r[i] = row i in, column i out).
+static inline void transpose16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+// A full panel (32 columns) of B = W.t(), 16 k at a time: 32 row loads, two transposes, 32 stores.
+static inline bool pack_panel_transposed_fast(const float* b, int64_t K, int64_t sbn, float* dst, int64_t n0) {
+    const int64_t kfull = K - K % 16;
+    for (int64_t k0 = 0; k0 < kfull; k0 += 16) {
+        for (int half = 0; half < 2; ++half) {
+            __m512 r[16];
+            for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_ps(b + (n0 + 16 * half + c) * sbn + k0);
+            transpose16x16(r);
+            for (int kk = 0; kk < 16; ++kk) _mm512_storeu_ps(dst + (k0 + kk) * PANEL + 16 * half, r[kk]);
+        }
+    }
+    for (int64_t k = kfull; k < K; ++k)
+        for (int64_t c = 0; c < PANEL; ++c) dst[k * PANEL + c] = b[(n0 + c) * sbn + k];
+    return true;
+}
+#pragma GCC diagnostic pop
+#endif
+
 // Pack panels [p0, p1) of B (element (k, n) at b[k * sbk + n * sbn]) into `packed` (the full
 // packed buffer of K x N). A copy: no arithmetic, so no order to state.
 template <typename T>
@@ -68,6 +114,14 @@ static inline void pack_panels(const T* b, int64_t K, int64_t N, int64_t sbk, in
             }
         } else if (sbk == 1) {
             // B = W.t() for W [N, K] row-major: a 32 x K block of W, transposed in 16-k chunks.
+#if defined(TA_ISA_AVX512)
+            if constexpr (std::is_same<T, float>::value) {
+                if (nv == PANEL) {
+                    pack_panel_transposed_fast(b, K, sbn, dst, n0);
+                    continue;
+                }
+            }
+#endif
             constexpr int64_t KB = 16;
             for (int64_t k0 = 0; k0 < K; k0 += KB) {
                 const int64_t kb = std::min<int64_t>(KB, K - k0);
