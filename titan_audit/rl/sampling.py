@@ -16,6 +16,7 @@ Guarantees:
   id, an exact permutation); the cumulative sums are float64 sequential scans along each row
   (torch's CPU cumsum); the selection is exact comparisons (searchsorted). So a sample's tokens
   are bitwise the same alone, in any batch and in any arrival order whenever its logits are.
+  (On CPU. Other devices run the same steps there, with that device's cumsum.)
 
 The draw (inverse CDF over the kept tokens, in sorted order when truncating):
 - top-k (k > 0) keeps the k tokens with the largest temperature-scaled logits (ties: lower id);
@@ -99,9 +100,10 @@ def sample_rows(scaled_BV: torch.Tensor, uniforms: Sequence[float], params: Samp
     else:
         ordered_BV, order_BV = scaled_BV, None
     cum_BV = torch.cumsum(ops.softmax(ordered_BV, -1).double(), dim=-1)  # sequential per row
-    keep_B = torch.full((batch,), vocab, dtype=torch.long)
+    device = scaled_BV.device
+    keep_B = torch.full((batch,), vocab, dtype=torch.long, device=device)
     if 0 < params.top_k < vocab:
-        keep_B = torch.full((batch,), params.top_k, dtype=torch.long)
+        keep_B = torch.full((batch,), params.top_k, dtype=torch.long, device=device)
     if params.top_p < 1.0:
         mass_k_B1 = cum_BV.gather(1, (keep_B - 1)[:, None])
         # first rank whose renormalised cumulative mass reaches p; it is kept too
@@ -109,7 +111,7 @@ def sample_rows(scaled_BV: torch.Tensor, uniforms: Sequence[float], params: Samp
         keep_B = torch.minimum(keep_B, crossing_B + 1)
     keep_B = keep_B.clamp(1, vocab)
     kept_mass_B1 = cum_BV.gather(1, (keep_B - 1)[:, None])
-    u_B1 = torch.tensor(list(uniforms), dtype=torch.float64)[:, None]
+    u_B1 = torch.tensor(list(uniforms), dtype=torch.float64, device=device)[:, None]
     rank_B = _first_greater(cum_BV, u_B1 * kept_mass_B1, right=True)
     last_positive_B = _first_greater(cum_BV, kept_mass_B1, right=False)  # last token adding mass
     rank_B = torch.minimum(rank_B, last_positive_B).clamp(0, vocab - 1)
