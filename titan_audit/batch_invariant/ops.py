@@ -225,6 +225,9 @@ def _softmax_along(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
         raise ValueError("softmax: x must be at least 1-D, got a 0-d tensor")
     dim = _norm_dim(x, dim)
     moved = x.movedim(dim, -1)
+    if not _needs_autograd(x):  # the same forward kernel without the Function's bookkeeping
+        be = backend_for(moved)
+        return (be.log_softmax(moved) if log else be.softmax(moved)).to(x.dtype).movedim(-1, dim)
     return _Softmax.apply(moved, log).movedim(-1, dim)
 
 
@@ -265,6 +268,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
             raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
     if not eps >= 0:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    if not _needs_autograd(x, weight):  # the same forward kernel without the Function's bookkeeping
+        return backend_for(x, weight).rms_norm(x, weight, float(eps))[0].to(x.dtype)
     return _RMSNorm.apply(x, weight, float(eps))
 
 
