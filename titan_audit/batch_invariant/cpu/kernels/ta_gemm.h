@@ -23,6 +23,9 @@
 #ifndef TA_GEMM_MR_AVX512
 #define TA_GEMM_MR_AVX512 12
 #endif
+#ifndef TA_GEMM_MR_AVX2
+#define TA_GEMM_MR_AVX2 3
+#endif
 #ifndef TA_GEMM_PF
 #define TA_GEMM_PF 16
 #endif
@@ -33,8 +36,10 @@ namespace gemm {
 constexpr int64_t PANEL = 32;  // packed panel width (the same for every variant and dtype)
 #if defined(TA_ISA_AVX512)
 constexpr int MR = TA_GEMM_MR_AVX512;  // rows per register tile (12 x 32: 24 zmm accumulators)
+#elif defined(TA_ISA_AVX2)
+constexpr int MR = TA_GEMM_MR_AVX2;  // rows per register tile (3 x 32: 12 ymm accumulators)
 #else
-constexpr int MR = 6;  // rows per register tile (avx2: 6 x 16, 12 ymm accumulators)
+constexpr int MR = 6;
 #endif
 #ifndef TA_GEMM_KC
 #if defined(TA_ISA_AVX512)
@@ -142,27 +147,16 @@ static inline void pack_panels(const T* b, int64_t K, int64_t N, int64_t sbk, in
 }
 
 // ---------------------------------------------------------------- microkernels
-// micro<T, R>(a, sam, sak, b, ldb, kc, c, ldc, first): c[R x W] (+)= A[R x kc] B[kc x W] with the
+// micro<T, R>(a, sam, sak, b, ldb, kc, c, ldc, first): c[R x 32] (+)= A[R x kc] B[kc x 32] with the
 // chain order above; first: the chain starts from +0.0, else it continues from c's stored partial.
-// W (the columns one call covers) is TILE_N<T>: 32 for avx512 and scalar, 16 for avx2 fp32.
-
-template <typename T>
-struct TileN {
-    static constexpr int64_t value = 32;
-};
-#if defined(TA_ISA_AVX2)
-template <>
-struct TileN<float> {
-    static constexpr int64_t value = 16;
-};
-#endif
+// Register tiles: avx512 12 x 32 (24 zmm accumulators), avx2 3 x 32 (12 ymm), scalar 6 x 32.
 
 // Portable: the reference order in plain C++ (std::fma). fp64 uses it on every variant (the
 // compiler may vectorise the loop over columns; each element stays one std::fma chain).
 template <typename T, int R>
 static inline void micro_generic(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t kc, T* c,
                                  int64_t ldc, bool first) {
-    constexpr int64_t W = TileN<T>::value;
+    constexpr int64_t W = PANEL;
     T acc[R][W];
     for (int i = 0; i < R; ++i)
         for (int64_t j = 0; j < W; ++j) acc[i][j] = first ? T(0) : c[i * ldc + j];
@@ -209,28 +203,24 @@ static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const flo
 template <int R>
 static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t kc,
                              float* c, int64_t ldc, bool first) {
-    __m256 acc0[R], acc1[R];
-    for (int i = 0; i < R; ++i) {
-        acc0[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc);
-        acc1[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8);
-    }
+    constexpr int V = int(PANEL / 8);  // ymm vectors per row
+    __m256 acc[R][V];
+    for (int i = 0; i < R; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8 * v);
     const float* ap[R];
     for (int i = 0; i < R; ++i) ap[i] = a + i * sam;
     for (int64_t k = 0; k < kc; ++k) {
         const float* bk = b + k * ldb;
         _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
-        const __m256 b0 = _mm256_loadu_ps(bk);
-        const __m256 b1 = _mm256_loadu_ps(bk + 8);
+        __m256 bv[V];
+        for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(bk + 8 * v);
         for (int i = 0; i < R; ++i) {
             const __m256 av = _mm256_broadcast_ss(ap[i] + k * sak);
-            acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
-            acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
+            for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
         }
     }
-    for (int i = 0; i < R; ++i) {
-        _mm256_storeu_ps(c + i * ldc, acc0[i]);
-        _mm256_storeu_ps(c + i * ldc + 8, acc1[i]);
-    }
+    for (int i = 0; i < R; ++i)
+        for (int v = 0; v < V; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
 }
 #else
 template <int R>
@@ -249,12 +239,12 @@ static inline void micro(const T* a, int64_t sam, int64_t sak, const T* b, int64
         micro_generic<T, R>(a, sam, sak, b, ldb, kc, c, ldc, first);
 }
 
-// One tile of r <= MR rows and w <= TILE_N valid columns: full tiles write C directly, edge
-// tiles go through a TILE_N-wide scratch tile (same chain; only the valid columns are kept).
+// One tile of r <= MR rows and w <= 32 valid columns: full tiles write C directly, edge tiles
+// go through a 32-wide scratch tile (the same chains; only the valid columns are kept).
 template <typename T>
 static inline void tile(int r, int64_t w, const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb,
                         int64_t kc, T* c, int64_t ldc, bool first) {
-    constexpr int64_t W = TileN<T>::value;
+    constexpr int64_t W = PANEL;
     alignas(64) T scratch[MR * W];
     T* cc = c;
     int64_t lc = ldc;
@@ -342,7 +332,6 @@ inline int64_t a_buffer_elems(int64_t rows, int64_t K) {
 template <typename T>
 static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& bp, T* c, int64_t ldc,
                          int64_t m0, int64_t m1, int64_t p0, int64_t p1, T* abuf) {
-    constexpr int64_t W = TileN<T>::value;
     const int64_t K = bp.K, N = bp.N;
     const int64_t kb = k_block(m1 - m0, K);
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
@@ -352,15 +341,11 @@ static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& 
         for (int64_t p = p0; p < p1; ++p) {
             int64_t ldb;
             const T* bpan = bp.base(p, &ldb) + k0 * ldb;
-            for (int64_t h = 0; h < PANEL; h += W) {
-                const int64_t n0 = p * PANEL + h;
-                if (n0 >= N) break;
-                const int64_t w = std::min<int64_t>(W, N - n0);
-                for (int64_t i = m0; i < m1; i += MR) {
-                    const int r = int(std::min<int64_t>(MR, m1 - i));
-                    tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, 1, MR, bpan + h, ldb, kc, c + i * ldc + n0, ldc,
-                            first);
-                }
+            const int64_t n0 = p * PANEL;
+            const int64_t w = std::min<int64_t>(PANEL, N - n0);
+            for (int64_t i = m0; i < m1; i += MR) {
+                const int r = int(std::min<int64_t>(MR, m1 - i));
+                tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, 1, MR, bpan, ldb, kc, c + i * ldc + n0, ldc, first);
             }
         }
     }
