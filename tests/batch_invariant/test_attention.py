@@ -164,6 +164,16 @@ def test_available_variants_include_the_portable_one() -> None:
     assert _lib.available_isas()[0] == "scalar"
 
 
+def test_key_chunk_is_the_kernels() -> None:
+    """The backend's KEY_CHUNK (the chunk alignment the docs and other backends rely on) is the
+    one compiled into every variant."""
+    from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK
+
+    for isa in _lib.available_isas():
+        with _lib.forced_isa(isa):
+            assert _lib.kernel("attention_key_chunk")() == KEY_CHUNK == 128
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_accuracy_against_float64(dtype: torch.dtype, causal: bool) -> None:

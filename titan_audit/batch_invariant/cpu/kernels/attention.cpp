@@ -67,6 +67,8 @@ struct VS {  // one lane: the portable scalar path, and every float64 path
     static R bcast(T x) { return x; }
     static R zero() { return T(0); }
     static R fma(R a, R b, R c) { return std::fma(a, b, c); }
+    static R add(R a, R b) { return a + b; }
+    static R max(R a, R b) { return a > b ? a : b; }  // the select every variant performs
 };
 
 #if defined(TA_ISA_AVX512)
@@ -78,6 +80,8 @@ struct VF {
     static R bcast(float x) { return _mm512_set1_ps(x); }
     static R zero() { return _mm512_setzero_ps(); }
     static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+    static R add(R a, R b) { return _mm512_add_ps(a, b); }
+    static R max(R a, R b) { return _mm512_max_ps(a, b); }  // a > b ? a : b per lane (NaN: b)
 };
 #elif defined(TA_ISA_AVX2)
 struct VF {
@@ -88,6 +92,8 @@ struct VF {
     static R bcast(float x) { return _mm256_set1_ps(x); }
     static R zero() { return _mm256_setzero_ps(); }
     static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+    static R add(R a, R b) { return _mm256_add_ps(a, b); }
+    static R max(R a, R b) { return _mm256_max_ps(a, b); }  // a > b ? a : b per lane (NaN: b)
 };
 #else
 using VF = VS<float>;
@@ -207,7 +213,7 @@ inline void dot_tile(const T* const* a, const T* bt, int64_t D, T* const* out) {
 // Scores of RT rows (a[r]: D values) against keys [0, ntop) of a packed chunk (ntop % 16 == 0).
 template <typename V, int RT, typename T>
 inline void dot_rows(const T* const* a, const T* bt, int64_t D, int ntop, T* const* out) {
-    constexpr int NV = Tile<V>::VECS, W = V::W;
+    constexpr int NV = RT == 1 ? 2 * Tile<V>::VECS : Tile<V>::VECS, W = V::W;  // one row: more chains
     int j = 0;
     for (; j + NV * W <= ntop; j += NV * W) {
         T* o[RT];
@@ -349,6 +355,10 @@ inline int chunk_keys(const Problem& pr, const Row& row, int64_t j0, uint8_t* vi
 // Rows [r, r + n) of a tile share the first `common` visible keys (their lists agree there).
 inline int common_prefix(int* const* idx, const int* cnt, int n) {
     int c = cnt[0];
+    bool prefixes = idx[0][cnt[0] - 1] == cnt[0] - 1;  // lists [0, cnt): the shortest is common
+    for (int r = 1; r < n && prefixes; ++r) prefixes = idx[r][cnt[r] - 1] == cnt[r] - 1, c = std::min(c, cnt[r]);
+    if (prefixes) return c;
+    c = cnt[0];
     for (int r = 1; r < n; ++r) {
         int k = 0;
         const int lim = std::min(c, cnt[r]);
@@ -372,24 +382,56 @@ void axpy_grouped(T* const* w, int* const* idx, const int* cnt, int rows, const 
     }
 }
 
-template <typename T>
-inline T lane_sum(const T* p, int top) {  // 16 lanes over [0, top), ascending, then tree16
-    T part[L];
-    for (int t = 0; t < L; ++t) part[t] = p[t];
+// 16 lanes over [0, top) (top % 16 == 0), lane t taking elements t, t + 16, ... ascending, then
+// the fixed tree: ta::tree16 for the sum, tree16_max for the max. The 16 lanes are one zmm, two
+// ymm or 16 scalars: the same operation on the same values per lane.
+template <typename V, typename T>
+inline T lane_sum(const T* p, int top) {
+    constexpr int N = L / V::W;
+    typename V::R part[N];
+    for (int n = 0; n < N; ++n) part[n] = V::load(p + n * V::W);
     for (int j = L; j < top; j += L)
-        for (int t = 0; t < L; ++t) part[t] = part[t] + p[j + t];
-    return ta::tree16(part);
+        for (int n = 0; n < N; ++n) part[n] = V::add(part[n], V::load(p + j + n * V::W));
+    T lanes[L];
+    for (int n = 0; n < N; ++n) V::store(lanes + n * V::W, part[n]);
+    return ta::tree16(lanes);
 }
 
-template <typename T>
-inline T lane_max(const T* s, int top) {  // exact: any order gives the same value
-    T part[L];
-    for (int t = 0; t < L; ++t) part[t] = s[t];
+template <typename V, typename T>
+inline T lane_max(const T* s, int top) {
+    constexpr int N = L / V::W;
+    typename V::R part[N];
+    for (int n = 0; n < N; ++n) part[n] = V::load(s + n * V::W);
     for (int j = L; j < top; j += L)
-        for (int t = 0; t < L; ++t) part[t] = s[j + t] > part[t] ? s[j + t] : part[t];
-    T m = part[0];
-    for (int t = 1; t < L; ++t) m = part[t] > m ? part[t] : m;
-    return m;
+        for (int n = 0; n < N; ++n) part[n] = V::max(V::load(s + j + n * V::W), part[n]);
+    T l[L];
+    for (int n = 0; n < N; ++n) V::store(l + n * V::W, part[n]);
+    for (int i = 0; i < 8; ++i) l[i] = l[i + 8] > l[i] ? l[i + 8] : l[i];
+    for (int i = 0; i < 4; ++i) l[i] = l[i + 4] > l[i] ? l[i + 4] : l[i];
+    for (int i = 0; i < 2; ++i) l[i] = l[i + 2] > l[i] ? l[i + 2] : l[i];
+    return l[1] > l[0] ? l[1] : l[0];
+}
+
+// c ? a : b by bits (both computed), so the loop vectorises; the value of ?: exactly.
+inline float sel(bool c, float a, float b) {
+    uint32_t m = 0u - (uint32_t)c, ua, ub;
+    std::memcpy(&ua, &a, 4), std::memcpy(&ub, &b, 4);
+    ua = (ua & m) | (ub & ~m);
+    std::memcpy(&a, &ua, 4);
+    return a;
+}
+inline double sel(bool c, double a, double b) { return c ? a : b; }
+
+// Scores of hidden keys -> -inf in [0, top): a row whose visible keys are [0, cnt) only needs
+// its tail set; others go through the per-key select.
+template <typename T>
+inline void hide(T* s, const uint8_t* vis, int cnt, const int* idx, int top) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    if (idx[cnt - 1] == cnt - 1) {
+        for (int j = cnt; j < top; ++j) s[j] = ninf;
+    } else {
+        for (int j = 0; j < top; ++j) s[j] = sel(vis[j] != 0, s[j], ninf);
+    }
 }
 
 // Per-thread buffers of one block of rows.
@@ -525,15 +567,15 @@ void forward(const Problem& pr, const T* q, const T* k, const T* v, T sscale, T*
                     T* s = w.s.data() + r * KC;
                     const uint8_t* vis = w.vis.data() + r * KC;
                     const int top = w.top[r];
-                    for (int j = 0; j < top; ++j) s[j] = vis[j] ? s[j] : ninf;
-                    const T mc = lane_max(s, top);
+                    hide(s, vis, w.cnt[r], w.idx.data() + r * KC, top);
+                    const T mc = lane_max<V>(s, top);
                     const T mn = mc > m[r] ? mc : m[r];
                     if (mn == ninf) {  // every visible score is -inf: nothing to add
                         w.cnt[r] = 0;
                         continue;
                     }
                     for (int j = 0; j < top; ++j) s[j] = exp_b(s[j] - mn);  // p; exactly 0 where hidden
-                    const T lc = lane_sum(s, top);
+                    const T lc = lane_sum<V>(s, top);
                     if (m[r] == ninf) {
                         l[r] = lc;
                     } else {
@@ -578,8 +620,8 @@ void probs_and_ds(int nrows, Work<T>& w, const T* lse_b, const T* delta) {
         const T lb = lse_b[r], dl = delta[r];
         for (int j = 0; j < top; ++j) {
             const T p = exp_b(s[j] - lb);
-            s[j] = vis[j] ? p : T(0);
-            dp[j] = vis[j] ? p * (dp[j] - dl) : T(0);
+            s[j] = sel(vis[j] != 0, p, T(0));
+            dp[j] = sel(vis[j] != 0, p * (dp[j] - dl), T(0));
         }
         for (int j = top; j < KC; ++j) s[j] = T(0), dp[j] = T(0);
     }
@@ -740,6 +782,8 @@ void backward(const Problem& pr, const T* q, const T* k, const T* v, const T* g,
 // prob: int64[21] = B, Hq, Hkv, Tq, Tk, D, Dv, causal, q strides (b, h, t), k strides, v strides,
 // mask strides (b, h, i, j). out [B, Hq, Tq, Dv], lse [B, Hq, Tq], dq [B, Hq, Tq, D],
 // dk [B, Hkv, Tk, D], dv [B, Hkv, Tk, Dv], grad_out and out contiguous [B, Hq, Tq, Dv].
+
+TA_EXPORT(int, attention_key_chunk)() { return KC; }  // cpu/attention.py KEY_CHUNK must equal it
 
 TA_EXPORT(void, attention_fwd_f32)(const int64_t* prob, const float* q, const float* k, const float* v,
                                    const int64_t* qpos, const int64_t* doc, const uint8_t* mask, float sscale,
