@@ -53,6 +53,7 @@ _ARGS = struct.Struct("17q")
 _ARGS_BUFFERS = threading.local()  # one per thread: the kernel runs with the GIL released
 # A B smaller than this (elements) is packed per call rather than looked up in the cache.
 CACHE_MIN_ELEMS = 1 << 14
+AXPY_MAX_ROWS = 2  # gemm.cpp TA_GEMM_AXPY_ROWS: up to this many rows stream a row-major B in place
 
 
 def _args_buffer() -> tuple[bytearray, int]:
@@ -198,10 +199,10 @@ def _mm_eager(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a_c = _upcast(a, dtype)
     b_c = _upcast(b, dtype)
     sa, sb = a_c.stride(), b_c.stride()
-    # A row-major B with few rows is read in place by the kernel (its rule, ta::gemm read_in_place,
-    # is this one); otherwise a cached packed copy saves the per-call packing.
+    # With one or two rows a row-major B is streamed in place (the kernel's rows_axpy: no packing
+    # to save); otherwise a cached packed copy saves the per-call packing or strided reads.
     packed = None
-    if (sb[1] != 1 or m > 24) and k * n >= CACHE_MIN_ELEMS:
+    if (sb[1] != 1 or m > AXPY_MAX_ROWS) and k * n >= CACHE_MIN_ELEMS:
         packed = PACKED_CACHE.get(b, b_c)
     out = _gemm(1, m, n, k, a_c, (0, sa[0], sa[1]), b_c, (0, sb[0], sb[1]), packed).view(m, n)
     return out if out_dtype == dtype else out.to(out_dtype)

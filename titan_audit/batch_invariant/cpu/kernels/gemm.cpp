@@ -40,6 +40,11 @@ void pack(const T* b, int64_t batch, int64_t K, int64_t N, int64_t sbb, int64_t 
     });
 }
 
+#ifndef TA_GEMM_AXPY_ROWS
+#define TA_GEMM_AXPY_ROWS 2
+#endif
+constexpr int64_t AXPY_MAX_ROWS = TA_GEMM_AXPY_ROWS;  // rows_axpy up to this many rows
+
 // Whether to read a row-major B in place rather than pack it: packing pays for itself once the
 // panel is reused by enough row tiles (a heuristic; the bits are the same either way).
 bool read_in_place(int64_t M, int64_t sbn) { return sbn == 1 && M <= 4 * ta::gemm::MR; }
@@ -53,6 +58,21 @@ void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
         for (int64_t bi = 0; bi < batch; ++bi)
             for (int64_t i = 0; i < M; ++i)
                 for (int64_t j = 0; j < N; ++j) c[bi * scb + i * scm + j] = T(0);
+        return;
+    }
+    if (packed == nullptr && sbn == 1 && M <= AXPY_MAX_ROWS) {
+        // few rows, row-major B: stream B row by row (ta::gemm::rows_axpy), column chunks per task
+        // one contiguous column range per thread (whole rows of B stream best), at least 256 wide
+        const int64_t per_entry = std::max<int64_t>(1, std::min<int64_t>(nthreads / std::max<int64_t>(batch, 1), N / 256));
+        const int64_t cols = (((N + per_entry - 1) / per_entry) + 15) / 16 * 16;
+        const int64_t chunks = (N + cols - 1) / cols;
+        ta::parallel_for(batch * chunks, nthreads, [&](int64_t begin, int64_t end) {
+            for (int64_t t = begin; t < end; ++t) {
+                const int64_t bi = t / chunks, n0 = (t % chunks) * cols;
+                ta::gemm::rows_axpy<T>(a + bi * sab, sam, sak, b + bi * sbb, sbk, K, c + bi * scb, scm, M, n0,
+                                       std::min<int64_t>(N, n0 + cols));
+            }
+        });
         return;
     }
     const int64_t np = num_panels(N), per_batch = ta::gemm::packed_elems(K, N);

@@ -298,6 +298,25 @@ struct Panels {
     }
 };
 
+// Few rows times a row-major B (element (k, n) at b[k * ldb + n]), columns [n0, n1): the same
+// chains as the tiles (c[i, j] = +0.0, then c[i, j] = fma(A[i, k], B[k, j], c[i, j]) for k
+// ascending), with the partials in C (L1) instead of registers, so B streams row by row. The
+// loop over j is one std::fma per element: the compiler vectorises it along N on every variant.
+template <typename T>
+static inline void rows_axpy(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t K, T* c,
+                             int64_t ldc, int64_t M, int64_t n0, int64_t n1) {
+    for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = n0; j < n1; ++j) c[i * ldc + j] = T(0);
+    for (int64_t k = 0; k < K; ++k) {
+        const T* __restrict bk = b + k * ldb;
+        for (int64_t i = 0; i < M; ++i) {
+            const T av = a[i * sam + k * sak];
+            T* __restrict ci = c + i * ldc;
+            for (int64_t j = n0; j < n1; ++j) ci[j] = std::fma(av, bk[j], ci[j]);
+        }
+    }
+}
+
 // Pack rows [m0, m1) x k [k0, k0 + kc) of A into row tiles: tile t's A[m0 + MR t + r, k0 + k] at
 // abuf[t * kc * MR + k * MR + r] (a copy; contiguous broadcasts and no cache-set aliasing).
 template <typename T>
