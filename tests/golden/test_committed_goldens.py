@@ -77,3 +77,28 @@ def test_committed_golden_catches_a_changed_run(golden_run):
     """Negative control: the same recipe with another seed must fail against the committed golden."""
     with pytest.raises(pytest.fail.Exception, match=r"golden check failed \(\w+ mode\)"):
         golden_run("tiny-dense", recipe="tiny-dense", steps=2, overrides=["seed=1"])
+
+
+def _rl_tiny_run(out):
+    """rl-tiny for 3 steps (lag 1, 4 prompts x 4 samples) from tiny-dense warmed up for 20 steps."""
+    import subprocess
+    import sys
+
+    from titan_audit.golden.pytest_plugin import train_recipe
+
+    warm = out.with_name(out.name + "-warmup")
+    train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512"])
+    command = [sys.executable, "-m", "titan_audit.cli", "rl", "--config", "rl-tiny", "--init", str(warm), "--out", str(out),
+               "--steps", "3", "--set", "task.prompts_per_step=4", "--set", "task.samples_per_prompt=4",
+               "--set", "sampling.max_new_tokens=6", "--set", "rollout.lag=1", "--set", "optimizer.lr=1e-3"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+
+
+@pytest.mark.slow
+def test_rl_tiny(golden_run):
+    """The RL golden: rollouts (generator weights, tokens, generator log-probs, rewards, advantages),
+    trainer log-probs, losses, gradients, optimizer state and parameters of 3 RL steps, bitwise."""
+    result = golden_run("rl-tiny", run=_rl_tiny_run)
+    assert result is None or result.passed

@@ -54,8 +54,10 @@ def rl(source, out, init, nproc, steps, resume, overwrite, overrides) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
 def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc, overwrite, overrides, as_json) -> None:
-    """Run RL in batch-invariant mode recording, per step, the trainer/generator log-prob gap;
-    write RUN/reports/onpolicy.md and onpolicy.html; exit 0 iff the gap is exactly zero at every step."""
+    """Run RL (batch-invariant mode unless the config turns it off) recording, per step, the
+    trainer/generator log-prob gap; write RUN/reports/onpolicy.md and onpolicy.html; exit 0 iff
+    the run is in BI mode and the gap is exactly zero at every step, 1 otherwise.
+    --compare-default repeats the run with native ops into RUN/compare-default (the control)."""
     from titan_audit.rl.launch import start_rl
     from titan_audit.rl.report import write_onpolicy_report
 
@@ -66,7 +68,7 @@ def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc,
     common = [*overrides, "verify=true"]
     quiet = as_json
     rc = _guard(lambda: start_rl(source, out, init=init, nproc=nproc, steps=steps, resume=False, overwrite=overwrite,
-                                 overrides=[*common, "determinism.batch_invariant=true"], quiet=quiet))  # fmt: skip
+                                 overrides=common, quiet=quiet))  # fmt: skip
     if rc:
         sys.exit(rc)
     default_run = None

@@ -228,13 +228,14 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
     torch.set_num_threads(config.parallel.threads)
     mode = deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads)
     bi_on = config.determinism.batch_invariant
+    from titan_audit import batch_invariant
+
+    bi_before = batch_invariant.is_enabled()
     worker = None
     try:
         out, manifest = _prepare(config, Path(out), init, resume, overwrite, world_size)
         init = manifest["init"]["source"] if resume else init
         if bi_on:
-            from titan_audit import batch_invariant
-
             batch_invariant.enable()  # process-wide, for both threads, until the run ends
         model = load_initial_model(config, init)
         initial_digest = weights_digest(model)
@@ -416,9 +417,7 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
     finally:
         if worker is not None:
             worker.close()
-        if bi_on:
-            from titan_audit import batch_invariant
-
+        if bi_on and not bi_before:
             batch_invariant.disable()
         mode.__exit__(None, None, None)
 

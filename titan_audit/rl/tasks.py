@@ -6,12 +6,14 @@
 Tasks (the formats of data/synthetic.py, so a model warmed up on `titan-audit train`'s synthetic
 corpus knows them; the model sees `prompt + " "` and should answer, then stop with EOS):
     arithmetic  "Compute: 37 + 58 =" -> "95"      reward 1 if exact, else 0
-    reversal    "Reverse: lamp ->"   -> "pmal"    reward = positional character match
-    sorting     "Sort: 5 31 9 ->"    -> "5 9 31"  reward = positional number match
+    reversal    "Reverse: lamp ->"   -> "pmal"    reward = shaped match over characters
+    sorting     "Sort: 5 31 9 ->"    -> "5 9 31"  reward = shaped match over the numbers
     copy        "Copy: lamp ->"      -> "lamp"    (easier; not in the warm-up corpus) like reversal
     mixed       each prompt draws one of arithmetic, reversal, sorting
-Positional match = #{i : pred[i] == answer[i]} / max(len(pred), len(answer)) (1 iff exact, 0 for
-an empty prediction), over characters (reversal, copy) or whitespace-separated numbers (sorting).
+Shaped match = (bag F1 + positional match) / 2, over characters (reversal, copy) or whitespace-
+separated numbers (sorting): positional match = #{i : pred[i] == answer[i]} / max(len(pred),
+len(answer)); bag F1 = the F1 of the two multisets (the right symbols in any order). It is 1 iff
+the prediction is exact and 0 for an empty one, and gives partial credit on the way there.
 The answers come from `data.synthetic.solve` (reversal, sorting, arithmetic).
 
 Guarantees:
@@ -28,6 +30,7 @@ Guarantees:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +79,18 @@ def positional_match(pred: list[str] | str, answer: list[str] | str) -> float:
     return sum(a == b for a, b in zip(pred, answer)) / n
 
 
+def bag_f1(pred: list[str] | str, answer: list[str] | str) -> float:
+    """F1 of the multisets of symbols of pred and answer; 0.0 when either is empty."""
+    if not pred or not answer:
+        return 0.0
+    common = sum((Counter(pred) & Counter(answer)).values())
+    return 2.0 * common / (len(pred) + len(answer))
+
+
+def shaped_match(pred: list[str] | str, answer: list[str] | str) -> float:
+    return 0.5 * (bag_f1(pred, answer) + positional_match(pred, answer))
+
+
 def _make_arithmetic(rng: np.random.Generator) -> str:
     a, b = (int(x) for x in rng.integers(0, 100, size=2))
     return f"Compute: {a} {'+-*'[int(rng.integers(3))]} {b} ="
@@ -102,10 +117,10 @@ _TASKS: dict[str, Task] = {
     "arithmetic": Task("arithmetic", _make_arithmetic, lambda p: solve("arithmetic", p),
                        lambda p, a, c: 1.0 if c.strip() == a else 0.0),  # fmt: skip
     "reversal": Task("reversal", _make_reversal, lambda p: solve("reversal", p),
-                     lambda p, a, c: positional_match(c.strip(), a)),  # fmt: skip
+                     lambda p, a, c: shaped_match(c.strip(), a)),  # fmt: skip
     "sorting": Task("sorting", _make_sorting, lambda p: solve("sorting", p),
-                    lambda p, a, c: positional_match(c.split(), a.split())),  # fmt: skip
-    "copy": Task("copy", _make_copy, _copy_answer, lambda p, a, c: positional_match(c.strip(), a)),
+                    lambda p, a, c: shaped_match(c.split(), a.split())),  # fmt: skip
+    "copy": Task("copy", _make_copy, _copy_answer, lambda p, a, c: shaped_match(c.strip(), a)),
 }
 MIXED = ("arithmetic", "reversal", "sorting")
 

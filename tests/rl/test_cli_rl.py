@@ -1,0 +1,117 @@
+"""`titan-audit rl` and `titan-audit verify-onpolicy`: bad input is one line + exit 2 with nothing
+written; the report exists, is self-contained, and the exit code is the zero-gap verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = ["--set", "task.prompts_per_step=2", "--set", "task.samples_per_prompt=2", "--set", "sampling.max_new_tokens=4"]
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)  # fmt: skip
+
+
+def one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+@pytest.fixture(scope="module")
+def other_shape(tmp_path_factory) -> Path:
+    """An HF directory holding a 2-layer tiny-dense (another shape than rl-tiny's model)."""
+    import dataclasses
+
+    from titan_audit.models import build, get_preset, save_pretrained
+
+    out = tmp_path_factory.mktemp("hf") / "two-layers"
+    save_pretrained(build(dataclasses.replace(get_preset("tiny-dense"), num_hidden_layers=2)), out)
+    return out
+
+
+@pytest.mark.parametrize(("extra", "pattern"), [
+    (["--set", "task.name=\"nope\""], r"task\.name: unknown task 'nope'"),
+    (["--set", "rollout.lag=3", "--set", "rollout.buffer=2"], r"rollout\.lag = 3 is larger than rollout\.buffer = 2"),
+    (["--set", "sampling.temperature=0"], r"sampling\.temperature must be a finite number > 0"),
+    (["--set", "sampling.temperature=-1.5"], r"sampling\.temperature"),
+    (["--set", "model.overrides.max_position_embeddings=24"], r"prompt \d+ .*exceed the model's context"),
+    (["--set", "task.prompts_per_step=3", "--nproc", "2"], r"world size 2 does not divide task\.prompts_per_step = 3"),
+])  # fmt: skip
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, extra, pattern):
+    out = tmp_path / "run"
+    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), *extra), pattern)
+    assert not out.exists()
+
+
+def test_init_of_another_shape_is_refused(tmp_path, other_shape):
+    out = tmp_path / "run"
+    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(other_shape)),
+                   r"--init .*another shape.*num_hidden_layers: 2 vs 4")  # fmt: skip
+    assert not out.exists()
+    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(tmp_path)),
+                   r"neither a run directory .* nor an HF model directory")  # fmt: skip
+
+
+def test_an_existing_run_is_never_overwritten_and_resume_needs_a_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), *TINY), r"is not empty; use --resume")
+    assert (out / "keep.txt").read_text() == "precious" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    one_line_error(cli("rl", "--out", str(tmp_path / "none"), "--resume"), r"no such run directory|not a run directory")
+
+
+def test_verify_onpolicy_report_and_verdict(tmp_path):
+    out = tmp_path / "v"
+    proc = cli("verify-onpolicy", "--config", "rl-tiny", "--steps", "2", "--out", str(out), "--compare-default",
+               "--json", *TINY)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdict = json.loads(proc.stdout)
+    assert verdict["zero_gap"] is True and verdict["tokens_compared"] > 0 and verdict["tokens_differing"] == 0
+    assert verdict["default"]["tokens_differing"] > 0  # negative control: native ops show a gap, and the report says so
+    md = (out / "reports" / "onpolicy.md").read_text()
+    page = (out / "reports" / "onpolicy.html").read_text()
+    assert "ZERO GAP" in md and "Control, native ops" in md and "GAP:" in md
+    assert page.count("data:image/png;base64,") == 2
+    assert not re.search(r"(src|href)=['\"](https?:|//|file:)", page)  # self-contained
+    _render_in_chromium(out / "reports" / "onpolicy.html", tmp_path)
+
+
+def test_verify_onpolicy_exits_1_without_batch_invariant_mode(tmp_path):
+    out = tmp_path / "n"
+    proc = cli("verify-onpolicy", "--config", "rl-tiny", "--steps", "2", "--out", str(out), *TINY,
+               "--set", "determinism.batch_invariant=false")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "GAP:" in proc.stdout and (out / "reports" / "onpolicy.html").is_file()
+
+
+def test_rl_runs_without_verification_figures(tmp_path):
+    out = tmp_path / "r"
+    proc = cli("rl", "--config", "rl-tiny", "--steps", "1", "--out", str(out), *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import pyarrow.parquet as pq
+
+    row = pq.read_table(out / "metrics.parquet").to_pylist()[0]
+    assert "gap_tokens" not in row and row["ratio_min"] == 1.0 and 0.0 <= row["reward_mean"] <= 1.0
+
+
+def _render_in_chromium(page: Path, tmp_path: Path) -> None:
+    """Headless chromium renders the page (screenshot non-empty); skipped where none is installed."""
+    browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        return  # no browser on this machine: the structural checks above stand alone
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                    "--window-size=1200,1600", page.as_uri()], capture_output=True, timeout=120)  # fmt: skip
+    assert shot.is_file() and shot.stat().st_size > 10_000

@@ -1,0 +1,162 @@
+"""The RL loop (rl/loop.py, rl/rollouts.py): zero gap at lag 0, deterministic lag under random
+delays, weight-sync fingerprints, reward errors, kill -9 + resume, and W=1 == W=2.
+
+Every invariance test has a negative control (native ops show a gap; another lag gives another
+trajectory). Runs start from a model warmed up for a few steps on the synthetic corpus (module
+fixture), so rewards vary and the updates are not zero.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from titan_audit.audit import compare_runs
+from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
+from titan_audit.rl.config import load_rl_config
+from titan_audit.rl.loop import rl_train
+from titan_audit.rl.rollouts import DELAY_ENV, WeightSyncError, rollout_version
+from titan_audit.rl.tasks import RewardError, Task, register_task
+
+SMALL = ["task.name=\"reversal\"", "task.prompts_per_step=2", "task.samples_per_prompt=4", "sampling.max_new_tokens=6",
+         "optimizer.lr=1e-3", "checkpoint.interval=2"]  # fmt: skip
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> Path:
+    """tiny-dense after 20 training steps on the synthetic tasks (knows the formats, barely)."""
+    out = tmp_path_factory.mktemp("warm") / "run"
+    proc = cli("train", "--config", "tiny-dense", "--steps", "20", "--out", str(out), "--set", "checkpoint.interval=0",
+               "--set", "data.synthetic_records=512")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return pq.read_table(run / "metrics.parquet").to_pylist()
+
+
+def config(*extra: str, steps: int = 3):
+    return load_rl_config("rl-tiny", [*SMALL, f"steps={steps}", *extra])
+
+
+def test_rollout_version_is_the_lag_rule():
+    assert [rollout_version(k, 0) for k in range(1, 5)] == [0, 1, 2, 3]
+    assert [rollout_version(k, 2) for k in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+
+
+def test_on_policy_gap_is_zero_and_every_ratio_is_exactly_one(warm, tmp_path):
+    result = rl_train(config("verify=true"), tmp_path / "a", init=warm, quiet=True)
+    rows = metrics(tmp_path / "a")
+    assert result.max_gap_differing == 0 and len(rows) == 3
+    for row in rows:
+        assert row["gap_tokens"] > 0 and row["gap_tokens_differing"] == 0
+        assert row["gap_max_abs"] == 0.0 and row["gap_k3_kl"] == 0.0
+        assert row["ratio_min"] == row["ratio_mean"] == row["ratio_max"] == 1.0
+        assert row["policy_age"] == 0
+    assert any(row["grad_norm"] > 0 for row in rows), "the test needs a non-zero update"
+    params = [r for r in pq.read_table(tmp_path / "a" / "audit").to_pylist() if r["phase"] == "param"]
+    assert len({r["hash"] for r in params if r["name"] == "layers.0.mlp.up_proj.weight"}) > 1  # the weights moved
+
+
+def test_negative_control_native_ops_show_a_gap(warm, tmp_path):
+    rl_train(config("verify=true", "determinism.batch_invariant=false", steps=2), tmp_path / "n", init=warm, quiet=True)
+    assert sum(row["gap_tokens_differing"] for row in metrics(tmp_path / "n")) > 0
+
+
+def test_lag_two_with_random_delays_is_identical_to_without(warm, tmp_path, monkeypatch):
+    steps = 5
+    rl_train(config("rollout.lag=2", "verify=true", steps=steps), tmp_path / "plain", init=warm, quiet=True)
+    monkeypatch.setenv(DELAY_ENV, "40")  # random 0..40 ms sleeps in the generator thread and the trainer
+    rl_train(config("rollout.lag=2", "verify=true", steps=steps), tmp_path / "delayed", init=warm, quiet=True)
+    monkeypatch.delenv(DELAY_ENV)
+    result = compare_runs(tmp_path / "plain", tmp_path / "delayed")
+    assert result.identical and result.compared > 0, result.first_divergence
+    rows = metrics(tmp_path / "plain")
+    assert [r["policy_age"] for r in rows] == [0, 1, 2, 2, 2]
+    assert [r["policy_version"] for r in rows] == [0, 0, 0, 1, 2]
+    assert all(r["gap_tokens_differing"] == 0 for r in rows)  # same-weights recomputation: still zero gap
+    assert any(r["ratio_min"] != 1.0 for r in rows[3:]), "stale rollouts must give ratios != 1"
+    # negative control: another lag is another trajectory, and compare sees it
+    rl_train(config("rollout.lag=1", steps=steps), tmp_path / "lag1", init=warm, quiet=True)
+    assert not compare_runs(tmp_path / "plain", tmp_path / "lag1").identical
+
+
+class _CorruptingGenerator(BuiltinGenerator):
+    """Loads one tensor wrong at policy version 1 (a broken weight sync)."""
+
+    def load_weights(self, state_dict, policy_version):
+        if policy_version == 1:
+            state_dict = dict(state_dict)
+            state_dict["layers.1.mlp.down_proj.weight"] = state_dict["layers.1.mlp.down_proj.weight"] + 1e-3
+        super().load_weights(state_dict, policy_version)
+
+
+def test_a_weight_sync_mismatch_stops_the_run_naming_the_tensor(warm, tmp_path):
+    factory = lambda model, bi: _CorruptingGenerator(model, BuiltinGeneratorConfig(batch_invariant=bi))  # noqa: E731
+    with pytest.raises(WeightSyncError, match=r"step 2 \(policy version 1\).*'layers\.1\.mlp\.down_proj\.weight'"):
+        rl_train(config(), tmp_path / "w", init=warm, quiet=True, generator_factory=factory)
+    assert [r["step"] for r in metrics(tmp_path / "w")] == [1]  # step 1 stands; nothing half-written
+
+
+def test_a_failing_reward_stops_the_run_naming_task_and_sample(warm, tmp_path):
+    def reward(prompt, answer, completion):
+        if len(completion) > 2:
+            raise ZeroDivisionError("bad reward")
+        return 0.0
+
+    register_task(Task("t-loop-raise", lambda rng: f"Reverse: {'abc'} ->", lambda p: "cba", reward))
+    with pytest.raises(RewardError, match=r"task 't-loop-raise', step 1, prompt \d, sample \d .*ZeroDivisionError"):
+        rl_train(config("task.name=\"t-loop-raise\""), tmp_path / "r", init=warm, quiet=True)
+    assert (tmp_path / "r" / "manifest.json").is_file()
+
+
+def test_bad_weights_shape_for_init_is_a_value_error(warm, tmp_path):
+    with pytest.raises(ValueError, match="another shape.*num_hidden_layers"):
+        rl_train(config("model.overrides.num_hidden_layers=2"), tmp_path / "s", init=warm, quiet=True)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash_at", ["rl.after_step:3", "rl.rollout:5", "checkpoint.before_rename:4"])
+def test_kill_minus_nine_and_resume_is_the_uninterrupted_run(warm, tmp_path, crash_at):
+    args = ["rl", "--config", "rl-tiny", "--init", str(warm), "--steps", "6", *[a for s in SMALL for a in ("--set", s)],
+            "--set", "rollout.lag=2"]  # fmt: skip
+    whole = cli(*args, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = cli(*args, "--out", str(tmp_path / "killed"), env={"TITAN_AUDIT_CRASH_AT": crash_at})
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
+    resumed = cli("rl", "--out", str(tmp_path / "killed"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    result = compare_runs(tmp_path / "whole", tmp_path / "killed")
+    assert result.identical and result.compared > 0, result.first_divergence
+    assert metrics(tmp_path / "whole") and [r["step"] for r in metrics(tmp_path / "killed")] == list(range(1, 7))
+    a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "killed")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+@pytest.mark.slow
+def test_world_size_one_and_two_give_the_same_trajectory(warm, tmp_path):
+    args = ["rl", "--config", "rl-tiny", "--init", str(warm), "--steps", "3", *[a for s in SMALL for a in ("--set", s)],
+            "--set", "rollout.lag=1", "--set", "task.prompts_per_step=4", "--set", "task.samples_per_prompt=2"]  # fmt: skip
+    one = cli(*args, "--out", str(tmp_path / "w1"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = cli(*args, "--out", str(tmp_path / "w2"), "--nproc", "2")
+    assert two.returncode == 0, two.stderr[-2000:]
+    result = compare_runs(tmp_path / "w1", tmp_path / "w2")
+    assert result.identical and result.compared > 0, result.first_divergence
+    ranks = {r["rank"] for r in pq.read_table(tmp_path / "w2" / "audit").to_pylist() if r["phase"] == "rollout"}
+    assert ranks == {0, 1}  # both ranks generated rollouts
+    assert [r["loss"] for r in metrics(tmp_path / "w1")] == [r["loss"] for r in metrics(tmp_path / "w2")]
+    assert torch.tensor([r["world_size"] for r in metrics(tmp_path / "w2")]).eq(2).all()
