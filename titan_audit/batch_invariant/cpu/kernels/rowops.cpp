@@ -130,6 +130,31 @@ inline T lane_sum_exp(const T* x, T mx, T* y, int64_t n) {
     return ta::tree16(acc);
 }
 
+#if defined(TA_ISA_AVX512)
+// The same order with the 16 lanes in one zmm and ta::exp_f32_v16 (exp_f32's bits); the tail
+// is a masked step (masked-off lanes keep their sums).
+template <>
+inline float lane_sum_exp<float>(const float* x, float mx, float* y, int64_t n) {
+    __m512 acc = _mm512_set1_ps(-0.0f);
+    const __m512 m = _mm512_set1_ps(mx);
+    int64_t i = 0;
+    for (; i + L <= n; i += L) {
+        const __m512 e = ta::exp_f32_v16(_mm512_sub_ps(_mm512_loadu_ps(x + i), m));
+        if (y) _mm512_storeu_ps(y + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (i < n) {
+        const __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = ta::exp_f32_v16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), m));
+        if (y) _mm512_mask_storeu_ps(y + i, k, e);
+        acc = _mm512_mask_add_ps(acc, k, acc, e);
+    }
+    float lanes[L];
+    _mm512_storeu_ps(lanes, acc);
+    return ta::tree16(lanes);
+}
+#endif
+
 // sum over the last dim: out[r] = lane_sum(x[r, :]).
 template <typename T>
 void row_sum(const T* x, T* out, int64_t m, int64_t n, int threads) {

@@ -12,7 +12,7 @@
 // Change log (names and bits of the float32 functions are unchanged since the coordinator's
 // version; K2's attention relies on ta::exp2_f32 / ta::exp_f32): K3 added exp_f64, log_f64 and
 // select_f32/select_f64 (bit selects in place of ?: so that AVX2 loops vectorise; same values)
-// and canon_nan_f32/f64. NOTE for every kernel: a NaN *result's* sign and payload are not fixed
+// and canon_nan_f32/f64, and exp_f32_v16 (AVX-512 only: exp_f32's bits in fewer instructions). NOTE for every kernel: a NaN *result's* sign and payload are not fixed
 // by IEEE (x86 keeps the first operand's NaN, and the compiler may swap the operands of a
 // commutative op differently in each variant; the tests found exp(NaN) differing between the
 // scalar and avx2 objects), so a kernel whose output may be NaN stores canon_nan_f32(y).
@@ -129,6 +129,35 @@ static inline float log_f32(float x) {
     r = select_f32(x != x, x, r);
     return r;
 }
+
+#if defined(TA_ISA_AVX512)
+// exp_f32 on 16 lanes in AVX-512, the same bits as exp_f32 lane by lane (tests compare every
+// variant against the scalar one), in fewer instructions:
+//   select(x < -110, -110, x)     == max_ps(-110, x)   (MAXPS(a, b) = a > b ? a : b; NaN -> b)
+//   select(x > 89, 89, x)         == min_ps(89, x)
+//   (v + 1.5*2^23) - 1.5*2^23     == roundscale(v, nearest-even) for |v| < 2^22 (a zero's sign
+//                                    may differ; n = +-0 gives r = x - 0 and 2^0 alike)
+//   scale_pow2(p, n) = (p*2^n1)*2^n2 (p*2^n1 exact) == scalef(p, n): both round p*2^n once.
+// (The all-lanes maskz_ forms avoid GCC 12's false -Wmaybe-uninitialized on the plain ones.)
+static inline __m512 exp_f32_v16(__m512 x) {
+    const __mmask16 all = 0xffff;
+    x = _mm512_maskz_max_ps(all, _mm512_set1_ps(-110.0f), x);
+    x = _mm512_maskz_min_ps(all, _mm512_set1_ps(89.0f), x);
+    const __m512 n = _mm512_maskz_roundscale_ps(all, _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(6.93145752e-01f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 p = _mm512_set1_ps(1.9841269841269841e-04f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3888888888888889e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333333333333e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666666666666667e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666666666666667e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(all, p, n);
+}
+#endif
 
 // ---------------------------------------------------------------- float64
 
