@@ -247,7 +247,11 @@ def test_bad_requests_are_value_errors_naming_the_request(model, bad, match):
 def test_a_request_beyond_the_cache_capacity_and_a_bad_stop_token(model):
     gen = BuiltinGenerator(model, BuiltinGeneratorConfig(num_blocks=4, block_size=8))
     with pytest.raises(ValueError, match="request 1 .*needs 5 KV-cache blocks.*capacity of 4"):
-        gen.generate([_request([1] * 8), _request([1] * 12, prompt_id=1)], PARAMS)
+        gen.generate([_request([1] * 8), _request([1] * 28, prompt_id=1)], PARAMS)
+    two_samples = [_request([1] * 12, sample_index=0), _request([1] * 12, sample_index=1)]
+    gen.generate(two_samples[:1], PARAMS)  # one sample: 3 blocks; two: its prompt's 2 more
+    with pytest.raises(ValueError, match="request 0 .*needs 5 KV-cache blocks.*capacity of 4"):
+        gen.generate(two_samples, PARAMS)
     with pytest.raises(ValueError, match="stop token id 5000"):
         gen.generate([_request([1])], SamplingParams(stop_token_ids=(5000,)))
     with pytest.raises(ValueError, match="temperature"):
@@ -275,3 +279,19 @@ def test_numpy_integer_prompt_ids_are_accepted(model):
     ids = tuple(np.arange(1, 6, dtype=np.int64))
     (sample,) = BuiltinGenerator(model).generate([GenerationRequest(ids, SampleKey(0, 0, 0, 0))], PARAMS)
     assert sample.prompt_ids == (1, 2, 3, 4, 5) and all(type(t) is int for t in sample.prompt_ids)
+
+
+@pytest.mark.parametrize("max_batch,num_blocks", [(1, None), (2, 11), (4, 16)])
+def test_tight_slots_and_blocks_change_the_schedule_not_the_samples(model, requests, max_batch, num_blocks):
+    """Prompts with more samples than slots start them over several iterations (their sequence
+    is kept until the last one), prompts wait for blocks; the samples stay bitwise the same."""
+    params = SamplingParams(temperature=TEMPERATURE, top_k=40, max_new_tokens=4, stop_token_ids=(7, 99, 1234))
+    _, reference = _generate(model, requests, params, batch_invariant=True)
+    config = dict(batch_invariant=True, max_batch_size=max_batch, num_blocks=num_blocks, block_size=8)
+    gen, samples = _generate(model, requests, params, **config)
+    assert all(len(it.decoded) <= max_batch for it in gen.last_schedule)
+    assert len(gen.last_schedule) > len(reference[0].tokens)
+    for s, ref in zip(samples, reference):
+        assert s.key == ref.key and s.tokens == ref.tokens and s.finish_reason == ref.finish_reason
+        assert _bits_equal(s.logprobs, ref.logprobs)
+    assert not gen._cache.lengths and gen._cache.num_free_blocks == gen._cache.num_blocks

@@ -227,14 +227,6 @@ class BuiltinGenerator:
                     f"{where}: prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the "
                     f"model's context (max_position_embeddings {max_pos})"
                 )
-            if self.config.num_blocks is not None:
-                need = self._blocks(len(ids)) + self._blocks(len(ids) + max_new)
-                if need > self.config.num_blocks:
-                    raise ValueError(
-                        f"{where}: prompt of {len(ids)} tokens + max_new_tokens {max_new} needs {need} "
-                        f"KV-cache blocks, more than the cache's capacity of {self.config.num_blocks} "
-                        f"(block_size {self.config.block_size})"
-                    )
             if request.key in keys:
                 raise ValueError(f"{where}: the same sample key as request {keys[request.key]}")
             keys[request.key] = i
@@ -249,6 +241,19 @@ class BuiltinGenerator:
                 )
             else:
                 prompt.requests.append(i)
+        if self.config.num_blocks is not None:
+            for prompt in prompts.values():
+                # one sample: it takes the prompt's blocks over; more: the prompt's sequence stays
+                # while its first sample runs (if the others must wait for slots)
+                length = len(prompt.prompt_ids)
+                need = self._blocks(length + max_new) + (self._blocks(length) if len(prompt.requests) > 1 else 0)
+                if need > self.config.num_blocks:
+                    i = prompt.requests[0]
+                    raise ValueError(
+                        f"request {i} ({requests[i].key}): prompt of {length} tokens + max_new_tokens "
+                        f"{max_new} needs {need} KV-cache blocks, more than the cache's capacity of "
+                        f"{self.config.num_blocks} (block_size {self.config.block_size})"
+                    )
         return list(prompts.values())
 
     def _cache_for(self, requests: list[GenerationRequest], params: SamplingParams) -> PagedKVCache:
