@@ -103,10 +103,14 @@ class PackedCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()
+        # reentrant: a weakref callback (_forget) may run inside a locked block, when a collection
+        # frees an owner there
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return sum(e.packed is not None for e in self._entries.values())
+        """How many packed copies are held (first sights are not counted)."""
+        with self._lock:
+            return sum(e.packed is not None for e in self._entries.values())
 
     @property
     def nbytes(self) -> int:
