@@ -141,6 +141,9 @@ def test_continuous_batching_schedule_and_prefix_sharing(model, requests):
     assert sorted(prefilled) == sorted({min(i for i, r in enumerate(requests) if r.key.prompt_id == p)
                                         for p in {r.key.prompt_id for r in requests}})
     assert all(len(it.decoded) <= 3 for it in schedule)
+    # prompts of different lengths share a (right-padded) prefill call
+    lengths = {i: len(r.prompt_ids) for i, r in enumerate(requests)}
+    assert any(len({lengths[i] for i in call}) > 1 for it in schedule for call in it.prefilled)
     # samples join a running batch and leave it while others keep decoding
     assert any(it.decoded and (it.prefilled or it.started) for it in schedule)
     assert any(set(a.decoded) - set(b.decoded) and set(a.decoded) & set(b.decoded)
@@ -295,3 +298,19 @@ def test_tight_slots_and_blocks_change_the_schedule_not_the_samples(model, reque
         assert s.key == ref.key and s.tokens == ref.tokens and s.finish_reason == ref.finish_reason
         assert _bits_equal(s.logprobs, ref.logprobs)
     assert not gen._cache.lengths and gen._cache.num_free_blocks == gen._cache.num_blocks
+
+
+def test_paged_cache_truncate_returns_blocks_and_keeps_the_prefix(model):
+    cache = models.PagedKVCache(model.config, num_blocks=8, block_size=4)
+    cache.add("a")
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad(), bi.enabled():
+        full = model(tokens)[0]
+        model(torch.tensor([[5, 6, 7, 0, 0, 0, 0, 0, 0]]), cache=cache.batch(["a"]))  # padded prefill
+        assert cache.num_free_blocks == 5
+        cache.truncate("a", 3)
+        assert cache.length("a") == 3 and cache.num_free_blocks == 7
+        rest = model(tokens[:, 3:], cache=cache.batch(["a"]))[0]
+    assert _bits_equal(rest, full[3:])  # the padding's entries are invisible after truncation
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate("a", 8)

@@ -19,7 +19,8 @@ Guarantees:
 buffers; `cache.rows([i, ...])` is a view over some rows (prefill sequences one at a time, then
 decode them together). `PagedKVCache(config, num_blocks, block_size)` holds fixed-size blocks that
 sequences (any hashable id) take from a free list as they grow, as a continuous-batching generator
-needs: `add(seq)`, `batch([seq, ...]).begin(T)`, `fork(seq, new_seq)`, `release(seq)`.
+needs: `add(seq)`, `batch([seq, ...]).begin(T)`, `fork(seq, new_seq)`, `truncate(seq, n)`,
+`release(seq)`.
 """
 
 from __future__ import annotations
@@ -175,6 +176,20 @@ class PagedKVCache:
             self.v[:, target] = self.v[:, source]
         self.block_tables[dst] = copies
         self.lengths[dst] = self.lengths[src]
+
+    def truncate(self, seq: Hashable, length: int) -> None:
+        """Keep only the first `length` cached tokens of `seq` (e.g. after a right-padded prefill);
+        blocks past the last one still needed go back to the free list. Entries beyond the new
+        length keep arbitrary values, invisible to later queries as after any step."""
+        self._check(seq)
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot truncate sequence {seq!r} of length {self.lengths[seq]} to {length}")
+        table = self.block_tables[seq]
+        keep = -(-length // self.block_size)
+        for block in table[keep:]:
+            heapq.heappush(self._free, block)
+        del table[keep:]
+        self.lengths[seq] = length
 
     def release(self, seq: Hashable) -> None:
         """Drop sequence `seq` and return its blocks to the free list."""

@@ -26,9 +26,10 @@ Scheduling (one `generate` call; every iteration of the loop):
    blocks at once;
 2. start: prompts already prefilled start more of their samples into the freed slots;
 3. admit and prefill: when no prefilled prompt still waits for slots, new prompts (in request
-   order) are admitted while slots and blocks allow, prefilled in one model call per prompt
-   length (the model gives every row of a call the same number of new tokens), and their
-   samples started. So requests join and leave the running batch at every decode step, and
+   order) are admitted while slots and blocks allow, prefilled together (the model gives every
+   row of a call the same number of new tokens, so prompts of different lengths are
+   right-padded into one call per bucket in which padding at most doubles the tokens, and each
+   sequence is then truncated to its prompt), and their samples started. So requests join and leave the running batch at every decode step, and
    the prefill of new prompts shares the iteration with the decode of the running ones.
 A prompt's n samples (requests with the same (seed, step, prompt_id)) share one prefill: the
 prompt is prefilled once into its own sequence, whose logits at the last prompt position give
@@ -409,21 +410,55 @@ class _Run:
         return admitted
 
     def _prefill(self, prompts: list[_Prompt], step: Iteration) -> None:
-        """Prefill the prompts, one model call per prompt length."""
-        by_length: dict[int, list[_Prompt]] = {}
+        """Prefill the prompts: one model call per bucket of `_buckets`, right-padded to the
+        bucket's longest prompt, then each sequence truncated to its prompt (the padding's cache
+        entries lie beyond it, invisible to later queries; in BI mode a row's logits do not
+        depend on the invisible padding keys, so the bits are those of an unpadded prefill)."""
+        for bucket in self._buckets(prompts):
+            longest = max(len(p.prompt_ids) for p in bucket)
+            if self.cache.num_free_blocks < len(bucket) * self.gen._blocks(longest):
+                # not enough free blocks for the padding now: one call per prompt length
+                by_length: dict[int, list[_Prompt]] = {}
+                for prompt in bucket:
+                    by_length.setdefault(len(prompt.prompt_ids), []).append(prompt)
+                for group in by_length.values():
+                    self._prefill_call(group, step)
+            else:
+                self._prefill_call(bucket, step)
+
+    @staticmethod
+    def _buckets(prompts: list[_Prompt]) -> list[list[_Prompt]]:
+        """Prompts grouped (longest first) so that padding at most doubles a call's tokens."""
+        buckets: list[list[_Prompt]] = []
+        real = 0
+        for prompt in sorted(prompts, key=lambda p: -len(p.prompt_ids)):
+            length = len(prompt.prompt_ids)
+            if buckets and (len(buckets[-1]) + 1) * len(buckets[-1][0].prompt_ids) <= 2 * (real + length):
+                buckets[-1].append(prompt)
+                real += length
+            else:
+                buckets.append([prompt])
+                real = length
+        return buckets
+
+    def _prefill_call(self, prompts: list[_Prompt], step: Iteration) -> None:
+        lengths = [len(p.prompt_ids) for p in prompts]
+        longest = max(lengths)
         for prompt in prompts:
-            by_length.setdefault(len(prompt.prompt_ids), []).append(prompt)
-        for length, group in by_length.items():
-            for prompt in group:
-                prompt.seq = self._new_seq()
-                self.cache.add(prompt.seq)
-            tokens_GL = torch.tensor([p.prompt_ids for p in group], dtype=torch.long, device=self.device)
-            logits_GLV = self.model(tokens_GL, cache=self.cache.batch([p.seq for p in group]))
-            scaled_GV, logprobs_GV = self._token_logprobs(logits_GLV[:, length - 1])
-            for g, prompt in enumerate(group):
-                prompt.scaled_1V = scaled_GV[g : g + 1]
-                prompt.logprobs_V = logprobs_GV[g]
-            step.prefilled.append([p.requests[0] for p in group])
+            prompt.seq = self._new_seq()
+            self.cache.add(prompt.seq)
+        tokens_GL = torch.zeros(len(prompts), longest, dtype=torch.long)
+        for g, prompt in enumerate(prompts):
+            tokens_GL[g, : lengths[g]] = torch.tensor(prompt.prompt_ids, dtype=torch.long)
+        logits_GLV = self.model(tokens_GL.to(self.device), cache=self.cache.batch([p.seq for p in prompts]))
+        last_G = torch.tensor([n - 1 for n in lengths], device=self.device)
+        rows_G = torch.arange(len(prompts), device=self.device)
+        scaled_GV, logprobs_GV = self._token_logprobs(logits_GLV[rows_G, last_G])
+        for g, prompt in enumerate(prompts):
+            self.cache.truncate(prompt.seq, lengths[g])
+            prompt.scaled_1V = scaled_GV[g : g + 1]
+            prompt.logprobs_V = logprobs_GV[g]
+        step.prefilled.append([p.requests[0] for p in prompts])
 
     def _new_seq(self) -> int:
         self.next_seq += 1
