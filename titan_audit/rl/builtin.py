@@ -29,8 +29,9 @@ Scheduling (one `generate` call; every iteration of the loop):
    order) are admitted while slots and blocks allow, prefilled together (the model gives every
    row of a call the same number of new tokens, so prompts of different lengths are
    right-padded into one call per bucket in which padding at most doubles the tokens, and each
-   sequence is then truncated to its prompt), and their samples started. So requests join and leave the running batch at every decode step, and
-   the prefill of new prompts shares the iteration with the decode of the running ones.
+   sequence is then truncated to its prompt), and their samples started.
+So requests join and leave the running batch at every decode step, and the prefill of new
+prompts shares the iteration with the decode of the running ones.
 A prompt's n samples (requests with the same (seed, step, prompt_id)) share one prefill: the
 prompt is prefilled once into its own sequence, whose logits at the last prompt position give
 every sample its first token; each sample then continues in a `fork` of that sequence (the last
