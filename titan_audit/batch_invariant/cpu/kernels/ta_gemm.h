@@ -9,8 +9,8 @@
 // row count or thread computes it, K-blocking stores and reloads the fp32/fp64 partial (exact),
 // and an IEEE fma rounds once on every ISA (std::fma in the scalar variant).
 //
-// Layouts: A element (i, k) at a[i * sam + k * sak] (any strides: the microkernel broadcasts one
-// A value at a time, so a transposed A needs no copy). B is read either packed (ceil(N/32) panels,
+// Layouts: A element (i, k) at a[i * sam + k * sak] (any strides: A is copied into row tiles,
+// pack_a, per k-block, so a transposed A needs no separate copy). B is read either packed (ceil(N/32) panels,
 // panel p holds B[k, 32p + c] at packed[(p * K + k) * 32 + c], zero-padded past N) or directly
 // from a row-major B (element (k, n) at b[k * ldb + n], full 32-column panels only).
 #pragma once
@@ -147,14 +147,14 @@ static inline void pack_panels(const T* b, int64_t K, int64_t N, int64_t sbk, in
 }
 
 // ---------------------------------------------------------------- microkernels
-// micro<T, R>(a, sam, sak, b, ldb, kc, c, ldc, first): c[R x 32] (+)= A[R x kc] B[kc x 32] with the
+// micro<T, R>(a, b, ldb, kc, c, ldc, first): c[R x 32] (+)= A[R x kc] B[kc x 32] with the
 // chain order above; first: the chain starts from +0.0, else it continues from c's stored partial.
-// Register tiles: avx512 12 x 32 (24 zmm accumulators), avx2 3 x 32 (12 ymm), scalar 6 x 32.
+// A is a packed row tile (pack_a): A[i, k] at a[k * MR + i]. Register tiles: avx512 12 x 32 (24 zmm accumulators), avx2 3 x 32 (12 ymm), scalar 6 x 32.
 
 // Portable: the reference order in plain C++ (std::fma). fp64 uses it on every variant (the
 // compiler may vectorise the loop over columns; each element stays one std::fma chain).
 template <typename T, int R>
-static inline void micro_generic(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t kc, T* c,
+static inline void micro_generic(const T* a, const T* b, int64_t ldb, int64_t kc, T* c,
                                  int64_t ldc, bool first) {
     constexpr int64_t W = PANEL;
     T acc[R][W];
@@ -163,7 +163,7 @@ static inline void micro_generic(const T* a, int64_t sam, int64_t sak, const T* 
     for (int64_t k = 0; k < kc; ++k) {
         const T* bk = b + k * ldb;
         for (int i = 0; i < R; ++i) {
-            const T av = a[i * sam + k * sak];
+            const T av = a[k * MR + i];
             for (int64_t j = 0; j < W; ++j) acc[i][j] = std::fma(av, bk[j], acc[i][j]);
         }
     }
@@ -173,15 +173,13 @@ static inline void micro_generic(const T* a, int64_t sam, int64_t sak, const T* 
 
 #if defined(TA_ISA_AVX512)
 template <int R>
-static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t kc,
+static inline void micro_f32(const float* a, const float* b, int64_t ldb, int64_t kc,
                              float* c, int64_t ldc, bool first) {
     __m512 acc0[R], acc1[R];
     for (int i = 0; i < R; ++i) {
         acc0[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc);
         acc1[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + 16);
     }
-    const float* ap[R];
-    for (int i = 0; i < R; ++i) ap[i] = a + i * sam;
     for (int64_t k = 0; k < kc; ++k) {
         const float* bk = b + k * ldb;
         _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
@@ -189,7 +187,7 @@ static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const flo
         const __m512 b0 = _mm512_loadu_ps(bk);
         const __m512 b1 = _mm512_loadu_ps(bk + 16);
         for (int i = 0; i < R; ++i) {
-            const __m512 av = _mm512_set1_ps(ap[i][k * sak]);
+            const __m512 av = _mm512_set1_ps(a[k * MR + i]);
             acc0[i] = _mm512_fmadd_ps(av, b0, acc0[i]);
             acc1[i] = _mm512_fmadd_ps(av, b1, acc1[i]);
         }
@@ -201,21 +199,19 @@ static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const flo
 }
 #elif defined(TA_ISA_AVX2)
 template <int R>
-static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t kc,
+static inline void micro_f32(const float* a, const float* b, int64_t ldb, int64_t kc,
                              float* c, int64_t ldc, bool first) {
     constexpr int V = int(PANEL / 8);  // ymm vectors per row
     __m256 acc[R][V];
     for (int i = 0; i < R; ++i)
         for (int v = 0; v < V; ++v) acc[i][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8 * v);
-    const float* ap[R];
-    for (int i = 0; i < R; ++i) ap[i] = a + i * sam;
     for (int64_t k = 0; k < kc; ++k) {
         const float* bk = b + k * ldb;
         _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
         __m256 bv[V];
         for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(bk + 8 * v);
         for (int i = 0; i < R; ++i) {
-            const __m256 av = _mm256_broadcast_ss(ap[i] + k * sak);
+            const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
             for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
         }
     }
@@ -224,25 +220,25 @@ static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const flo
 }
 #else
 template <int R>
-static inline void micro_f32(const float* a, int64_t sam, int64_t sak, const float* b, int64_t ldb, int64_t kc,
+static inline void micro_f32(const float* a, const float* b, int64_t ldb, int64_t kc,
                              float* c, int64_t ldc, bool first) {
-    micro_generic<float, R>(a, sam, sak, b, ldb, kc, c, ldc, first);
+    micro_generic<float, R>(a, b, ldb, kc, c, ldc, first);
 }
 #endif
 
 template <typename T, int R>
-static inline void micro(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t kc, T* c,
+static inline void micro(const T* a, const T* b, int64_t ldb, int64_t kc, T* c,
                          int64_t ldc, bool first) {
     if constexpr (std::is_same<T, float>::value)
-        micro_f32<R>(a, sam, sak, b, ldb, kc, c, ldc, first);
+        micro_f32<R>(a, b, ldb, kc, c, ldc, first);
     else
-        micro_generic<T, R>(a, sam, sak, b, ldb, kc, c, ldc, first);
+        micro_generic<T, R>(a, b, ldb, kc, c, ldc, first);
 }
 
 // One tile of r <= MR rows and w <= 32 valid columns: full tiles write C directly, edge tiles
 // go through a 32-wide scratch tile (the same chains; only the valid columns are kept).
 template <typename T>
-static inline void tile(int r, int64_t w, const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb,
+static inline void tile(int r, int64_t w, const T* a, const T* b, int64_t ldb,
                         int64_t kc, T* c, int64_t ldc, bool first) {
     constexpr int64_t W = PANEL;
     alignas(64) T scratch[MR * W];
@@ -257,19 +253,19 @@ static inline void tile(int r, int64_t w, const T* a, int64_t sam, int64_t sak, 
     }
     switch (r) {
 #if defined(TA_ISA_AVX512)
-        case 12: micro<T, 12>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 11: micro<T, 11>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 10: micro<T, 10>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 9: micro<T, 9>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 8: micro<T, 8>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 7: micro<T, 7>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 12: micro<T, 12>(a, b, ldb, kc, cc, lc, first); break;
+        case 11: micro<T, 11>(a, b, ldb, kc, cc, lc, first); break;
+        case 10: micro<T, 10>(a, b, ldb, kc, cc, lc, first); break;
+        case 9: micro<T, 9>(a, b, ldb, kc, cc, lc, first); break;
+        case 8: micro<T, 8>(a, b, ldb, kc, cc, lc, first); break;
+        case 7: micro<T, 7>(a, b, ldb, kc, cc, lc, first); break;
 #endif
-        case 6: micro<T, 6>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 5: micro<T, 5>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 4: micro<T, 4>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 3: micro<T, 3>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        case 2: micro<T, 2>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
-        default: micro<T, 1>(a, sam, sak, b, ldb, kc, cc, lc, first); break;
+        case 6: micro<T, 6>(a, b, ldb, kc, cc, lc, first); break;
+        case 5: micro<T, 5>(a, b, ldb, kc, cc, lc, first); break;
+        case 4: micro<T, 4>(a, b, ldb, kc, cc, lc, first); break;
+        case 3: micro<T, 3>(a, b, ldb, kc, cc, lc, first); break;
+        case 2: micro<T, 2>(a, b, ldb, kc, cc, lc, first); break;
+        default: micro<T, 1>(a, b, ldb, kc, cc, lc, first); break;
     }
     if (w < W)
         for (int i = 0; i < r; ++i)
@@ -364,7 +360,7 @@ static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& 
             const int64_t w = std::min<int64_t>(PANEL, N - n0);
             for (int64_t i = m0; i < m1; i += MR) {
                 const int r = int(std::min<int64_t>(MR, m1 - i));
-                tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, 1, MR, bpan, ldb, kc, c + i * ldc + n0, ldc, first);
+                tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, bpan, ldb, kc, c + i * ldc + n0, ldc, first);
             }
         }
     }
