@@ -160,6 +160,26 @@ def test_every_isa_variant_gives_the_same_bits(data: st.DataObject) -> None:
             assert_bitwise_equal(a, b, f"{isa} vs {_lib.available_isas()[0]}")
 
 
+@pytest.mark.parametrize("scale", [1e-3, 0.125, 8.0, 60.0])
+def test_every_isa_variant_same_bits_at_extreme_scales(scale: float) -> None:
+    """Scores far apart (exp2 arguments down to its clamp, subnormal and zero p, l == 1 exactly)
+    and nearly equal ones: forward and backward bits identical on every variant; finite."""
+    q, k, v = _qkv(2, 4, 2, 200, 32, seed=13)
+    g = randn(2, 4, 200, 32, seed=14)
+    results = {}
+    for isa in _lib.available_isas():
+        with _lib.forced_isa(isa):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = bi.attention(*leaves, scale=scale)
+            (out * g).sum().backward()
+            results[isa] = [out.detach(), *(x.grad for x in leaves)]
+    first = results[_lib.available_isas()[0]]
+    assert all(bool(torch.isfinite(x).all()) for x in first)
+    for isa, tensors in results.items():
+        for a, b, name in zip(tensors, first, ("out", "dq", "dk", "dv")):
+            assert_bitwise_equal(a, b, f"{name}: {isa} vs scalar at scale {scale}")
+
+
 def test_available_variants_include_the_portable_one() -> None:
     assert _lib.available_isas()[0] == "scalar"
 

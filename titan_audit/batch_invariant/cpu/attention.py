@@ -80,8 +80,8 @@ class _Call:
         mask_strides = [0, 0, 0, 0]
         self.mask = None
         if extra_mask is not None:
-            mask = extra_mask if extra_mask.dtype == torch.bool else extra_mask != 0
-            assert mask.dim() == 4 and mask.shape[2:] == (tq, tk) and mask.shape[0] in (1, batch), mask.shape
+            mask = extra_mask  # bool "may attend" (mode._sdpa_mask converts additive 0/-inf masks)
+            assert mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[2:] == (tq, tk) and mask.shape[0] in (1, batch), mask.shape
             assert mask.shape[1] in (1, hq), mask.shape
             self.mask = mask
             mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]

@@ -21,7 +21,8 @@
 //     l = l * alpha + l_c, acc[d] = acc[d] * alpha; then acc[d] = fma(p_j, v_j[d], acc[d]) over
 //     the visible keys j of the chunk ascending (invisible keys are skipped, never times zero).
 //   out[d] = acc[d] / l + 0.0 (0 where no key is visible); lse = fma(m, ln2, log_f32(l))
-//     (float64: m + log_f64(l)), -inf where no key is visible.
+//     (float64: m + log_f64(l)), -inf where no key is visible. A NaN output (NaN inputs) is
+//     stored as the one canonical NaN (ta::canon_nan_*), here and in the backward.
 // Backward (p recomputed from lse, in the forward's chunks):
 //   delta = 16 lanes (lane t: fma chain over d = t mod 16 ascending of dO[d] * O[d]) + tree16.
 //   per visible (row, key): p_j = exp2(s_j - lse * log2(e)) (float64: exp(s_j - lse)),
@@ -110,6 +111,47 @@ template <> struct Tile<VF> { static constexpr int ROWS = 4, VECS = 2; };
 
 inline float exp_b(float x) { return ta::exp2_f32(x); }  // float32 scores are base 2
 inline double exp_b(double x) { return ta::exp_f64(x); }
+
+#if defined(TA_ISA_AVX512)
+// ta::exp2_f32 on 16 lanes, the same bits lane by lane (the cross-variant tests compare it with
+// the scalar variant), in fewer instructions (ta_math.h's exp_f32_v16 argument):
+//   select(x < -160, -160, x) == max_ps(-160, x), select(x > 128, 128, x) == min_ps(128, x)
+//   (MAXPS(a, b) = a > b ? a : b, NaN -> b); (v + 1.5*2^23) - 1.5*2^23 == roundscale(v) to
+//   nearest-even for |v| <= 160 (a zero's sign may differ: f = x - (+-0) and 2^(+-0) agree);
+//   scale_pow2(p, n) = (p * 2^n1) * 2^n2 with p * 2^n1 exact == scalef(p, n): one rounding.
+inline __m512 exp2_v16(__m512 x) {
+    const __mmask16 all = 0xffff;
+    x = _mm512_maskz_max_ps(all, _mm512_set1_ps(-160.0f), x);
+    x = _mm512_maskz_min_ps(all, _mm512_set1_ps(128.0f), x);
+    const __m512 n = _mm512_maskz_roundscale_ps(all, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(all, p, n);
+}
+#endif
+
+// s[j] = exp_b(s[j] - m) for j < top (top % 16 == 0).
+template <typename T>
+inline void exp_shifted(T* s, int top, T m) {
+    for (int j = 0; j < top; ++j) s[j] = exp_b(s[j] - m);
+}
+#if defined(TA_ISA_AVX512)
+template <>
+inline void exp_shifted<float>(float* s, int top, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int j = 0; j < top; j += 16) _mm512_storeu_ps(s + j, exp2_v16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
+}
+#endif
+
+inline float canon(float y) { return ta::canon_nan_f32(y); }  // a NaN output: one fixed NaN
+inline double canon(double y) { return ta::canon_nan_f64(y); }
 inline float lse_of(float m, float l) { return std::fma(m, 0.693147180559945309f, ta::log_f32(l)); }
 inline double lse_of(double m, double l) { return m + ta::log_f64(l); }
 inline float lse_to_b(float lse) { return lse * 1.44269504088896341f; }
@@ -336,7 +378,8 @@ inline int chunk_keys(const Problem& pr, const Row& row, int64_t j0, uint8_t* vi
     if (!pr.doc && !pr.mask) {
         for (int j = 0; j < hi; ++j) vis[j] = 1, idx[j] = j;
         for (int j = hi; j < KC; ++j) vis[j] = 0;
-        cnt = hi;
+        *top = (hi + L - 1) / L * L;
+        return hi;
     } else {
         const int64_t* dk = pr.doc ? pr.doc + row.b * pr.Tk + j0 : nullptr;
         const uint8_t* mk = pr.mask ? pr.mask + row.b * pr.ms[0] + row.h * pr.ms[1] + row.i * pr.ms[2] + j0 * pr.ms[3] : nullptr;
@@ -574,7 +617,7 @@ void forward(const Problem& pr, const T* q, const T* k, const T* v, T sscale, T*
                         w.cnt[r] = 0;
                         continue;
                     }
-                    for (int j = 0; j < top; ++j) s[j] = exp_b(s[j] - mn);  // p; exactly 0 where hidden
+                    exp_shifted(s, top, mn);  // p; exactly 0 where hidden
                     const T lc = lane_sum<V>(s, top);
                     if (m[r] == ninf) {
                         l[r] = lc;
@@ -594,8 +637,8 @@ void forward(const Problem& pr, const T* q, const T* k, const T* v, T sscale, T*
                 const T* a = w.acc.data() + r * pr.Dv;
                 T* dst = out + o * pr.Dv;
                 if (l[r] > T(0)) {
-                    for (int64_t d = 0; d < pr.Dv; ++d) dst[d] = a[d] / l[r] + T(0);
-                    lse[o] = lse_of(m[r], l[r]);
+                    for (int64_t d = 0; d < pr.Dv; ++d) dst[d] = canon(a[d] / l[r] + T(0));
+                    lse[o] = canon(lse_of(m[r], l[r]));
                 } else {
                     for (int64_t d = 0; d < pr.Dv; ++d) dst[d] = T(0);
                     lse[o] = ninf;
@@ -618,10 +661,13 @@ void probs_and_ds(int nrows, Work<T>& w, const T* lse_b, const T* delta) {
         const uint8_t* vis = w.vis.data() + r * KC;
         const int top = w.top[r];
         const T lb = lse_b[r], dl = delta[r];
+        // A row whose visible scores were all -inf (infinite inputs) has lse = -inf: no p.
+        const bool live = lb != -std::numeric_limits<T>::infinity();
+        exp_shifted(s, top, lb);
         for (int j = 0; j < top; ++j) {
-            const T p = exp_b(s[j] - lb);
-            s[j] = sel(vis[j] != 0, p, T(0));
-            dp[j] = sel(vis[j] != 0, p * (dp[j] - dl), T(0));
+            const bool on = live && vis[j] != 0;
+            dp[j] = sel(on, s[j] * (dp[j] - dl), T(0));
+            s[j] = sel(on, s[j], T(0));
         }
         for (int j = top; j < KC; ++j) s[j] = T(0), dp[j] = T(0);
     }
@@ -692,7 +738,7 @@ void backward(const Problem& pr, const T* q, const T* k, const T* v, const T* g,
                 const Row& row = w.rows[r];
                 T* dst = dq + ((row.b * pr.Hq + row.h) * pr.Tq + row.i) * pr.D;
                 const T* a = w.acc.data() + r * pr.D;
-                for (int64_t d = 0; d < pr.D; ++d) dst[d] = a[d] * scale + T(0);
+                for (int64_t d = 0; d < pr.D; ++d) dst[d] = canon(a[d] * scale + T(0));
             }
         }
     });
@@ -769,8 +815,8 @@ void backward(const Problem& pr, const T* q, const T* k, const T* v, const T* g,
             for (int j = 0; j < nk; ++j) {
                 T* dkr = dk + ((b * pr.Hkv + hk) * pr.Tk + j0 + j) * pr.D;
                 T* dvr = dv + ((b * pr.Hkv + hk) * pr.Tk + j0 + j) * pr.Dv;
-                for (int64_t d = 0; d < pr.D; ++d) dkr[d] = dka[j * pr.D + d] * scale + T(0);
-                for (int64_t d = 0; d < pr.Dv; ++d) dvr[d] = dva[j * pr.Dv + d] + T(0);
+                for (int64_t d = 0; d < pr.D; ++d) dkr[d] = canon(dka[j * pr.D + d] * scale + T(0));
+                for (int64_t d = 0; d < pr.Dv; ++d) dvr[d] = canon(dva[j * pr.Dv + d] + T(0));
             }
         }
     });
