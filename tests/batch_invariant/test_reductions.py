@@ -98,15 +98,18 @@ def test_every_isa_variant_gives_the_same_bits(m: int, n: int, dtype: torch.dtyp
 
 
 def test_isa_variants_agree_on_special_values() -> None:
-    x = randn(6, 53, seed=3)
+    x = randn(8, 53, seed=3)
     x[0, 5], x[1, 0], x[2, :] = float("nan"), float("inf"), float("-inf")
     x[3, 7:20], x[4, :] = float("-inf"), -0.0
     x[5, 3] = 1e-42  # subnormal
-    g = randn(6, 53, seed=4)
+    x[6] = torch.linspace(-160.0, 0.0, 53)  # exp underflows to subnormals and 0 (two-factor 2^n)
+    x[7] = torch.cat([torch.zeros(1), torch.linspace(-100.0, -80.0, 52)])  # exps around the subnormal edge
+    g = randn(8, 53, seed=4)
     results = {}
     for isa in _lib.available_isas():
         with _lib.forced_isa(isa):
             results[isa] = _kernel_results(x, g, torch.ones(53))
+            results[isa]["exp_wide"] = P.exp(x.reshape(-1))
     for isa, got in results.items():
         for name, t in got.items():
             assert_bitwise_equal(t, results["scalar"][name], f"{name} with special values: {isa} vs scalar")

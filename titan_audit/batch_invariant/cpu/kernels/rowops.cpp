@@ -155,6 +155,45 @@ inline float lane_sum_exp<float>(const float* x, float mx, float* y, int64_t n) 
 }
 #endif
 
+#if defined(TA_ISA_AVX2)
+// The same order with lanes 0-7 in one ymm and 8-15 in another, and ta::exp_f32_v8 (exp_f32's
+// bits); the tail is a masked step (masked-off lanes keep their sums).
+template <>
+inline float lane_sum_exp<float>(const float* x, float mx, float* y, int64_t n) {
+    __m256 lo = _mm256_set1_ps(-0.0f), hi = lo;
+    const __m256 m = _mm256_set1_ps(mx);
+    int64_t i = 0;
+    for (; i + L <= n; i += L) {
+        const __m256 e0 = ta::exp_f32_v8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+        const __m256 e1 = ta::exp_f32_v8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m));
+        if (y) {
+            _mm256_storeu_ps(y + i, e0);
+            _mm256_storeu_ps(y + i + 8, e1);
+        }
+        lo = _mm256_add_ps(lo, e0);
+        hi = _mm256_add_ps(hi, e1);
+    }
+    if (i < n) {
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const int rest = (int)(n - i);
+        const __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), iota);
+        const __m256i k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest - 8), iota);
+        const __m256 e0 = ta::exp_f32_v8(_mm256_sub_ps(_mm256_maskload_ps(x + i, k0), m));
+        const __m256 e1 = ta::exp_f32_v8(_mm256_sub_ps(_mm256_maskload_ps(x + i + 8, k1), m));
+        if (y) {
+            _mm256_maskstore_ps(y + i, k0, e0);
+            _mm256_maskstore_ps(y + i + 8, k1, e1);
+        }
+        lo = _mm256_blendv_ps(lo, _mm256_add_ps(lo, e0), _mm256_castsi256_ps(k0));
+        hi = _mm256_blendv_ps(hi, _mm256_add_ps(hi, e1), _mm256_castsi256_ps(k1));
+    }
+    float lanes[L];
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+    return ta::tree16(lanes);
+}
+#endif
+
 // sum over the last dim: out[r] = lane_sum(x[r, :]).
 template <typename T>
 void row_sum(const T* x, T* out, int64_t m, int64_t n, int threads) {

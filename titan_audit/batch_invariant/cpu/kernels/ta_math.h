@@ -12,7 +12,7 @@
 // Change log (names and bits of the float32 functions are unchanged since the coordinator's
 // version; K2's attention relies on ta::exp2_f32 / ta::exp_f32): K3 added exp_f64, log_f64 and
 // select_f32/select_f64 (bit selects in place of ?: so that AVX2 loops vectorise; same values)
-// and canon_nan_f32/f64, and exp_f32_v16 (AVX-512 only: exp_f32's bits in fewer instructions). NOTE for every kernel: a NaN *result's* sign and payload are not fixed
+// and canon_nan_f32/f64, exp_f32_v16 (AVX-512) and exp_f32_v8 (AVX2): exp_f32's bits in fewer instructions. NOTE for every kernel: a NaN *result's* sign and payload are not fixed
 // by IEEE (x86 keeps the first operand's NaN, and the compiler may swap the operands of a
 // commutative op differently in each variant; the tests found exp(NaN) differing between the
 // scalar and avx2 objects), so a kernel whose output may be NaN stores canon_nan_f32(y).
@@ -156,6 +156,40 @@ static inline __m512 exp_f32_v16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(all, p, n);
+}
+#endif
+
+#if defined(TA_ISA_AVX2)
+// exp_f32 on 8 lanes in AVX2, the same bits as exp_f32 lane by lane (tested against the scalar
+// variant): clamps by max_ps / min_ps and rint by round_ps as in exp_f32_v16; 2^n by one
+// multiply when every lane has n in [-126, 127] (2^n a normal float: p * 2^n is then rounded
+// once, as scale_pow2's two factors round it once), else by scale_pow2's two factors.
+static inline __m256 exp_f32_v8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-110.0f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(6.93145752e-01f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+    __m256 p = _mm256_set1_ps(1.9841269841269841e-04f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3888888888888889e-03f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333333333333333e-03f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666666666666667e-02f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666666666666667e-01f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i ni = _mm256_cvttps_epi32(n);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 in_range = _mm256_and_ps(_mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_GE_OQ),
+                                          _mm256_cmp_ps(n, _mm256_set1_ps(127.0f), _CMP_LE_OQ));
+    if (_mm256_movemask_ps(in_range) == 0xff)
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, bias), 23)));
+    const __m256i n1 = _mm256_srai_epi32(ni, 1);
+    const __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 #endif
 
