@@ -32,7 +32,8 @@
 //   dk_j[d] = (fma chain over query rows r ascending of ds_rj * q_r[d]) * scale + 0.0 and
 //     dv_j[d] = fma chain over query rows r ascending of p_rj * dO_r[d], + 0.0, where rows run
 //     over (query position index i ascending, then the G heads of the kv head ascending) and
-//     only rows that see some key of j's chunk enter (the others' terms are exact zeros).
+//     only rows that see some key of j's chunk enter; such a row that does not see key j adds
+//     p = ds = 0 exactly (at most a zero's sign changes, and the final + 0.0 canonicalises it).
 // Threads: forward and dq split (b, kv head, query block) tasks, dk/dv split (b, kv head, key
 //   chunk) tasks; a task writes only its own outputs and no reduction is split.
 // Every fma is explicit (std::fma / _mm*_fmadd_*), -ffp-contract=off: each variant performs the
