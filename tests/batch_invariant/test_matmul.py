@@ -289,13 +289,14 @@ def test_no_library_gemm_runs() -> None:
 # ---------------------------------------------------------------- the packed-weight cache
 
 
-def test_packed_cache_serves_fresh_packings_only() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_cache_serves_fresh_packings_only(dtype: torch.dtype) -> None:
     """A weight seen twice is served packed; an in-place update (an optimizer step) is seen; a
     freed weight's entry goes; the bound evicts. Every result equals an uncached product."""
     cache = cpu_matmul.PACKED_CACHE
     cache.clear()
-    x = randn(3, 256, seed=27)
-    w = randn(128, 256, seed=28)
+    x = randn(3, 256, seed=27, dtype=dtype)
+    w = randn(128, 256, seed=28, dtype=dtype)
     first = bi.linear(x, w)
     assert len(cache) == 0  # first sight: packed by the kernel, not kept
     assert_bitwise_equal(bi.linear(x, w), first)
@@ -312,7 +313,7 @@ def test_packed_cache_serves_fresh_packings_only() -> None:
     weights = [randn(128, 256, seed=s) for s in range(5)]
     for wt in weights:
         for _ in range(2):
-            small.get(wt.t(), wt.t())
+            small.get(wt.t(), torch.float32)
     assert len(small) == 3 and small.nbytes <= small.max_bytes  # least recently used evicted
 
 
@@ -322,8 +323,8 @@ def test_packed_cache_key_is_identity_not_address() -> None:
     cache = cpu_matmul.PackedCache()
     w = randn(64, 128, seed=29)
     alias = torch.empty(0).set_(w.untyped_storage(), 0, w.shape, w.stride())  # same address, other owner
-    assert cache.get(w.t(), w.t()) is None and cache.get(alias.t(), alias.t()) is None  # first sights
-    assert cache.get(w.t(), w.t()) is not None
+    assert cache.get(w.t(), torch.float32) is None and cache.get(alias.t(), torch.float32) is None  # first sights
+    assert cache.get(w.t(), torch.float32) is not None
     assert len(cache) == 1
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0

@@ -126,9 +126,9 @@ class PackedCache:
         if entry is not None and entry.packed is not None:
             self._bytes -= entry.packed.numel() * entry.packed.element_size()
 
-    def get(self, b: torch.Tensor, compute: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of `compute` (b in the compute dtype) if b was seen before unchanged;
-        None on a first sight (the caller then lets the kernel pack, which costs the same)."""
+    def get(self, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """B packed in the compute `dtype` if b was seen before unchanged (a bfloat16 weight is
+        then not converted again either); None on a first sight (the kernel packs, same cost)."""
         owner = b if b._base is None else b._base
         try:
             version = b._version
@@ -144,7 +144,7 @@ class PackedCache:
             elif entry is not None:
                 self._drop(key)
                 entry = None
-        packed = pack(compute) if entry is not None else None
+        packed = pack(b if b.dtype == dtype else b.to(dtype)) if entry is not None else None
         with self._lock:
             if key in self._entries:
                 self._drop(key)
@@ -201,13 +201,13 @@ def _mm_eager(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if m == 0 or n == 0 or k == 0:
         return a.new_zeros((m, n), dtype=out_dtype)
     a_c = _upcast(a, dtype)
-    b_c = _upcast(b, dtype)
-    sa, sb = a_c.stride(), b_c.stride()
     # With one or two rows a row-major B is streamed in place (the kernel's rows_axpy: no packing
     # to save); otherwise a cached packed copy saves the per-call packing or strided reads.
     packed = None
-    if (sb[1] != 1 or m > AXPY_MAX_ROWS) and k * n >= CACHE_MIN_ELEMS:
-        packed = PACKED_CACHE.get(b, b_c)
+    if (b.stride(1) != 1 or m > AXPY_MAX_ROWS) and k * n >= CACHE_MIN_ELEMS:
+        packed = PACKED_CACHE.get(b, dtype)
+    b_c = b if packed is not None else _upcast(b, dtype)  # with `packed`, the kernel never reads b
+    sa, sb = a_c.stride(), b_c.stride()
     out = _gemm(1, m, n, k, a_c, (0, sa[0], sa[1]), b_c, (0, sb[0], sb[1]), packed).view(m, n)
     return out if out_dtype == dtype else out.to(out_dtype)
 
