@@ -65,10 +65,44 @@ inline __m512 sigmoid16(__m512 x) {
 }
 #endif
 
+#if defined(TA_ISA_AVX2)
+// AVX2: 8 elements a step with ta::exp_f32_v8 (exp_f32's bits), the tail as one masked step;
+// each formula is the one of the generic kernel below it, op for op (tests compare variants).
+template <typename F>
+void map8(int64_t n, int threads, F f) {
+    const int64_t chunks = (n + kGrain - 1) / kGrain;
+    ta::parallel_for(chunks, threads, [&](int64_t c0, int64_t c1) {
+        const int64_t e = c1 * kGrain < n ? c1 * kGrain : n;
+        int64_t i = c0 * kGrain;
+        for (; i + 8 <= e; i += 8) f(i, _mm256_set1_epi32(-1));
+        if (i < e) f(i, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(e - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    });
+}
+
+inline __m256 neg_abs8(__m256 x) { return _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u))); }
+
+inline __m256 canon8(__m256 y) {
+    return _mm256_blendv_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+}
+
+inline __m256 sigmoid8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = ta::exp_f32_v8(neg_abs8(x));
+    const __m256 nonneg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    return _mm256_div_ps(_mm256_blendv_ps(e, one, nonneg), _mm256_add_ps(one, e));
+}
+#endif
+
 }  // namespace
 
 // y = ta::exp_f32(x)
 TA_EXPORT(void, exp_f32)(const float* x, float* y, int64_t n, int threads) {
+#if defined(TA_ISA_AVX2)
+    map8(n, threads, [&](int64_t i, __m256i k) {
+        _mm256_maskstore_ps(y + i, k, canon8(ta::exp_f32_v8(_mm256_maskload_ps(x + i, k))));
+    });
+    return;
+#endif
 #if defined(TA_ISA_AVX512)
     map16(n, threads, [&](int64_t i, __mmask16 k) {
         _mm512_mask_storeu_ps(y + i, k, canon16(ta::exp_f32_v16(_mm512_maskz_loadu_ps(k, x + i))));
@@ -90,6 +124,12 @@ TA_EXPORT(void, log_f32)(const float* x, float* y, int64_t n, int threads) {
 
 // y = sigmoid_f32(x): num / (1 + e), e = exp(-|x|), num = x >= 0 ? 1 : e
 TA_EXPORT(void, sigmoid_f32)(const float* x, float* y, int64_t n, int threads) {
+#if defined(TA_ISA_AVX2)
+    map8(n, threads, [&](int64_t i, __m256i k) {
+        _mm256_maskstore_ps(y + i, k, canon8(sigmoid8(_mm256_maskload_ps(x + i, k))));
+    });
+    return;
+#endif
 #if defined(TA_ISA_AVX512)
     map16(n, threads, [&](int64_t i, __mmask16 k) {
         _mm512_mask_storeu_ps(y + i, k, canon16(sigmoid16(_mm512_maskz_loadu_ps(k, x + i))));
@@ -102,6 +142,16 @@ TA_EXPORT(void, sigmoid_f32)(const float* x, float* y, int64_t n, int threads) {
 // y = (x * num) / (1 + e), e = exp(-|x|), num = x >= 0 ? 1 : e  (x * sigmoid(x), one rounding
 // fewer for x >= 0)
 TA_EXPORT(void, silu_f32)(const float* x, float* y, int64_t n, int threads) {
+#if defined(TA_ISA_AVX2)
+    map8(n, threads, [&](int64_t i, __m256i k) {
+        const __m256 v = _mm256_maskload_ps(x + i, k), one = _mm256_set1_ps(1.0f);
+        const __m256 e = ta::exp_f32_v8(neg_abs8(v));
+        const __m256 nonneg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 num = _mm256_mul_ps(v, _mm256_blendv_ps(e, one, nonneg));
+        _mm256_maskstore_ps(y + i, k, canon8(_mm256_div_ps(num, _mm256_add_ps(one, e))));
+    });
+    return;
+#endif
 #if defined(TA_ISA_AVX512)
     map16(n, threads, [&](int64_t i, __mmask16 k) {
         const __m512 v = _mm512_maskz_loadu_ps(k, x + i), one = _mm512_set1_ps(1.0f);
@@ -125,6 +175,15 @@ TA_EXPORT(void, sigmoid_backward_f32)(const float* g, const float* y, float* gx,
 
 // d silu: s = sigmoid_f32(x); gx = g * (s * fma(x, 1 - s, 1))
 TA_EXPORT(void, silu_backward_f32)(const float* g, const float* x, float* gx, int64_t n, int threads) {
+#if defined(TA_ISA_AVX2)
+    map8(n, threads, [&](int64_t i, __m256i k) {
+        const __m256 v = _mm256_maskload_ps(x + i, k), gv = _mm256_maskload_ps(g + i, k);
+        const __m256 one = _mm256_set1_ps(1.0f), sv = sigmoid8(v);
+        const __m256 t = _mm256_fmadd_ps(v, _mm256_sub_ps(one, sv), one);
+        _mm256_maskstore_ps(gx + i, k, canon8(_mm256_mul_ps(gv, _mm256_mul_ps(sv, t))));
+    });
+    return;
+#endif
 #if defined(TA_ISA_AVX512)
     map16(n, threads, [&](int64_t i, __mmask16 k) {
         const __m512 v = _mm512_maskz_loadu_ps(k, x + i), gv = _mm512_maskz_loadu_ps(k, g + i);
