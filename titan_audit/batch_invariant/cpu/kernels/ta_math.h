@@ -5,17 +5,22 @@
 // only), so a loop over them auto-vectorises and every variant (scalar, avx2, avx512) rounds
 // each step the same way. Round-to-nearest-integer is the 1.5 * 2^23 add/subtract trick
 // (exact for |v| < 2^22), not nearbyint, so it is the same instruction sequence everywhere.
-// Accuracy against a float64 reference: exp/exp2 within 2 ulp, log within 3 ulp (tested).
+// Accuracy against a float64 reference: exp/exp2 within 1 ulp, log within 3 ulp (measured
+// 0.91 / 0.87 / 2.81 ulp; tests/batch_invariant/test_math.py).
 // Special values: exp(-inf) = exp2(-inf) = 0, exp2(0) = exp(0) = 1 exactly, +inf -> +inf,
 // NaN -> NaN; log(0) = -inf, log(x < 0) = NaN, log(+inf) = +inf, subnormal inputs handled.
-// exp_f64 / log_f64: the same constructions in float64 (for the float64 row ops), within 2 ulp.
-// Change log (names and bits of the float32 functions are unchanged since the coordinator's
-// version; K2's attention relies on ta::exp2_f32 / ta::exp_f32): K3 added exp_f64, log_f64 and
-// select_f32/select_f64 (bit selects in place of ?: so that AVX2 loops vectorise; same values)
-// and canon_nan_f32/f64, exp_f32_v16 (AVX-512) and exp_f32_v8 (AVX2): exp_f32's bits in fewer instructions. NOTE for every kernel: a NaN *result's* sign and payload are not fixed
-// by IEEE (x86 keeps the first operand's NaN, and the compiler may swap the operands of a
-// commutative op differently in each variant; the tests found exp(NaN) differing between the
-// scalar and avx2 objects), so a kernel whose output may be NaN stores canon_nan_f32(y).
+// exp_f64 / log_f64: the same constructions in float64 (for the float64 row ops).
+// exp_f32_v16 (AVX-512) and exp_f32_v8 (AVX2): exp_f32 on a vector, the same bits lane by lane
+// in fewer instructions (max/min clamps, round_ps, scalef or a one-multiply 2^n); use them in
+// hand-written vector loops (rowops.cpp, pointwise.cpp do).
+// NaN bits: a NaN *result's* sign and payload are not fixed by IEEE (x86 keeps the first
+// operand's NaN, and the compiler may order a commutative op's operands differently in each
+// variant: the tests found exp(NaN) differing between the scalar and avx2 objects), so a kernel
+// whose output may be NaN stores canon_nan_f32(y) (the one quiet NaN 0x7fc00000).
+// Change log (names and bits of the float32 scalar functions are unchanged since the
+// coordinator's version; K2's attention relies on ta::exp2_f32 / ta::exp_f32): K3 added
+// exp_f64, log_f64, select_f32/f64 (bit selects in place of ?: so that AVX2 loops vectorise;
+// same values), canon_nan_f32/f64, exp_f32_v16, exp_f32_v8.
 #pragma once
 
 #include <cmath>
