@@ -4,9 +4,12 @@
 // whatever M, the batch, the thread count, the B layout or the ISA (the building blocks and why
 // are in ta_gemm.h). Threads split output tiles (batch x row blocks x panel groups), never k.
 //
-// B is read from packed 32-column panels: the caller's (a packed-weight cache, ta_gemm_pack_*),
-// or packed here per call; a row-major B (column stride 1) is read in place, only its partial
-// last panel packed. A is read in place with any strides (transposed A needs no copy).
+// Paths (all with that order; which one runs is a speed choice, tested to give the same bits):
+//   * B packed in 32-column panels by the caller (a packed-weight cache, ta_gemm_pack_*);
+//   * else, with <= 2 rows and a row-major B (column stride 1): B streamed row by row (rows_axpy);
+//   * else, with <= 4 * MR rows and a row-major B: full panels read in place, the partial last
+//     panel packed; otherwise B packed here per call.
+// A is copied per k-block into row tiles (pack_a) from any strides (transposed A needs no copy).
 #include <cstdlib>
 #include <memory>
 

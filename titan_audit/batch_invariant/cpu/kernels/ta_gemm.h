@@ -1,6 +1,7 @@
-// ta_gemm.h: the gemm building blocks (B panel packing, register-tile microkernels, the blocked
-// driver), header-only so that other kernels (attention) can reuse them. Owned by gemm.cpp's
-// author; include it, do not copy it. Everything here is `static inline` in namespace ta::gemm.
+// ta_gemm.h: the gemm building blocks (B panel packing, A row-tile packing, register-tile
+// microkernels, the blocked driver `block`, the few-row `rows_axpy`), header-only so that other
+// kernels (e.g. attention) can reuse them: include it, do not copy it (edits here change
+// gemm.cpp's bits and speed; ask its owner). Everything is `static inline` in ta::gemm.
 //
 // Order (every variant, every caller): C[i, j] = one sequential fma chain over k = 0..K-1
 // ascending, starting from +0.0: acc = fma(A[i,k], B[k,j], acc). Nothing else touches acc.
