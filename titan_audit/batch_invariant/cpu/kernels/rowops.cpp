@@ -194,6 +194,34 @@ inline float lane_sum_exp<float>(const float* x, float mx, float* y, int64_t n) 
 }
 #endif
 
+// out_j = exp(x_j): the element-wise exp of a row (exp_t's bits; vector exps where written).
+template <typename T>
+inline void exp_row(const T* x, T* out, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) out[j] = exp_t(x[j]);
+}
+
+#if defined(TA_ISA_AVX512)
+template <>
+inline void exp_row<float>(const float* x, float* out, int64_t n) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, ta::exp_f32_v16(_mm512_loadu_ps(x + j)));
+    if (j < n) {
+        const __mmask16 k = (__mmask16)((1u << (n - j)) - 1u);
+        _mm512_mask_storeu_ps(out + j, k, ta::exp_f32_v16(_mm512_maskz_loadu_ps(k, x + j)));
+    }
+}
+#elif defined(TA_ISA_AVX2)
+template <>
+inline void exp_row<float>(const float* x, float* out, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, ta::exp_f32_v8(_mm256_loadu_ps(x + j)));
+    if (j < n) {
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(out + j, k, ta::exp_f32_v8(_mm256_maskload_ps(x + j, k)));
+    }
+}
+#endif
+
 // sum over the last dim: out[r] = lane_sum(x[r, :]).
 template <typename T>
 void row_sum(const T* x, T* out, int64_t m, int64_t n, int threads) {
@@ -251,7 +279,8 @@ void log_softmax_backward(const T* g, const T* y, T* out, int64_t m, int64_t n, 
             const T *gr = g + r * n, *yr = y + r * n;
             T* orow = out + r * n;
             const T s = lane_sum(gr, n);
-            for (int64_t j = 0; j < n; ++j) orow[j] = canon(std::fma(-exp_t(yr[j]), s, gr[j]));
+            exp_row(yr, orow, n);
+            for (int64_t j = 0; j < n; ++j) orow[j] = canon(std::fma(-orow[j], s, gr[j]));
         }
     });
 }
