@@ -303,5 +303,12 @@ def test_custom_op_under_torch_compile_gives_the_eager_bits() -> None:
     out, lse = op(q, k, v, 0.25, True, positions, None, None)
     assert_bitwise_equal(out, ours, "custom op vs eager")
     torch.library.opcheck(op, (q, k, v, 0.25, True, positions, None, None), test_utils=("test_schema", "test_faketensor"))
+    g = randn(1, 4, 40, 16, seed=13)
+    bwd_args = (g, q, k, v, out, lse, 0.25, True, positions, None, None)
+    torch.library.opcheck(torch.ops.titan_audit.attention_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    (bi.attention(*leaves) * g).sum().backward()
+    for got, leaf in zip(torch.ops.titan_audit.attention_bwd(*bwd_args), leaves):
+        assert_bitwise_equal(got, leaf.grad, "custom backward op vs eager autograd")
     compiled = torch.compile(lambda q, k, v: bi.attention(q, k, v), backend="eager", fullgraph=True)
     assert_bitwise_equal(compiled(q, k, v), ours, "torch.compile")
