@@ -17,8 +17,19 @@ TINY = ["--set", "task.prompts_per_step=2", "--set", "task.samples_per_prompt=2"
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real command line in a fresh process (runs that compute)."""
     return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=900)  # fmt: skip
+
+
+def cli_here(*args: str):
+    """The command line in this process (bad input: fails before any compute)."""
+    from click.testing import CliRunner
+
+    from titan_audit.cli.main import cli as group
+
+    result = CliRunner().invoke(group, list(args))
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
@@ -50,16 +61,16 @@ def other_shape(tmp_path_factory) -> Path:
 ])  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, extra, pattern):
     out = tmp_path / "run"
-    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), *extra), pattern)
+    one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), *extra), pattern)
     assert not out.exists()
 
 
 def test_init_of_another_shape_is_refused(tmp_path, other_shape):
     out = tmp_path / "run"
-    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(other_shape)),
+    one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(other_shape)),
                    r"--init .*another shape.*num_hidden_layers: 2 vs 4")  # fmt: skip
     assert not out.exists()
-    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(tmp_path)),
+    one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(tmp_path)),
                    r"neither a run directory .* nor an HF model directory")  # fmt: skip
 
 
@@ -67,9 +78,9 @@ def test_an_existing_run_is_never_overwritten_and_resume_needs_a_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    one_line_error(cli("rl", "--config", "rl-tiny", "--out", str(out), *TINY), r"is not empty; use --resume")
+    one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), *TINY), r"is not empty; use --resume")
     assert (out / "keep.txt").read_text() == "precious" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    one_line_error(cli("rl", "--out", str(tmp_path / "none"), "--resume"), r"no such run directory|not a run directory")
+    one_line_error(cli_here("rl", "--out", str(tmp_path / "none"), "--resume"), r"no such run directory|not a run directory")
 
 
 def test_verify_onpolicy_report_and_verdict(tmp_path):

@@ -128,21 +128,33 @@ def test_bad_weights_shape_for_init_is_a_value_error(warm, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def _lag2_args(warm: Path) -> list[str]:
+    return ["rl", "--config", "rl-tiny", "--init", str(warm), "--steps", "6", *[a for s in SMALL for a in ("--set", s)],
+            "--set", "rollout.lag=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def whole_lag2(warm, tmp_path_factory) -> Path:
+    """The uninterrupted 6-step lag-2 run the kill/resume tests compare with."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    proc = cli(*_lag2_args(warm), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("crash_at", ["rl.after_step:3", "rl.rollout:5", "checkpoint.before_rename:4"])
-def test_kill_minus_nine_and_resume_is_the_uninterrupted_run(warm, tmp_path, crash_at):
-    args = ["rl", "--config", "rl-tiny", "--init", str(warm), "--steps", "6", *[a for s in SMALL for a in ("--set", s)],
-            "--set", "rollout.lag=2"]  # fmt: skip
-    whole = cli(*args, "--out", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    killed = cli(*args, "--out", str(tmp_path / "killed"), env={"TITAN_AUDIT_CRASH_AT": crash_at})
+def test_kill_minus_nine_and_resume_is_the_uninterrupted_run(warm, whole_lag2, tmp_path, crash_at):
+    """SIGKILL after a step, inside a rollout (generator thread) and mid-checkpoint, at lag 2 (rollouts
+    in flight at every checkpoint), then `--resume`: the same audit records and losses."""
+    killed = cli(*_lag2_args(warm), "--out", str(tmp_path / "killed"), env={"TITAN_AUDIT_CRASH_AT": crash_at})
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
     resumed = cli("rl", "--out", str(tmp_path / "killed"), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    result = compare_runs(tmp_path / "whole", tmp_path / "killed")
+    result = compare_runs(whole_lag2, tmp_path / "killed")
     assert result.identical and result.compared > 0, result.first_divergence
-    assert metrics(tmp_path / "whole") and [r["step"] for r in metrics(tmp_path / "killed")] == list(range(1, 7))
-    a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "killed")
+    a, b = metrics(whole_lag2), metrics(tmp_path / "killed")
+    assert [r["step"] for r in b] == list(range(1, 7))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
 
 
