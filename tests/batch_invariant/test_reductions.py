@@ -5,7 +5,7 @@ Proves:
 - a row's result is the same bits alone, in any slice and in a batch of 1..512 rows, for random
   lengths (1..300: not multiples of 16, shorter and longer than the 16 lanes), float32 and
   bfloat16, at 1 and 2 threads (and 1 thread == 2 threads);
-- every row kernel (forward and backward, float32 and float64) gives identical bits under every
+- every row kernel (forward and backward; float32, bfloat16 and float64) gives identical bits under every
   ISA variant the CPU has (`_lib.forced_isa`), the in-CI stand-in for other CPUs;
 - the order is the documented one: the sum equals an emulation of "16 lanes, lane l adds
   elements l, l+16, ... in ascending order, then tree16" written with element-wise torch adds
@@ -81,7 +81,7 @@ def _kernel_results(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> dict[s
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 512), n=st.integers(1, 200), dtype=st.sampled_from([torch.float32, torch.float64]),
+@given(m=st.integers(1, 512), n=st.integers(1, 200), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
        threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
 def test_every_isa_variant_gives_the_same_bits(m: int, n: int, dtype: torch.dtype, threads: int, seed: int) -> None:
     x = randn(m, n, seed=seed, scale=4.0).to(dtype)
