@@ -359,6 +359,24 @@ def test_torch_compile_keeps_the_bits() -> None:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_inductor_keeps_the_custom_ops_opaque() -> None:
+    """Under inductor too (it fuses the pointwise ops around them), titan_audit::mm / ::bmm run
+    our kernel: the products' bits are eager's."""
+    torch._dynamo.reset()
+    x, w = randn(5, 96, seed=30), randn(40, 96, seed=31)
+    a, b = randn(3, 7, 24, seed=32), randn(3, 24, 9, seed=33)
+
+    def fn(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return bi.linear(x, w), bi.bmm(a, b)
+
+    eager = fn(x, w, a, b)
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True)(x, w, a, b)
+    for e, c in zip(eager, compiled, strict=True):
+        assert_bitwise_equal(c, e, "inductor")
+    torch._dynamo.reset()
+
+
 def test_custom_ops_are_registered_with_fake_kernels() -> None:
     torch.library.opcheck(torch.ops.titan_audit.mm.default, (randn(4, 8, seed=34), randn(8, 3, seed=35)))
     torch.library.opcheck(torch.ops.titan_audit.bmm.default, (randn(2, 4, 8, seed=36), randn(2, 8, 3, seed=37)))
