@@ -106,9 +106,12 @@ template <> struct VecOf<float> { using type = VF; };
 
 // Register tiles (speed only): rows x vectors of the dot and axpy tiles.
 template <typename V> struct Tile { static constexpr int ROWS = 4, VECS = 4; };
-#if defined(TA_ISA_AVX2)
-template <> struct Tile<VF> { static constexpr int ROWS = 4, VECS = 2; };
+#if defined(TA_ISA_AVX512)
+template <> struct Tile<VF> { static constexpr int ROWS = 6, VECS = 4; };  // 24 of 32 zmm
+#elif defined(TA_ISA_AVX2)
+template <> struct Tile<VF> { static constexpr int ROWS = 6, VECS = 2; };  // 12 of 16 ymm
 #endif
+constexpr int MAXROWS = 6;
 
 inline float exp_b(float x) { return ta::exp2_f32(x); }  // float32 scores are base 2
 inline double exp_b(double x) { return ta::exp_f64(x); }
@@ -276,6 +279,8 @@ void dot_any(const T* const* a, int rows, const T* bt, int64_t D, int ntop, T* c
     int r = 0;
     for (; r + RT <= rows; r += RT) dot_rows<V, RT>(a + r, bt, D, ntop, out + r);
     switch (rows - r) {
+        case 5: dot_rows<V, 5>(a + r, bt, D, ntop, out + r); break;
+        case 4: dot_rows<V, 4>(a + r, bt, D, ntop, out + r); break;
         case 3: dot_rows<V, 3>(a + r, bt, D, ntop, out + r); break;
         case 2: dot_rows<V, 2>(a + r, bt, D, ntop, out + r); break;
         case 1: dot_rows<V, 1>(a + r, bt, D, ntop, out + r); break;
@@ -329,6 +334,8 @@ inline void axpy_rows(const T* const* w, const int* idx, int cnt, const T* xb, i
 template <typename V, typename T>
 void axpy_any(const T* const* w, int rows, const int* idx, int cnt, const T* xb, int64_t ld, int64_t Dv, T* const* acc) {
     switch (rows) {
+        case 6: axpy_rows<V, 6>(w, idx, cnt, xb, ld, Dv, acc); break;
+        case 5: axpy_rows<V, 5>(w, idx, cnt, xb, ld, Dv, acc); break;
         case 4: axpy_rows<V, 4>(w, idx, cnt, xb, ld, Dv, acc); break;
         case 3: axpy_rows<V, 3>(w, idx, cnt, xb, ld, Dv, acc); break;
         case 2: axpy_rows<V, 2>(w, idx, cnt, xb, ld, Dv, acc); break;
@@ -417,8 +424,9 @@ inline int common_prefix(int* const* idx, const int* cnt, int n) {
 template <typename V, typename T>
 void axpy_grouped(T* const* w, int* const* idx, const int* cnt, int rows, const T* xb, int64_t ld, int64_t Dv,
                   T* const* acc) {
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-        const int n = std::min(4, rows - r0);
+    constexpr int RT = Tile<V>::ROWS;
+    for (int r0 = 0; r0 < rows; r0 += RT) {
+        const int n = std::min(RT, rows - r0);
         const int common = common_prefix(idx + r0, cnt + r0, n);
         if (common > 0) axpy_any<V>(w + r0, n, idx[r0], common, xb, ld, Dv, acc + r0);
         for (int r = r0; r < r0 + n; ++r)
@@ -545,8 +553,9 @@ int block_chunk_keys(const Problem& pr, int nrows, int64_t j0, Work<T>& w, int* 
 // over keys [0, top of the tile) -> out rows (stride KC).
 template <typename V, typename T>
 void block_dots(int nrows, const int* cnt, const int* top, const T* a, int64_t lda, const T* bt, int64_t D, T* out) {
-    const T* ap[4];
-    T* op[4];
+    constexpr int RT = Tile<V>::ROWS;
+    const T* ap[MAXROWS];
+    T* op[MAXROWS];
     int n = 0, ntop = 0;
     auto flush = [&]() {
         if (n) dot_any<V>(ap, n, bt, D, ntop, op);
@@ -555,22 +564,22 @@ void block_dots(int nrows, const int* cnt, const int* top, const T* a, int64_t l
     for (int r = 0; r < nrows; ++r) {
         if (!cnt[r]) continue;
         ap[n] = a + r * lda, op[n] = out + r * KC, ntop = std::max(ntop, top[r]);
-        if (++n == 4) flush();
+        if (++n == RT) flush();
     }
     flush();
 }
 
 template <typename V, typename T>
 void block_axpy(int nrows, Work<T>& w, T* wts, const T* xb, int64_t ld, int64_t Dv, T* acc, int64_t ldacc) {
-    T* wp[64];
-    int* ip[64];
-    int cn[64];
-    T* ap[64];
+    T* wp[60];  // a multiple of every tile's row count
+    int* ip[60];
+    int cn[60];
+    T* ap[60];
     int n = 0;
     for (int r = 0; r < nrows; ++r) {
         if (!w.cnt[r]) continue;
         wp[n] = wts + r * KC, ip[n] = w.idx.data() + r * KC, cn[n] = w.cnt[r], ap[n] = acc + r * ldacc;
-        if (++n == 64) axpy_grouped<V>(wp, ip, cn, n, xb, ld, Dv, ap), n = 0;
+        if (++n == 60) axpy_grouped<V>(wp, ip, cn, n, xb, ld, Dv, ap), n = 0;
     }
     if (n) axpy_grouped<V>(wp, ip, cn, n, xb, ld, Dv, ap);
 }
