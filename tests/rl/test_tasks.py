@@ -11,7 +11,7 @@ from titan_audit.rl import tasks
 from titan_audit.rl.tasks import RewardError, Task, completion_text, prompt_set, register_task, score
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "reversal", "sorting", "copy", "mixed"])
+@pytest.mark.parametrize("task", ["arithmetic", "reversal", "reversal-short", "sorting", "copy", "mixed"])
 def test_prompt_set_is_a_pure_function_of_seed_and_step(task):
     a = prompt_set(task, 3, 7, 8)
     assert a == prompt_set(task, 3, 7, 8)
@@ -20,7 +20,7 @@ def test_prompt_set_is_a_pure_function_of_seed_and_step(task):
     assert [p.id for p in a] == list(range(8)) and all(p.step == 7 for p in a)
     for p in a:
         assert p.text.endswith(" ") and p.ids == tuple(p.text.encode())
-        if p.task != "copy":
+        if p.task not in ("copy",):
             assert p.answer == solve(p.task, p.text.rstrip(" "))
 
 
@@ -28,7 +28,7 @@ def test_mixed_draws_every_synthetic_task():
     assert {p.task for p in prompt_set("mixed", 0, 1, 64)} == {"arithmetic", "reversal", "sorting"}
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "reversal", "sorting", "copy"])
+@pytest.mark.parametrize("task", ["arithmetic", "reversal", "reversal-short", "sorting", "copy"])
 def test_reward_is_one_for_the_answer_and_lower_otherwise(task):
     for p in prompt_set(task, 0, 1, 16):
         assert score(p, p.answer, 0) == 1.0
@@ -73,3 +73,8 @@ def test_a_raising_reward_names_task_and_sample():
         score(tasks.make_prompt("t-raise", 0, 1, 0), "x", 7)
     assert isinstance(RewardError("x"), ValueError)  # the CLI reports it as bad input (exit 2)
     assert math.isfinite(score(tasks.make_prompt("copy", 0, 1, 0), "x", 0))
+
+
+def test_short_reversal_words_have_three_or_four_letters():
+    words = [p.text.split()[1] for p in prompt_set("reversal-short", 0, 1, 64)]
+    assert {len(w) for w in words} == {3, 4}

@@ -8,6 +8,7 @@ corpus knows them; the model sees `prompt + " "` and should answer, then stop wi
     arithmetic  "Compute: 37 + 58 =" -> "95"      reward 1 if exact, else 0
     reversal    "Reverse: lamp ->"   -> "pmal"    reward = shaped match over characters
     sorting     "Sort: 5 31 9 ->"    -> "5 9 31"  reward = shaped match over the numbers
+    reversal-short  reversal of 3-4 letter words (easier: the RL recipe's task)
     copy        "Copy: lamp ->"      -> "lamp"    (easier; not in the warm-up corpus) like reversal
     mixed       each prompt draws one of arithmetic, reversal, sorting
 Shaped match = (bag F1 + positional match) / 2, over characters (reversal, copy) or whitespace-
@@ -100,6 +101,10 @@ def _make_reversal(rng: np.random.Generator) -> str:
     return f"Reverse: {''.join(rng.choice(_LETTERS, size=int(rng.integers(3, 13))))} ->"
 
 
+def _make_short_reversal(rng: np.random.Generator) -> str:
+    return f"Reverse: {''.join(rng.choice(_LETTERS, size=int(rng.integers(3, 5))))} ->"
+
+
 def _make_sorting(rng: np.random.Generator) -> str:
     values = rng.integers(0, 100, size=int(rng.integers(3, 9)))
     return f"Sort: {' '.join(map(str, values.tolist()))} ->"
@@ -118,6 +123,8 @@ _TASKS: dict[str, Task] = {
                        lambda p, a, c: 1.0 if c.strip() == a else 0.0),  # fmt: skip
     "reversal": Task("reversal", _make_reversal, lambda p: solve("reversal", p),
                      lambda p, a, c: shaped_match(c.strip(), a)),  # fmt: skip
+    "reversal-short": Task("reversal-short", _make_short_reversal, lambda p: solve("reversal", p),
+                           lambda p, a, c: shaped_match(c.strip(), a)),  # fmt: skip
     "sorting": Task("sorting", _make_sorting, lambda p: solve("sorting", p),
                     lambda p, a, c: shaped_match(c.split(), a.split())),  # fmt: skip
     "copy": Task("copy", _make_copy, _copy_answer, lambda p, a, c: shaped_match(c.strip(), a)),
