@@ -322,10 +322,33 @@ static inline void pack_a(const T* a, int64_t sam, int64_t sak, int64_t m0, int6
     for (int64_t i0 = m0; i0 < m1; i0 += MR) {
         const int64_t r = std::min<int64_t>(MR, m1 - i0);
         T* dst = abuf + ((i0 - m0) / MR) * kc * MR;
+#if defined(TA_ISA_AVX512)
+        if constexpr (std::is_same<T, float>::value) {
+            if (sak == 1 && r == MR && MR <= 16) {  // 16 k at a time: one 16 x 16 transpose
+                int64_t k = 0;
+                for (; k + 16 <= kc; k += 16) {
+                    __m512 v[16];
+                    for (int rr = 0; rr < 16; ++rr)
+                        v[rr] = rr < MR ? _mm512_loadu_ps(a + (i0 + rr) * sam + k0 + k) : _mm512_setzero_ps();
+                    transpose16x16(v);
+                    for (int kk = 0; kk < 16; ++kk)
+                        _mm512_mask_storeu_ps(dst + (k + kk) * MR, __mmask16((1u << MR) - 1), v[kk]);
+                }
+                for (; k < kc; ++k)
+                    for (int64_t rr = 0; rr < r; ++rr) dst[k * MR + rr] = a[(i0 + rr) * sam + k0 + k];
+                continue;
+            }
+        }
+#endif
         if (sak == 1) {
             for (int64_t rr = 0; rr < r; ++rr) {
                 const T* src = a + (i0 + rr) * sam + k0;
                 for (int64_t k = 0; k < kc; ++k) dst[k * MR + rr] = src[k];
+            }
+        } else if (sam == 1) {  // A stored transposed (e.g. x.t() in a weight gradient): r in a row
+            for (int64_t k = 0; k < kc; ++k) {
+                const T* src = a + i0 + (k0 + k) * sak;
+                for (int64_t rr = 0; rr < r; ++rr) dst[k * MR + rr] = src[rr];
             }
         } else {
             for (int64_t k = 0; k < kc; ++k)
