@@ -88,9 +88,10 @@ def _rl_tiny_run(out):
 
     warm = out.with_name(out.name + "-warmup")
     train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512"])
+    settings = ['task.name="reversal"', "task.prompts_per_step=4", "task.samples_per_prompt=4",
+                "sampling.max_new_tokens=6", "rollout.lag=1", "optimizer.lr=1e-3"]  # fmt: skip
     command = [sys.executable, "-m", "titan_audit.cli", "rl", "--config", "rl-tiny", "--init", str(warm), "--out", str(out),
-               "--steps", "3", "--set", "task.prompts_per_step=4", "--set", "task.samples_per_prompt=4",
-               "--set", "sampling.max_new_tokens=6", "--set", "rollout.lag=1", "--set", "optimizer.lr=1e-3"]  # fmt: skip
+               "--steps", "3", *[a for s in settings for a in ("--set", s)]]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -16,7 +16,8 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   (batch_invariant on by default: the zero-gap guarantee needs it); top-level `seed` (prompt sets,
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on).
-- Recipe `rl-tiny`: tiny-dense, reversal, 8 prompts x 8 samples per step, lag 0, BI mode.
+- Recipe `rl-tiny`: tiny-dense, reversal-short, 8 prompts x 8 samples per step, 100 steps, AdamW
+  at a constant 3e-4, lag 0, BI mode; start it from the warm-up of recipes/rl-warmup.toml.
 """
 
 from __future__ import annotations
@@ -155,11 +156,11 @@ class RLConfig:
 
 RECIPES: dict[str, dict[str, Any]] = {
     "rl-tiny": {
-        "steps": 120,
+        "steps": 100,
         "model": {"preset": "tiny-dense"},
-        "task": {"name": "reversal", "prompts_per_step": 8, "samples_per_prompt": 8},
+        "task": {"name": "reversal-short", "prompts_per_step": 8, "samples_per_prompt": 8},
         "sampling": {"temperature": 1.0, "max_new_tokens": 16},
-        "optimizer": {"lr": 1e-4, "weight_decay": 0.0, "grad_clip": 1.0},
+        "optimizer": {"lr": 3e-4, "weight_decay": 0.0, "grad_clip": 1.0},
         "schedule": {"warmup_steps": 0, "min_lr_ratio": 1.0},
         "checkpoint": {"interval": 10, "keep_last": 2},
     },
