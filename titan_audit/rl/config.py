@@ -16,7 +16,7 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   (batch_invariant on by default: the zero-gap guarantee needs it); top-level `seed` (prompt sets,
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on).
-- Recipe `rl-tiny`: tiny-dense, reversal-short, 8 prompts x 8 samples per step, 100 steps, AdamW
+- Recipe `rl-tiny`: tiny-dense, reversal-short, 8 prompts x 8 samples per step, 300 steps, AdamW
   at a constant 3e-4, lag 0, BI mode; start it from the warm-up of recipes/rl-warmup.toml.
 """
 
@@ -156,7 +156,7 @@ class RLConfig:
 
 RECIPES: dict[str, dict[str, Any]] = {
     "rl-tiny": {
-        "steps": 100,
+        "steps": 300,
         "model": {"preset": "tiny-dense"},
         "task": {"name": "reversal-short", "prompts_per_step": 8, "samples_per_prompt": 8},
         "sampling": {"temperature": 1.0, "max_new_tokens": 16},
