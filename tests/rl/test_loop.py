@@ -75,6 +75,7 @@ def test_negative_control_native_ops_show_a_gap(warm, tmp_path):
     assert sum(row["gap_tokens_differing"] for row in metrics(tmp_path / "n")) > 0
 
 
+@pytest.mark.slow
 def test_lag_two_with_random_delays_is_identical_to_without(warm, tmp_path, monkeypatch):
     steps = 5
     rl_train(config("rollout.lag=2", "verify=true", steps=steps), tmp_path / "plain", init=warm, quiet=True)
