@@ -44,6 +44,9 @@ def bi_results() -> dict[str, str]:
     out["log_softmax"] = fingerprint(bi.log_softmax(rows))
     out["rms_norm"] = fingerprint(bi.rms_norm(rows, _data(10, 1000)))
     out["sum"] = fingerprint(bi.sum(rows))
+    from titan_audit.models.rope import RotaryTable
+
+    out["rope_table_qwen3"] = fingerprint(torch.cat(RotaryTable(128, 1e6, 40960)._build()))
     model = models.build("tiny-dense", seed=0)
     out["init"] = fingerprint(torch.cat([p.detach().flatten() for p in model.parameters()]))
     tokens = torch.from_numpy(np.random.Generator(np.random.Philox(11)).integers(0, 2048, (2, 12)))
@@ -64,7 +67,9 @@ def native_results() -> dict[str, str]:
     opt = torch.optim.AdamW([p], lr=1e-3, foreach=False, fused=False)
     p.grad = _data(13, 10_001)
     opt.step()
+    angles = torch.outer(torch.arange(40960).float(), _data(14, 64).abs())
     return {"native_sum": fingerprint(rows.sum(-1)), "native_adamw": fingerprint(p.detach()),
+            "native_cos": fingerprint(angles.cos()), "native_sqrt": fingerprint(_data(15, 100_003).abs().sqrt()),
             "native_normal": fingerprint(torch.empty(4096).normal_(generator=torch.Generator().manual_seed(0)))}
 
 

@@ -4,9 +4,10 @@ Each case starts a fresh process (the knobs are read at process start) with one 
 variants forced (TITAN_AUDIT_CPU_ISA=scalar|avx2|avx512, those this CPU has), ATen's dispatch
 ISA forced (ATEN_CPU_CAPABILITY=default|avx2|avx512), ONEDNN_MAX_CPU_ISA=AVX2, MKL_CBWR=COMPATIBLE.
 Every case must give the same audit hashes for the BI ops, their backward, weight init, a BI
-model forward and a BI paged KV-cache decode (head_dim 128). Negative control: torch's own sum,
-AdamW and normal_ change bits under ATEN_CPU_CAPABILITY=default, so the knob really took effect
-and the comparison can fail. The whole BI training run under these knobs is in test_knobs_train.py.
+model forward, a BI paged KV-cache decode (head_dim 128) and the RoPE table of qwen3's shapes.
+Negative controls: torch's own sum, AdamW, normal_ and cos change bits under
+ATEN_CPU_CAPABILITY=default, and torch.sqrt / cos under MKL_CBWR=COMPATIBLE (MKL VML), so the
+knobs really took effect and the comparison can fail. The whole BI training run under these knobs is in test_knobs_train.py.
 """
 
 from __future__ import annotations
@@ -65,4 +66,6 @@ def test_negative_control_the_capability_knob_changes_native_bits(reference: dic
     default = _probe({"ATEN_CPU_CAPABILITY": "default"})
     assert default["capability"] == "DEFAULT"
     differing = [name for name in reference["native"] if default["native"][name] != reference["native"][name]]
-    assert differing, "torch's own sum/AdamW/normal_ gave the same bits under ATEN_CPU_CAPABILITY=default"
+    assert differing, "torch's own sum/AdamW/normal_/cos gave the same bits under ATEN_CPU_CAPABILITY=default"
+    cbwr = _probe({"MKL_CBWR": "COMPATIBLE"})
+    assert cbwr["native"]["native_sqrt"] != reference["native"]["native_sqrt"]

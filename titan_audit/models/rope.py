@@ -4,13 +4,16 @@ Guarantee: the cos/sin of a position are computed once, for all positions [0, ma
 in one float32 table, and looked up by index. A token's rotation therefore has the same bits
 whatever the batch, the sequence length or the other positions in the call (computing cos/sin
 on the fly would not: CPU transcendental kernels give tail elements different bits, see
-`pointwise.py`). The rotation itself runs in float32 (mul/add, correctly rounded) and is cast
-back to the input dtype.
+`pointwise.py`). The table's cos/sin come from our own kernel (`batch_invariant.cpu.trig`), so
+its bits are the same on every CPU and under every library knob. The rotation itself runs in
+float32 (mul/add, correctly rounded) and is cast back to the input dtype.
 """
 
 from __future__ import annotations
 
 import torch
+
+from titan_audit.batch_invariant.cpu.trig import cos_sin, rope_inv_freq
 
 
 class RotaryTable:
@@ -24,13 +27,12 @@ class RotaryTable:
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _build(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Built on CPU in float32 (the HF formula), then moved: the table is device independent.
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent)
+        # Built on CPU in float32 (the HF formula on our kernels), then moved: device independent.
+        inv_freq = rope_inv_freq(self.theta, self.head_dim)  # 1 / theta^(2i/d), our exp/log
         positions = torch.arange(self.max_positions, dtype=torch.int64).float()
         freqs_PF = torch.outer(positions, inv_freq)
         angles_PD = torch.cat((freqs_PF, freqs_PF), dim=-1)
-        return angles_PD.cos(), angles_PD.sin()
+        return cos_sin(angles_PD)  # our kernel: torch.cos/sin bits follow ATEN_CPU_CAPABILITY and MKL_CBWR
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape positions.shape + (head_dim,), float32, on positions' device."""

@@ -9,7 +9,9 @@ shards that split SIMD vectors at odd offsets. The implementation is pinned (`fo
 
 `PortableAdamW` (used when `determinism.batch_invariant` is on) computes the same update with
 separate multiplies, adds, divides and square roots only: each is correctly rounded on every CPU
-and ISA, so the update's bits do not depend on the CPU. Torch's own AdamW uses `lerp_`,
+and ISA, so the update's bits do not depend on the CPU. The square root is our kernel's
+(`batch_invariant.cpu.pointwise.sqrt`): torch.sqrt can run MKL's VML, whose bits change with
+MKL_CBWR (tested). Torch's own AdamW uses `lerp_`,
 `addcmul_` and `addcdiv_`, whose vector kernels fuse multiply-adds on AVX2/AVX-512 and not in
 the default (scalar) build, so its bits change with `ATEN_CPU_CAPABILITY` (tested). Its state
 dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints load either way.
@@ -21,6 +23,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from titan_audit.batch_invariant.cpu import pointwise
 
 
 @dataclass
@@ -53,6 +58,17 @@ class ScheduleConfig:
             raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+def _portable_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """IEEE sqrt by our kernel on CPU (torch.sqrt may run MKL VML, whose bits follow MKL_CBWR);
+    a DTensor (FSDP2 shard) elementwise on its local shard."""
+    if isinstance(x, DTensor):
+        local = _portable_sqrt(x.to_local())
+        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+    if x.device.type != "cpu":
+        return x.sqrt()
+    return pointwise.sqrt(x).to(x.dtype)
+
+
 class PortableAdamW(torch.optim.AdamW):
     """AdamW (decoupled weight decay) whose bits are the same on every CPU: see the module doc.
     Order per element: p *= 1 - lr*wd; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2);
@@ -82,7 +98,7 @@ class PortableAdamW(torch.optim.AdamW):
                 exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
                 bias_correction1 = 1 - beta1**step
                 bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-                denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
+                denom = _portable_sqrt(exp_avg_sq).div_(bias_correction2_sqrt).add_(eps)
                 p.add_(exp_avg.div(denom).mul_(-lr / bias_correction1))
         return None
 

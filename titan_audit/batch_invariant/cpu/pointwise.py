@@ -1,4 +1,4 @@
-"""CPU element-wise exp, exp2, log, sigmoid, silu (and the backward of sigmoid and silu) on our
+"""CPU element-wise exp, exp2, log, sqrt, sigmoid, silu (and the backward of sigmoid and silu) on our
 own compiled kernels (`kernels/pointwise.cpp`).
 
 Guarantee: an element's result is a function of its value alone (for a backward: of its value
@@ -6,7 +6,7 @@ and its gradient), the same bits wherever it sits in a tensor, whatever the tens
 thread count or the ISA variant. Torch's versions are not: their vector body and scalar tail
 round differently (tests/models/test_pointwise.py and tests/batch_invariant/test_math.py keep
 the negative controls). The sequences, written next to each kernel:
-    exp  = ta::exp_f32        exp2 = ta::exp2_f32          log = ta::log_f32
+    exp  = ta::exp_f32        exp2 = ta::exp2_f32          log = ta::log_f32      sqrt = IEEE sqrt
     e = exp(-|x|), num = (1 if x >= 0 else e)     (no overflow; tiny results stay accurate)
     sigmoid(x) = num / (1 + e)                  silu(x) = (x * num) / (1 + e)
     sigmoid'(g, y) = g * (y * (1 - y))         silu'(g, x) = g * (s * fma(x, 1 - s, 1)), s = sigmoid(x)
@@ -28,7 +28,7 @@ from titan_audit.batch_invariant.cpu import _lib
 
 PARALLEL_MIN_ELEMENTS = 1 << 16  # below this one thread does the call (threads never change bits)
 
-UNARY = ("exp", "exp2", "log", "sigmoid", "silu")
+UNARY = ("exp", "exp2", "log", "sqrt", "sigmoid", "silu")
 BINARY = ("sigmoid_backward", "silu_backward")
 
 for _name in UNARY:
@@ -104,9 +104,10 @@ def _make_binary(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
 exp = _make_unary("exp")
 exp2 = _make_unary("exp2")
 log = _make_unary("log")
+sqrt = _make_unary("sqrt")  # correctly rounded; torch.sqrt may take MKL VML (MKL_CBWR changes it)
 sigmoid = _make_unary("sigmoid")
 silu = _make_unary("silu")
 sigmoid_backward = _make_binary("sigmoid_backward")  # (grad, sigmoid's output y)
 silu_backward = _make_binary("silu_backward")  # (grad, silu's input x)
 
-__all__ = ["exp", "exp2", "log", "sigmoid", "sigmoid_backward", "silu", "silu_backward"]
+__all__ = ["exp", "exp2", "log", "sigmoid", "sigmoid_backward", "silu", "silu_backward", "sqrt"]

@@ -1,4 +1,4 @@
-// pointwise.cpp: element-wise exp, exp2, log, sigmoid, silu and the backward of sigmoid and
+// pointwise.cpp: element-wise exp, exp2, log, sqrt, sigmoid, silu and the backward of sigmoid and
 // silu, float32, over contiguous buffers.
 //
 // Guarantee: an element's bits are a function of its value alone (and its gradient's), the
@@ -120,6 +120,12 @@ TA_EXPORT(void, exp2_f32)(const float* x, float* y, int64_t n, int threads) {
 // y = ta::log_f32(x)
 TA_EXPORT(void, log_f32)(const float* x, float* y, int64_t n, int threads) {
     map(n, threads, [&](int64_t i) { y[i] = ta::canon_nan_f32(ta::log_f32(x[i])); });
+}
+
+// y = sqrt(x): IEEE's correctly rounded square root (sqrtss / vsqrtps; -fno-math-errno keeps it
+// inline). torch.sqrt may go through MKL VML, whose result changes with MKL_CBWR (tested).
+TA_EXPORT(void, sqrt_f32)(const float* x, float* y, int64_t n, int threads) {
+    map(n, threads, [&](int64_t i) { y[i] = ta::canon_nan_f32(std::sqrt(x[i])); });
 }
 
 // y = sigmoid_f32(x): num / (1 + e), e = exp(-|x|), num = x >= 0 ? 1 : e
