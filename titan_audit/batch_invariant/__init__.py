@@ -4,8 +4,10 @@ them in place of the aten ops (guarantee G2).
 Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`,
 `log_softmax`, `rms_norm`, `attention`. Mode: `enabled()` (context manager), `enable()`,
 `disable()`, `is_enabled()` (read by the numerics fingerprint; it reports the overrides actually
-installed). Kernels come from a backend chosen by device (`backend.backend_for`): plain torch on
-CPU; on CUDA a clear NotImplementedError until the Triton backend lands.
+installed). Kernels come from a backend chosen by device (`backend.backend_for`): on CPU our own
+compiled kernels (`cpu/kernels`, built by `make`; scalar, AVX2 and AVX-512 variants with
+identical bits, so BI results are the same on every CPU); on CUDA a clear NotImplementedError
+until the Triton backend lands.
 """
 
 from titan_audit.batch_invariant.backend import backend_for, register_backend

@@ -1,8 +1,8 @@
 """Backend selection by device: the one place that maps a tensor's device to kernels.
 
 Guarantee: an op on a device without a batch-invariant backend raises `NotImplementedError`;
-it never falls back to a native (batch-variant) kernel. CPU -> `batch_invariant.cpu` (plain
-torch). CUDA -> the Triton backend, added by a later issue by registering it here with
+it never falls back to a native (batch-variant) kernel. CPU -> `batch_invariant.cpu` (our
+compiled kernels). CUDA -> the Triton backend, added by a later issue by registering it here with
 `register_backend("cuda", module)`; callers (ops, the override mode) do not change.
 """
 

@@ -15,7 +15,7 @@ installed state itself (no separate flag that could disagree). `enabled()` resto
 it found on exit, also on an exception, so an inner block's exit never drops the overrides of an
 outer block (the bug of the public library, whose context manager disables unconditionally).
 `enable()` and `disable()` are idempotent switches. The kernels never re-enter the mode: they
-reach the gemm through the `out=` overloads, which are not overridden.
+are our own compiled kernels, called through ctypes, and call no aten op the mode overrides.
 """
 
 from __future__ import annotations
