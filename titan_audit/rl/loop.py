@@ -40,7 +40,6 @@ mode is switched on for the whole run (both threads) when `determinism.batch_inv
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import json
