@@ -19,7 +19,7 @@ from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 
 
-@click.command(short_help="Name the first aten op at which two DebugMode op logs differ.")
+@click.command(short_help="First aten op at which two DebugMode op logs differ.")
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
 @click.option("--step", type=int, default=None,

@@ -10,7 +10,7 @@ from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 
 
-@click.command(short_help="Replay a run from a checkpoint on W ranks and compare bitwise.")
+@click.command(short_help="Replay a checkpoint on W ranks; compare bitwise.")
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--from-step", "from_step", type=int, required=True, help="The checkpoint step to resume from.")
 @click.option("--nproc", type=int, default=1, show_default=True, help="World size W of the replay.")

@@ -23,7 +23,7 @@ def _guard(fn):
         sys.exit(EXIT_DIFFERENT)
 
 
-@click.command(short_help="GRPO post-training with the built-in generator and a deterministic rollout lag.")
+@click.command(short_help="GRPO post-training; rollouts at a deterministic lag.")
 @click.option("--config", "source", help="An RL recipe (rl-tiny) or a TOML file; default on --resume: the run's own.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory.")
 @click.option("--init", "init", default=None, help=_INIT_HELP)
@@ -42,7 +42,7 @@ def rl(source, out, init, nproc, steps, resume, overwrite, overrides) -> None:
         sys.exit(rc)
 
 
-@click.command("verify-onpolicy", short_help="RL with the zero-gap check at every step; a report; exit 0 iff zero gap.")
+@click.command("verify-onpolicy", short_help="RL with the zero-gap check and report; exit 0 iff gap 0.")
 @click.option("--config", "source", required=True, help="An RL recipe (rl-tiny) or a TOML file.")
 @click.option("--steps", type=int, required=True, help="RL steps to run and verify.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory (reports in RUN/reports/).")

@@ -9,7 +9,7 @@ import click
 
 
 
-@click.command(short_help="Train with a trajectory that is the same at every world size.")
+@click.command(short_help="Train; the same trajectory at every world size.")
 @click.option("--config", "source", help="A recipe (tiny-dense, tiny-moe) or a TOML file; default on --resume: the run's own.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory.")
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
