@@ -2,8 +2,9 @@
 
 `TITAN_AUDIT_CRASH_AT=name:step[:rank]` (rank defaults to 0): `crash_point(name, step)` kills the
 calling process with SIGKILL when name, step and rank match, and does nothing otherwise (one
-environment lookup). Places: `train.after_step` (after step N's update and audit records) and
-`checkpoint.before_rename` (checkpoint N's files written and synced, directory not yet renamed).
+environment lookup). Places: `train.after_step` (after step N's update and audit records),
+`checkpoint.before_rename` (checkpoint N's files written and synced, directory not yet renamed),
+and in rl/: `rl.rollout` (inside the generation of step N's rollouts) and `rl.after_step`.
 """
 
 from __future__ import annotations
