@@ -23,7 +23,6 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from titan_audit.rl.tasks import task_names
@@ -178,18 +177,7 @@ def to_dict(config: RLConfig) -> dict[str, Any]:
 def load_rl_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> RLConfig:
     """A recipe name or a TOML file (which may name a base recipe with `recipe = "..."`), then
     `--set` overrides. Errors name the key and the file."""
-    if source in RECIPES:
-        data, origin = RECIPES[source], f"recipe {source!r}"
-    elif source.endswith(".toml") or Path(source).is_file():
-        data, origin = typed_config.load_toml(source), source
-        base = data.pop("recipe", None)
-        if base is not None:
-            if base not in RECIPES:
-                raise ValueError(f"{source}: RL recipe {base!r} is not one of {', '.join(sorted(RECIPES))}")
-            data = typed_config.merge(RECIPES[base], data)
-    else:
-        raise ValueError(f"--config {source!r}: neither an RL recipe ({', '.join(sorted(RECIPES))}) nor a TOML file")
-    data = typed_config.apply_overrides(data, list(overrides))
+    data, origin = typed_config.load_source(source, RECIPES, overrides, what="RL recipe")
     try:
         return from_dict(data)
     except ValueError as error:

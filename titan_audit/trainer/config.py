@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -217,18 +216,7 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
 def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """A recipe name or a TOML file (which may name a base recipe with top-level `recipe = "..."`),
     then `--set` overrides. Errors name the key and the file."""
-    if source in RECIPES:
-        data, origin = RECIPES[source], f"recipe {source!r}"
-    elif source.endswith(".toml") or Path(source).is_file():
-        data, origin = typed_config.load_toml(source), source
-        base = data.pop("recipe", None)
-        if base is not None:
-            if base not in RECIPES:
-                raise ValueError(f"{source}: recipe {base!r} is not one of {', '.join(sorted(RECIPES))}")
-            data = typed_config.merge(RECIPES[base], data)
-    else:
-        raise ValueError(f"--config {source!r}: neither a recipe ({', '.join(sorted(RECIPES))}) nor a TOML file")
-    data = typed_config.apply_overrides(data, list(overrides))
+    data, origin = typed_config.load_source(source, RECIPES, overrides, what="recipe")
     try:
         return from_dict(data)
     except ValueError as error:

@@ -30,6 +30,26 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path}: invalid TOML ({error})") from None
 
 
+def load_source(
+    source: str, recipes: dict[str, dict[str, Any]], overrides: list[str] | tuple[str, ...], what: str = "recipe"
+) -> tuple[dict[str, Any], str]:
+    """(config data, where it came from) for a recipe name or a TOML file (which may name a base
+    recipe with a top-level `recipe = "..."`), with `--set` overrides applied. `what` names the
+    kind of recipe in errors ("recipe", "RL recipe")."""
+    if source in recipes:
+        data, origin = recipes[source], f"{what} {source!r}"
+    elif source.endswith(".toml") or Path(source).is_file():
+        data, origin = load_toml(source), source
+        base = data.pop("recipe", None)
+        if base is not None:
+            if base not in recipes:
+                raise ValueError(f"{source}: {what} {base!r} is not one of {', '.join(sorted(recipes))}")
+            data = merge(recipes[base], data)
+    else:
+        raise ValueError(f"--config {source!r}: neither a known {what} ({', '.join(sorted(recipes))}) nor a TOML file")
+    return apply_overrides(data, list(overrides)), origin
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], value). The value is read as a TOML value
     (`3`, `1e-3`, `true`, `"x"`, `[1, 2]`); anything that is not valid TOML is taken as a string."""
