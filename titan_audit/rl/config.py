@@ -17,7 +17,7 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on).
 - Recipe `rl-tiny`: tiny-dense, reversal-short, 8 prompts x 8 samples per step, 300 steps, AdamW
-  at a constant 3e-4, lag 0, BI mode; start it from the warm-up of recipes/rl-warmup.toml.
+  at a constant 6e-4, lag 0, BI mode; start it from the warm-up of recipes/rl-warmup.toml.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         "model": {"preset": "tiny-dense"},
         "task": {"name": "reversal-short", "prompts_per_step": 8, "samples_per_prompt": 8},
         "sampling": {"temperature": 1.0, "max_new_tokens": 16},
-        "optimizer": {"lr": 3e-4, "weight_decay": 0.0, "grad_clip": 1.0},
+        "optimizer": {"lr": 6e-4, "weight_decay": 0.0, "grad_clip": 1.0},
         "schedule": {"warmup_steps": 0, "min_lr_ratio": 1.0},
         "checkpoint": {"interval": 10, "keep_last": 2},
     },
