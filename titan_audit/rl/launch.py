@@ -12,15 +12,12 @@ ranks join its rendezvous); `nproc=N` runs `python -m torch.distributed.run --st
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from titan_audit.rl.config import RLConfig, from_dict, load_rl_config, to_dict
+from titan_audit.trainer.launch import torchrun
 
 
 def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> RLConfig:
@@ -58,13 +55,7 @@ def launch_rl(config: RLConfig, out: str | os.PathLike, *, init: str | None = No
 
         rl_train(config, out, init=init, resume=resume, overwrite=overwrite, quiet=quiet)
         return 0
-    with tempfile.TemporaryDirectory(prefix="titan-audit-rl-launch-") as tmp:
-        config_file = Path(tmp) / "config.json"
-        config_file.write_text(json.dumps(to_dict(config)))
-        flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
-        if init is not None:
-            flags.append(f"init={os.fspath(init)}")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", "titan_audit.rl.loop", str(config_file), os.fspath(out), *flags]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(config.parallel.threads)}
-        return subprocess.run(command, env=env).returncode
+    flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
+    if init is not None:
+        flags.append(f"init={os.fspath(init)}")
+    return torchrun("titan_audit.rl.loop", to_dict(config), out, flags, nproc=nproc, threads=config.parallel.threads)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import os
 import sys
 import time
@@ -498,20 +497,14 @@ def _barrier() -> None:
 def main(argv: list[str] | None = None) -> None:
     """One rank under torchrun: `python -m titan_audit.rl.loop CONFIG_JSON OUT [resume] [overwrite]
     [quiet] [init=PATH]` (the CLI writes the resolved config to a JSON file)."""
-    argv = sys.argv[1:] if argv is None else argv
-    config = from_dict(json.loads(Path(argv[0]).read_text()))
-    flags = set(argv[2:])
-    init = next((f.split("=", 1)[1] for f in flags if f.startswith("init=")), None)
-    try:
-        rl_train(config, argv[1], init=init, resume="resume" in flags, overwrite="overwrite" in flags,
+    from titan_audit.trainer.launch import rank_main
+
+    def run(config: dict, out: str, flags: set[str]) -> None:
+        init = next((f.split("=", 1)[1] for f in flags if f.startswith("init=")), None)
+        rl_train(from_dict(config), out, init=init, resume="resume" in flags, overwrite="overwrite" in flags,
                  quiet="quiet" in flags)  # fmt: skip
-    except ValueError as error:
-        if _rank() == 0:
-            print(f"Error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    rank_main(sys.argv[1:] if argv is None else argv, run)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from titan_audit.trainer.config import TrainConfig, from_dict, load_config, to_dict
@@ -62,13 +62,38 @@ def launch(config: TrainConfig, out: str | os.PathLike, *, nproc: int | None, re
         return 0
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
+    if stop_at is not None:
+        flags.append(f"stop_at={stop_at}")
+    return torchrun("titan_audit.trainer.train", to_dict(config), out, flags, nproc=nproc, threads=config.parallel.threads)
+
+
+def torchrun(module: str, config: dict, out: str | os.PathLike, flags: Sequence[str], *, nproc: int, threads: int) -> int:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m MODULE CONFIG_JSON OUT
+    FLAGS...` with the resolved config in a temporary JSON file and OMP_NUM_THREADS = `threads`;
+    torchrun's exit code. MODULE's `main` reads those arguments (see `rank_main`)."""
     with tempfile.TemporaryDirectory(prefix="titan-audit-launch-") as tmp:
         config_file = Path(tmp) / "config.json"
-        config_file.write_text(json.dumps(to_dict(config)))
-        flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
-        if stop_at is not None:
-            flags.append(f"stop_at={stop_at}")
+        config_file.write_text(json.dumps(config))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", "titan_audit.trainer.train", str(config_file), os.fspath(out), *flags]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(config.parallel.threads)}
+                   "-m", module, str(config_file), os.fspath(out), *flags]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         return subprocess.run(command, env=env).returncode
+
+
+def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object]) -> None:
+    """One rank's entry point under `torchrun`: run(config dict, out, flags) from
+    `CONFIG_JSON OUT FLAGS...`; a ValueError is printed once (rank 0) and exits 2; the process
+    group is destroyed either way."""
+    import torch.distributed as dist
+
+    config = json.loads(Path(argv[0]).read_text())
+    try:
+        run(config, argv[1], set(argv[2:]))
+    except ValueError as error:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            print(f"Error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -422,22 +422,14 @@ def _batch_invariant(config: TrainConfig):
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank under torchrun: `python -m titan_audit.trainer.train CONFIG_JSON OUT
     [resume] [overwrite] [quiet] [stop_at=N]` (the CLI writes the resolved config to a JSON file)."""
-    import json
+    from titan_audit.trainer.launch import rank_main
 
-    argv = sys.argv[1:] if argv is None else argv
-    config = from_dict(json.loads(Path(argv[0]).read_text()))
-    flags = set(argv[2:])
-    stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
-    try:
-        train(config, argv[1], resume="resume" in flags, overwrite="overwrite" in flags, stop_at=stop_at,
+    def run(config: dict, out: str, flags: set[str]) -> None:
+        stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
+        train(from_dict(config), out, resume="resume" in flags, overwrite="overwrite" in flags, stop_at=stop_at,
               quiet="quiet" in flags)  # fmt: skip
-    except ValueError as error:
-        if _rank() == 0:
-            print(f"Error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    rank_main(sys.argv[1:] if argv is None else argv, run)
 
 
 if __name__ == "__main__":
