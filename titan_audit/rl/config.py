@@ -15,7 +15,9 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   parallel (threads, backend; data parallel only), checkpoint, audit, determinism
   (batch_invariant on by default: the zero-gap guarantee needs it); top-level `seed` (prompt sets,
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
-  figures; what `titan-audit verify-onpolicy` turns on).
+  figures; what `titan-audit verify-onpolicy` turns on), `generator` ("builtin": rl/builtin.py;
+  "vllm": our model inside vLLM, rl/vllm/, needs the `vllm` extra; the same tokens and log-probs
+  in BI mode).
 - Recipe `rl-tiny`: tiny-dense, reversal-short, 8 prompts x 8 samples per step, 300 steps, AdamW
   at a constant 6e-4, lag 0, BI mode; start it from the warm-up of recipes/rl-warmup.toml.
 """
@@ -119,6 +121,7 @@ class RLConfig:
     seed: int = 0
     steps: int = 100
     verify: bool = False  # record the per-step zero-gap figures (verify-onpolicy)
+    generator: Literal["builtin", "vllm"] = "builtin"  # rollouts: rl/builtin.py or vLLM (rl/vllm/)
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
