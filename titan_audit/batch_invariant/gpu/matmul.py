@@ -1,0 +1,148 @@
+"""Triton gemm: a persistent kernel with one fixed tile configuration per dtype and no split-K.
+
+Guarantee: C[i, j] of `mm(a, b)` (and of every matrix of `bmm`) is computed by the same
+instruction sequence whatever M (the row count), the batch, or which program ran the tile:
+  acc = 0 (float32; float64 for float64 inputs)
+  for k0 in 0, BK, 2*BK, ... < K (ascending):  acc = tl.dot(A[tile rows, k0:k0+BK], B[k0:k0+BK, tile cols], acc)
+  C = round(acc (+ bias[j]))   (rounded once to the output dtype)
+Why that is batch-invariant:
+- the tile shape (BM, BN, BK), warps and stages are fixed per dtype (`CONFIGS`), never chosen from
+  M, N or K, so the compiled kernel (and its MMA instructions) is one and the same for every call
+  with that dtype and layout;
+- there is no split-K: one program owns an output tile and runs the whole K loop in ascending
+  order, so nothing ever adds partial sums from different programs (no atomics, no reduction
+  whose shape depends on the problem);
+- a row's products meet only that row's accumulator: the rows of a tile never mix, and rows past
+  M are masked loads of zeros that feed only their own (discarded) outputs;
+- K tails are masked to zero on both operands; +0.0 products leave an accumulator's bits alone.
+Persistence (a grid of at most one program per multiprocessor, each walking tiles
+pid, pid + P, ...) changes only which program computes a tile, never the tile's arithmetic.
+Operand layouts: any strides (a transposed weight `w.t()` is read in place); the layout does
+change the compiled kernel (strides of 1 are specialised), not the order of the sum.
+
+Interpreter (CPU tensors, tests): the same kernel; bfloat16/float16 tiles are upcast to float32
+before `tl.dot` (`DOT_F32`, see `_runtime`).
+float32 inputs use `input_precision="ieee"` (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from titan_audit.batch_invariant.gpu._runtime import interpreted, jit, persistent_grid
+
+# (BM, BN, BK, warps, stages) per input dtype: fixed, never derived from the problem's shape.
+CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 128, 64, 8, 3),
+    torch.float32: (64, 64, 32, 4, 3),
+    torch.float64: (32, 32, 16, 4, 2),
+}
+# The interpreter runs a tile as numpy code: smaller fixed tiles keep tests fast.
+INTERPRETER_CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    dt: (16, 16, 16, 1, 1) for dt in CONFIGS
+}
+
+
+@jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    s_ab, s_am, s_ak,
+    s_bb, s_bk, s_bn,
+    s_cb, s_cm, s_cn,
+    tiles_per_matrix, tiles_n, total_tiles, num_programs,
+    HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    for tile in range(pid, total_tiles, num_programs):
+        mat = tile // tiles_per_matrix
+        t = tile % tiles_per_matrix
+        rm = (t // tiles_n) * BM + tl.arange(0, BM)
+        rn = (t % tiles_n) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        a_base = a_ptr + mat.to(tl.int64) * s_ab
+        b_base = b_ptr + mat.to(tl.int64) * s_bb
+        if c_ptr.dtype.element_ty == tl.float64:
+            acc = tl.zeros((BM, BN), dtype=tl.float64)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):  # ascending, the whole K in this program: no split-K
+            kk = k0 + rk
+            a = tl.load(a_base + rm[:, None].to(tl.int64) * s_am + kk[None, :] * s_ak,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
+                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc + bias[None, :].to(acc.dtype)
+        c = c_ptr + mat.to(tl.int64) * s_cb + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _config(a: torch.Tensor) -> tuple[int, int, int, int, int]:
+    return (INTERPRETER_CONFIGS if interpreted(a) else CONFIGS)[a.dtype]
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """a [batch, M, K] @ b [batch, K, N] (+ bias [N]) -> [batch, M, N] in a's dtype."""
+    assert a.dtype == b.dtype and a.dtype in CONFIGS, (a.dtype, b.dtype)
+    batch, m, k = a.shape
+    n = b.shape[2]
+    c = torch.empty((batch, m, n), dtype=a.dtype, device=a.device)
+    if c.numel() == 0:
+        return c
+    if k == 0:
+        c.zero_()
+        return c if bias is None else c.add_(bias.to(c.dtype))
+    bm, bn, bk, warps, stages = _config(a)
+    tiles_n = triton.cdiv(n, bn)
+    per_matrix = triton.cdiv(m, bm) * tiles_n
+    total = per_matrix * batch
+    programs = persistent_grid(a, total)
+    interp = interpreted(a)
+    launch = dict(BM=bm, BN=bn, BK=bk)
+    if not interp:
+        launch.update(num_warps=warps, num_stages=stages)
+    _gemm_kernel[(programs,)](
+        a, b, c, bias if bias is not None else c,
+        m, n, k,
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1), c.stride(2),
+        per_matrix, tiles_n, total, programs,
+        HAS_BIAS=bias is not None,
+        DOT_F32=interp and a.dtype in (torch.bfloat16, torch.float16),
+        IEEE=a.dtype == torch.float32 or (interp and a.dtype != torch.float64),
+        **launch,
+    )  # fmt: skip
+    return c
+
+
+def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = a.dtype if a.dtype == b.dtype else torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N], added to the float32 accumulator), in a's dtype."""
+    assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    a, b = _common(a, b)
+    return _launch(a.unsqueeze(0), b.unsqueeze(0), bias)[0]
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N]; matrix j's rows depend on a[j] and b[j] only."""
+    assert a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]
+    a, b = _common(a, b)
+    return _launch(a, b, None)
