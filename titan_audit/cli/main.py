@@ -17,6 +17,7 @@ from titan_audit.cli.env import env
 from titan_audit.cli.errors import AuditGroup
 from titan_audit.cli.golden import golden
 from titan_audit.cli.replay import replay
+from titan_audit.cli.report import report
 from titan_audit.cli.rl import rl, verify_onpolicy
 from titan_audit.cli.train import train
 
@@ -45,6 +46,7 @@ cli.add_command(demo)
 cli.add_command(golden)
 cli.add_command(train)
 cli.add_command(replay)
+cli.add_command(report)
 cli.add_command(rl)
 cli.add_command(verify_onpolicy)
 

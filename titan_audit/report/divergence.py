@@ -1,0 +1,121 @@
+"""The divergence map of two runs: which steps and which modules / phases differ.
+
+    grid = divergence_map("runs/a", "runs/b")   # rows (phase, module group) x steps
+
+Guarantees:
+- The join is `compare`'s: records keyed by (step, phase, microbatch, name), hashes compared
+  (nothing loosened), `rank` ignored so runs at different world sizes compare. A key counts as
+  differing when both runs hold it and the hash sets differ, or when a run recorded it more than
+  once with different hashes; a key one run lacks counts as `only_a` / `only_b`. So the map's
+  totals agree with `audit.compare_runs` (differing + one-side-only events).
+- Rows group record names by module: the name's first component, or its first two when the second
+  is a layer index (`layers.3.mlp.down_proj.weight` -> `layers.3`; `embed_tokens.weight` ->
+  `embed_tokens`), within each phase, in the phases' execution order, then in natural order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from titan_audit.audit.log import read_audit_log
+from titan_audit.audit.schema import KEY, PHASE_RANK
+
+
+def module_group(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[1].split("@")[0].split("#")[0].isdigit():
+        return f"{parts[0]}.{parts[1].split('@')[0].split('#')[0]}"
+    return parts[0].split("@")[0].split("#")[0].split("[")[0]
+
+
+def _natural(text: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+@dataclass
+class Cell:
+    compared: int = 0  # keys in both runs
+    differing: int = 0  # of those, hash differs (or a conflicting repeat)
+    only_a: int = 0
+    only_b: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.compared + self.only_a + self.only_b
+
+    @property
+    def events(self) -> int:
+        return self.differing + self.only_a + self.only_b
+
+
+@dataclass
+class DivergenceMap:
+    run_a: str
+    run_b: str
+    steps: list[int]
+    rows: list[tuple[str, str]]  # (phase, module group)
+    cells: dict[tuple[int, int], Cell]  # (row index, step) -> cell
+
+    @property
+    def identical(self) -> bool:
+        return not any(c.events for c in self.cells.values())
+
+    def totals(self) -> Cell:
+        out = Cell()
+        for c in self.cells.values():
+            out.compared += c.compared
+            out.differing += c.differing
+            out.only_a += c.only_a
+            out.only_b += c.only_b
+        return out
+
+    def first_step(self) -> int | None:
+        steps = [s for (_, s), c in self.cells.items() if c.events]
+        return min(steps) if steps else None
+
+    def row_summary(self) -> list[dict]:
+        """Per row: records compared, differing, one-side-only, first step with a difference."""
+        out = []
+        for i, (phase, group) in enumerate(self.rows):
+            cells = [(s, self.cells[(i, s)]) for s in self.steps if (i, s) in self.cells]
+            first = next((s for s, c in cells if c.events), None)
+            out.append({"phase": phase, "module": group, "compared": sum(c.compared for _, c in cells),
+                        "differing": sum(c.differing for _, c in cells),
+                        "one_side_only": sum(c.only_a + c.only_b for _, c in cells), "first_step": first})  # fmt: skip
+        return out
+
+
+def _keyed(run: Path) -> pa.Table:
+    table = read_audit_log(run, columns=[*KEY, "hash"])
+    return table.group_by(list(KEY)).aggregate([("hash", "min"), ("hash", "max")])
+
+
+def divergence_map(run_a: str | os.PathLike, run_b: str | os.PathLike) -> DivergenceMap:
+    a, b = _keyed(Path(run_a)), _keyed(Path(run_b))
+    joined = a.join(b, keys=list(KEY), join_type="full outer", left_suffix="_a", right_suffix="_b")
+    rows: dict[tuple[str, str], int] = {}
+    raw: dict[tuple[tuple[str, str], int], Cell] = {}
+    cols = {c: joined[c].to_pylist() for c in ("step", "phase", "name", "hash_min_a", "hash_max_a", "hash_min_b", "hash_max_b")}
+    for i in range(joined.num_rows):
+        row = (cols["phase"][i], module_group(cols["name"][i]))
+        cell = raw.setdefault((row, cols["step"][i]), Cell())
+        rows.setdefault(row, 0)
+        lo_a, hi_a, lo_b, hi_b = cols["hash_min_a"][i], cols["hash_max_a"][i], cols["hash_min_b"][i], cols["hash_max_b"][i]
+        if lo_a is None:
+            cell.only_b += 1
+        elif lo_b is None:
+            cell.only_a += 1
+        else:
+            cell.compared += 1
+            if lo_a != hi_a or lo_b != hi_b or lo_a != lo_b:
+                cell.differing += 1
+    order = sorted(rows, key=lambda r: (PHASE_RANK.get(r[0], len(PHASE_RANK)), r[0], _natural(r[1])))
+    index = {row: i for i, row in enumerate(order)}
+    cells = {(index[row], step): cell for (row, step), cell in raw.items()}
+    steps = sorted({step for (_, step) in raw})
+    return DivergenceMap(str(run_a), str(run_b), steps, order, cells)
