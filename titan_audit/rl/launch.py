@@ -7,7 +7,10 @@ a prompt longer than the model's context, `--init` of another shape: ValueError,
 written), then launches. `nproc=None` runs in this process (under an external torchrun the
 ranks join its rendezvous); `nproc=N` runs `python -m torch.distributed.run --standalone
 --nproc-per-node N -m titan_audit.rl.loop CONFIG_JSON OUT ...` with OMP_NUM_THREADS set from
-`parallel.threads` (never from N) and returns its exit code.
+`parallel.threads` (never from N) and returns its exit code. The launcher is the trainer's
+(trainer/launch.py): the run's lock is held for the whole launch, a user error a rank finds comes
+back as one line (ValueError), and torchrun and the ranks die with the launcher. On a resume the
+checkpoints' small files and the step it would start from are checked before torchrun starts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from titan_audit.rl.config import RLConfig, from_dict, load_rl_config, to_dict
-from titan_audit.trainer.launch import torchrun
+from titan_audit.trainer.launch import existing_run_locked, torchrun
 
 
 def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> RLConfig:
@@ -37,15 +40,27 @@ def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides:
 def start_rl(source: str | None, out: Path, *, init: str | None, nproc: int | None, steps: int | None, resume: bool,
              overwrite: bool, overrides: Sequence[str], quiet: bool = False) -> int:  # fmt: skip
     from titan_audit.rl.loop import check_run_dir
+    from titan_audit.trainer.checkpoint import Checkpointer
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    config = resolve_rl_config(source, out, resume=resume,
-                               overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])])  # fmt: skip
-    world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    if int(os.environ.get("RANK", "0")) == 0:
-        check_run_dir(config, Path(out), init=init, resume=resume, overwrite=overwrite, world_size=world_size)
-    return launch_rl(config, out, init=init, nproc=nproc, resume=resume, overwrite=overwrite, quiet=quiet)
+    with existing_run_locked(out):
+        config = resolve_rl_config(source, out, resume=resume,
+                                   overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])])  # fmt: skip
+        world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        if int(os.environ.get("RANK", "0")) == 0:
+            check_run_dir(config, Path(out), init=init, resume=resume, overwrite=overwrite, world_size=world_size)
+            if resume:
+                start, _ = Checkpointer(out).preflight(fallback=config.checkpoint.fallback)
+                if start >= config.steps:
+                    raise ValueError(f"{out}: already at step {start} of steps={config.steps}; nothing to run "
+                                     f"(--steps N or --set steps=N with N > {start} extends it)")  # fmt: skip
+        if nproc is None and int(os.environ.get("RANK", "0")) == 0:  # in this process: hold the lock here
+            from titan_audit.trainer.run_dir import run_lock
+
+            with run_lock(out, resume=resume, overwrite=overwrite):
+                return launch_rl(config, out, init=init, nproc=None, resume=resume, overwrite=overwrite, quiet=quiet)
+        return launch_rl(config, out, init=init, nproc=nproc, resume=resume, overwrite=overwrite, quiet=quiet)
 
 
 def launch_rl(config: RLConfig, out: str | os.PathLike, *, init: str | None = None, nproc: int | None = None,
@@ -58,4 +73,5 @@ def launch_rl(config: RLConfig, out: str | os.PathLike, *, init: str | None = No
     flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
     if init is not None:
         flags.append(f"init={os.fspath(init)}")
-    return torchrun("titan_audit.rl.loop", to_dict(config), out, flags, nproc=nproc, threads=config.parallel.threads)
+    return torchrun("titan_audit.rl.loop", to_dict(config), out, flags, nproc=nproc, threads=config.parallel.threads,
+                    resume=resume, overwrite=overwrite)  # fmt: skip

@@ -68,7 +68,7 @@ from titan_audit.trainer.config import ModelSection
 from titan_audit.trainer.crash import crash_point
 from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
 from titan_audit.trainer.reduce import TreeReducer, rank_block
-from titan_audit.trainer.run_dir import MetricsLog, package_versions, prepare_run_dir, read_manifest, write_manifest
+from titan_audit.trainer.run_dir import MetricsLog, has_entries, package_versions, prepare_run_dir, read_manifest, write_manifest
 from titan_audit.trainer.train import (GradBuffers, _broadcast_error, _rank, clip_, gather_in_index_order,
                                        init_distributed, set_grads)  # fmt: skip
 from titan_audit.trainer.typed_config import build as build_typed
@@ -185,7 +185,7 @@ def check_run_dir(config: RLConfig, out: Path, *, init, resume: bool, overwrite:
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
         if init is not None and str(init) != saved.get("init", {}).get("source"):
             raise ValueError(f"{out}: --init {init} differs from the run's ({saved.get('init', {}).get('source')})")
-    elif not overwrite and out.is_dir() and any(out.iterdir()):
+    elif not overwrite and out.is_dir() and has_entries(out):
         prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
 
 

@@ -7,7 +7,13 @@ Guarantees:
 - Verified. `hashes.json` holds the fingerprint (audit.fingerprint, the full logical tensor) of
   every model and optimizer tensor. `load` recomputes them after loading and refuses a checkpoint
   whose bytes differ, which catches flipped bytes and truncated files; `load_latest(fallback=True)`
-  then falls back to the newest older checkpoint that verifies.
+  then falls back to the newest older checkpoint that verifies, says so on stderr (rank 0) and
+  moves the corrupt ones aside to `step_NNNNNNNN.corrupt` (kept, never deleted; the resumed run
+  writes its own `step_NNNNNNNN` again). With checkpoints present but none that verifies it
+  raises: a resume never silently restarts from step 0.
+- Checked before any rank starts. `preflight(fallback)` reads only the small files (trainer.json,
+  hashes.json, DCP .metadata present) and names the step a resume would start from, or raises
+  the error the ranks would raise, so the launcher reports it before torchrun.
 - Reshardable. Model and optimizer go through torch.distributed.checkpoint (DCP) with FQN state
   dicts from `get_state_dict`, so a checkpoint written at W ranks loads at any other W, for
   replicated parameters and for FSDP2 DTensors alike.
@@ -28,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,16 +172,8 @@ class Checkpointer:
     def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load checkpoint `step` into model and optimizer, verify every tensor, return trainer state."""
         path = self.path(step)
-        hashes_file, trainer_file = path / "hashes.json", path / "trainer.json"
-        if not path.is_dir():
-            raise ValueError(f"{path}: no such checkpoint")
-        for required in (hashes_file, trainer_file, path / "model_optim" / ".metadata"):
-            if not required.is_file():
-                raise CorruptCheckpointError(f"{required}: missing; the checkpoint is incomplete")
-        expected = self._read_json(hashes_file)
-        trainer_state = self._read_json(trainer_file)
-        if expected.get("format", 0) > FORMAT_VERSION or trainer_state.get("format", 0) > FORMAT_VERSION:
-            raise ValueError(f"{path}: written by a newer titan-audit (format > {FORMAT_VERSION})")
+        trainer_state = self._check_small_files(step)
+        expected = self._read_json(path / "hashes.json")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         try:
@@ -194,18 +193,85 @@ class Checkpointer:
             raise CorruptCheckpointError(f"{path}: optimizer param_groups do not match hashes.json")
         return trainer_state
 
+    def _check_small_files(self, step: int) -> dict[str, Any]:
+        """The checks that need no tensors: files present, JSON valid, formats, step; trainer state."""
+        path = self.path(step)
+        hashes_file, trainer_file = path / "hashes.json", path / "trainer.json"
+        if not path.is_dir():
+            raise ValueError(f"{path}: no such checkpoint")
+        for required in (trainer_file, hashes_file, path / "model_optim" / ".metadata"):
+            if not required.is_file():
+                raise CorruptCheckpointError(f"{required}: missing; the checkpoint is incomplete")
+        expected = self._read_json(hashes_file)
+        trainer_state = self._read_json(trainer_file)
+        if expected.get("format", 0) > FORMAT_VERSION or trainer_state.get("format", 0) > FORMAT_VERSION:
+            raise ValueError(f"{path}: written by a newer titan-audit (format > {FORMAT_VERSION})")
+        if not isinstance(expected.get("tensors"), dict) or "param_groups" not in expected:
+            raise CorruptCheckpointError(f"{hashes_file}: keys 'tensors' and 'param_groups' missing")
+        if trainer_state.get("step") != step:
+            raise CorruptCheckpointError(f"{trainer_file}: key 'step' is {trainer_state.get('step')!r}, expected {step}")
+        return trainer_state
+
+    def preflight(self, *, fallback: bool) -> tuple[int, list[str]]:
+        """(step a resume starts from, corrupt checkpoints it would skip), from the small files only;
+        0 when there is no checkpoint. Raises like `load_latest` where the small files decide."""
+        skipped: list[str] = []
+        for step in reversed(self.steps()):
+            try:
+                self._check_small_files(step)
+            except CorruptCheckpointError as error:
+                if not fallback:
+                    raise self._no_fallback(error, step) from None
+                skipped.append(str(error))
+                continue
+            return step, skipped
+        if skipped:
+            raise CorruptCheckpointError(f"{skipped[0]}; no older valid checkpoint to resume from")
+        return 0, []
+
+    def _no_fallback(self, error: CorruptCheckpointError, step: int) -> CorruptCheckpointError:
+        older = [s for s in self.steps() if s < step]
+        if not older:
+            return CorruptCheckpointError(f"{error}; no older checkpoint to resume from")
+        return CorruptCheckpointError(f"{error}; checkpoint.fallback=true (the default) resumes from the older "
+                                      f"{self.path(older[-1]).name}")  # fmt: skip
+
     def load_latest(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, fallback: bool = False
     ) -> dict[str, Any] | None:
-        """Load the newest checkpoint; with `fallback`, skip corrupt ones (logged). None if none."""
+        """Load the newest checkpoint; with `fallback`, the newest that verifies (the corrupt newer
+        ones are reported and moved aside, see the module docstring). None if there is none."""
+        skipped: list[tuple[int, CorruptCheckpointError]] = []
         for step in reversed(self.steps()):
             try:
-                return self.load(step, model, optimizer)
+                state = self.load(step, model, optimizer)
             except CorruptCheckpointError as error:
                 if not fallback:
-                    raise
-                log.warning("skipping corrupt checkpoint: %s", error)
+                    raise self._no_fallback(error, step) from None
+                skipped.append((step, error))
+                continue
+            self._set_aside(skipped, step)
+            return state
+        if skipped:
+            raise CorruptCheckpointError(f"{skipped[0][1]}; no older valid checkpoint to resume from")
         return None
+
+    def _set_aside(self, skipped: list[tuple[int, CorruptCheckpointError]], used: int) -> None:
+        if not skipped:
+            return
+        _barrier()  # every rank has read what it needed from the corrupt ones
+        if _rank() == 0:
+            for step, error in skipped:
+                final = self.path(step)
+                aside = final.with_name(f"{final.name}.corrupt")
+                n = 1
+                while aside.exists():
+                    n += 1
+                    aside = final.with_name(f"{final.name}.corrupt{n}")
+                os.replace(final, aside)
+                print(f"warning: {error}; resuming from {self.path(used).name} (the corrupt checkpoint is kept as "
+                      f"{aside.name})", file=sys.stderr, flush=True)  # fmt: skip
+        _barrier()
 
     @staticmethod
     def _read_json(path: Path) -> dict[str, Any]:

@@ -132,7 +132,7 @@ class ParallelSection:
 class CheckpointSection:
     interval: int = 4  # steps between checkpoints; 0: none but the last
     keep_last: int = 3
-    fallback: bool = False  # on resume, skip a corrupt newest checkpoint for an older good one
+    fallback: bool = True  # on resume, skip a corrupt newest checkpoint for an older good one (said on stderr)
 
     def __post_init__(self) -> None:
         if self.interval < 0:

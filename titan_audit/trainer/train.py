@@ -70,7 +70,8 @@ from titan_audit.trainer.fsdp import shard_model
 from titan_audit.trainer.config import TrainConfig, from_dict, resume_differences, to_dict
 from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
 from titan_audit.trainer.reduce import TreeReducer, all_gather_single, split_point
-from titan_audit.trainer.run_dir import MetricsLog, package_versions, prepare_run_dir, read_manifest, write_manifest
+from titan_audit.trainer.run_dir import (MetricsLog, claim_run_dir, has_entries, package_versions, prepare_run_dir,
+                                         read_manifest, release_run_dir, write_manifest)  # fmt: skip
 
 
 
@@ -116,8 +117,11 @@ def _broadcast_error(message: str | None) -> None:
 
 # ---------------------------------------------------------------------------------- run directory
 def check_run_dir(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool, world_size: int) -> None:
-    """Every check on user input that needs no compute; raises ValueError (the CLI runs it too)."""
+    """Every check on user input that needs no compute; raises ValueError (the launcher runs it
+    before torchrun starts, rank 0 again): W vs V, the data vs the model (`check_data`), and on a
+    resume the saved config, the checkpoints' small files and the step it would start from."""
     config.check_world_size(world_size)
+    check_data(config)
     out = Path(out)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
@@ -126,17 +130,45 @@ def check_run_dir(config: TrainConfig, out: Path, *, resume: bool, overwrite: bo
         differences = resume_differences(saved["config"], config)
         if differences:
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
-    elif not overwrite and out.is_dir() and any(out.iterdir()):
+        start, _ = Checkpointer(out, keep_last=config.checkpoint.keep_last).preflight(fallback=config.checkpoint.fallback)
+        if start >= config.steps:
+            raise ValueError(f"{out}: already at step {start} of steps={config.steps}; nothing to run "
+                             f"(--steps N or --set steps=N with N > {start} extends it)")  # fmt: skip
+    elif not overwrite and out.is_dir() and has_entries(out):
         prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
+
+
+def check_data(config: TrainConfig) -> None:
+    """The data against the model, before step 1 (ValueError naming the keys): the packed
+    positions lie in [0, data.seq_len) (packing.py cuts longer documents into pieces), so
+    data.seq_len must not exceed the model's max_position_embeddings; every token id the store
+    can hold (its tokenizer's vocab_size, EOS and PAD ids) must be below the model's vocab_size."""
+    from titan_audit.data import ByteTokenizer, TokenStore
+
+    model = config.model.model_config()
+    where = f"model.preset {config.model.preset!r}" + (" with model.overrides" if config.model.overrides else "")
+    if config.data.seq_len > model.max_position_embeddings:
+        raise ValueError(f"data.seq_len = {config.data.seq_len} exceeds max_position_embeddings = "
+                         f"{model.max_position_embeddings} of {where}")  # fmt: skip
+    if config.data.store is None:
+        tok = ByteTokenizer()
+        name, vocab, eos, pad = "the synthetic corpus (byte tokenizer)", tok.vocab_size, tok.eos_id, tok.pad_id
+    else:
+        info = TokenStore(config.data.store).info  # ValueError naming the store if it is not one
+        name, vocab, eos, pad = f"data.store {config.data.store} (tokenizer {info.tokenizer})", info.vocab_size, info.eos_id, info.pad_id
+    if max(vocab, eos + 1, pad + 1) > model.vocab_size:
+        raise ValueError(f"{name} has vocab_size {vocab} (eos_id {eos}, pad_id {pad}) but vocab_size = "
+                         f"{model.vocab_size} of {where}: token ids would fall outside the embedding")  # fmt: skip
 
 
 def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, world_size: int) -> Path:
     """Rank 0 validates, creates the run directory, prepares the data and writes the manifest."""
-    error = None
+    error, claimed = None, False
     if _rank() == 0:
         try:
             check_run_dir(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
-            out = prepare_run_dir(out, resume=resume, overwrite=overwrite)
+            out = claim_run_dir(out, resume=resume, overwrite=overwrite)  # held until train() ends
+            claimed = True
             if config.data.store is None and not (out / "data" / "tasks.zarr").is_dir():
                 synthetic = SyntheticConfig(num_records=config.data.synthetic_records, seed=config.data.synthetic_seed)
                 prepare_synthetic(out / "data", synthetic, overwrite=True)
@@ -149,6 +181,8 @@ def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, worl
             write_manifest(out, manifest)
         except ValueError as e:
             error = str(e)
+            if claimed:
+                release_run_dir(out)
     else:
         config.check_world_size(world_size)
     _broadcast_error(error)
@@ -261,6 +295,16 @@ def train(
     mode = deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads) \
         if config.determinism.enabled else None  # fmt: skip
     out = _prepare(config, Path(out), resume, overwrite, world_size)
+    try:
+        return _train(config, out, rank, world_size, mode, resume=resume, stop_at=stop_at, quiet=quiet,
+                      oplog_step=oplog_step)  # fmt: skip
+    finally:
+        if rank == 0:
+            release_run_dir(out)
+
+
+def _train(config: TrainConfig, out: Path, rank: int, world_size: int, mode, *, resume: bool, stop_at: int | None,
+           quiet: bool, oplog_step: int | None) -> TrainResult:  # fmt: skip
     last_step = config.steps if stop_at is None else stop_at
     if not 1 <= last_step <= config.steps:
         raise ValueError(f"stop step {last_step} is outside 1..steps={config.steps}")
