@@ -2,12 +2,16 @@
 
 Guarantee: an op on a device without a batch-invariant backend raises `NotImplementedError`;
 it never falls back to a native (batch-variant) kernel. CPU -> `batch_invariant.cpu` (our
-compiled kernels). CUDA -> the Triton backend, added by a later issue by registering it here with
-`register_backend("cuda", module)`; callers (ops, the override mode) do not change.
+compiled kernels). CUDA -> `batch_invariant.gpu` (Triton kernels), imported on the first CUDA
+tensor (so Triton is never imported on the CPU path); without Triton a CUDA op raises an error
+that says so. `forced("triton")` (a context manager, for tests) sends CPU tensors to the Triton
+kernels run by Triton's interpreter, within its block only; CPU users get the CPU backend.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Protocol
 
@@ -35,6 +39,35 @@ class Backend(Protocol):
 
 
 _BACKENDS: dict[str, ModuleType] = {}
+_FORCED: list[ModuleType] = []  # the innermost `forced` block's backend, if any
+
+
+def _triton_backend() -> ModuleType:
+    try:
+        from titan_audit.batch_invariant import gpu
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"batch_invariant: the CUDA backend needs Triton ({exc}); install triton "
+            "(pip install 'triton>=3.2'), refusing to fall back to native CUDA ops, which are not batch-invariant"
+        ) from None
+    return gpu
+
+
+@contextlib.contextmanager
+def forced(name: str) -> Iterator[ModuleType]:
+    """Within the block every op uses backend `name` ("triton" or "cpu") whatever the device:
+    "triton" on CPU tensors runs the Triton kernels in Triton's interpreter (tests)."""
+    if name == "triton":
+        module = _triton_backend()
+    elif name == "cpu":
+        from titan_audit.batch_invariant import cpu as module
+    else:
+        raise ValueError(f"batch_invariant: unknown backend {name!r} (cpu, triton)")
+    _FORCED.append(module)
+    try:
+        yield module
+    finally:
+        _FORCED.pop()
 
 
 def register_backend(device_type: str, module: ModuleType) -> None:
@@ -44,6 +77,8 @@ def register_backend(device_type: str, module: ModuleType) -> None:
 
 def backend_for(*tensors: torch.Tensor | None) -> Backend:
     """The backend for the device of `tensors` (all on one device type)."""
+    if _FORCED:
+        return _FORCED[-1]  # type: ignore[return-value]
     cpu = _BACKENDS.get("cpu")
     if cpu is not None and all(t is None or t.device.type == "cpu" for t in tensors):
         return cpu  # type: ignore[return-value]  # the hot path: one dict lookup
@@ -55,11 +90,8 @@ def backend_for(*tensors: torch.Tensor | None) -> Backend:
         from titan_audit.batch_invariant import cpu
 
         register_backend("cpu", cpu)
+    if device_type not in _BACKENDS and device_type == "cuda":
+        register_backend("cuda", _triton_backend())
     if device_type not in _BACKENDS:
-        if device_type == "cuda":
-            raise NotImplementedError(
-                "batch_invariant: no CUDA backend yet (the Triton kernels come in a later issue); "
-                "refusing to fall back to native CUDA ops, which are not batch-invariant"
-            )
         raise NotImplementedError(f"batch_invariant: no backend for device type {device_type!r}")
     return _BACKENDS[device_type]  # type: ignore[return-value]
