@@ -9,13 +9,17 @@ import click
 from titan_audit.cli.errors import EXIT_DIFFERENT
 
 
-@click.command(short_help="Run the main job: determinism end to end.")
+@click.command(short_help="Run the main job: every guarantee proven here, a verdict table, a report.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Where the demo's runs go (new directory; default runs/demo-<UTC time>).")  # fmt: skip
-def demo(out: Path | None) -> None:
-    """Train, compare, replay elastically, check a golden and decode batch-invariantly; exit 1 if
-    any guarantee fails."""
+@click.option("--quick", is_flag=True, help="Fewer steps and smaller checks (under a minute); still every guarantee.")
+@click.pass_context
+def demo(ctx: click.Context, out: Path | None, quick: bool) -> None:
+    """Train on 2 ranks and 1, replay a checkpoint, kill -9 and resume, RL with the zero-gap check,
+    batch-invariance spot-checks, committed goldens; a verdict table and OUT/reports/report.html.
+    Exit 1 if any guarantee fails (-v: every stage's output)."""
     from titan_audit import demo as demo_job
 
-    if not demo_job.run(out):
+    verbose = bool(ctx.obj and ctx.obj.get("verbose"))
+    if not demo_job.run(out, quick=quick, verbose=verbose):
         raise SystemExit(EXIT_DIFFERENT)

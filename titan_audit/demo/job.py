@@ -1,128 +1,488 @@
-"""`titan-audit demo`: the project's main job, end to end on a CPU in about a minute.
+"""`titan-audit demo`: every guarantee proven on this machine, end to end, then a verdict table.
 
-Every stage checks a guarantee and says so; the demo fails (the CLI exits 1) if one does not hold.
-1. The numerics fingerprint of this machine: what decides the bits here.
-2. G1 run-to-run: `tiny-dense` trained twice for 8 steps on one rank gives identical audit logs
-   (data, loss, gradients, parameters, optimizer state: every record's hash).
-3. G3 elastic: the same run on 2 ranks (torchrun, gloo) is bitwise identical to the 1-rank run.
-   Negative control: with determinism off (plain all_reduce) the 2-rank run differs, and
-   `compare` names the first divergence.
-4. G3/G5 elastic replay: the 2-rank run's step-4 checkpoint resumed on 1 rank replays steps 5-8
-   bit for bit.
-5. Golden check: a golden recorded from the 1-rank run passes, in exact mode, for the 2-rank run.
-6. G2 batch invariance on the same decoder: token-by-token KV-cache decode gives the logits bits
-   of one full forward with batch-invariant ops, and different bits with native ops (control).
-RL and the zero-gap (G4) report join when rl/ lands.
+    ok = run(Path("runs/demo"), quick=False)     # False: a guarantee failed (the CLI exits 1)
+
+Stages (S steps of `tiny-dense` on the built-in synthetic corpus, full audit: data, forward and
+backward of every module, loss, reduced gradients, optimizer state, parameters; a checkpoint
+every S/2 steps; S = 8, or 4 with --quick):
+- G3 elastic: the run on 2 ranks (torchrun, gloo) and on 1 rank compare identical record for
+  record; the 2-rank run's mid-run checkpoint replayed on 1 rank gives the same later steps.
+  Negative control (not with --quick): the 2-rank run with determinism off (plain all_reduce)
+  differs, and the report maps where.
+- G5 kill and resume: the 1-rank run started in a child process is sent SIGKILL right after its
+  mid-run checkpoint appears, resumed with --resume, and compared with the uninterrupted run
+  (audit records and the final checkpoint's tensor hashes).
+- G4 zero gap: GRPO (`rl-tiny`, small) from the trained run with `verify`: every sampled token's
+  generator log-prob equals the trainer's recomputation bitwise, with the built-in generator and,
+  when `titan_audit.rl.vllm` says it is available, vLLM. Negative control: native ops show a gap.
+- G2 batch invariance: spot-checks of attention (batch, decode, chunked prefill), matmul,
+  log_softmax and rms_norm at several head dims including 128, and the model's KV-cache decode;
+  native ops as the (reported, not counted) control.
+- G1 run to run: the committed goldens (tests/golden/tiny-dense and tiny-dense-bi, recorded
+  earlier, elsewhere) check against runs made now: exact when the numerics fingerprints are
+  compatible (the BI golden must be exact on any CPU). Negative control: a run with another seed
+  fails the BI golden.
+Then OUT/demo.json (the verdicts, runs and timings) and the run report OUT/reports/report.html
+and report.md (titan_audit.report). A stage that fails is a FAIL row with its reason (and log);
+the stages that need it are FAIL rows too ("needs ..."); nothing is skipped silently.
+
+Subprocess stages write their output to OUT/logs/<stage>.log (streamed to the terminal with -v);
+in-process stages run quiet unless -v.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from titan_audit import batch_invariant, models
-from titan_audit.audit import bitwise_equal, compare_runs
-from titan_audit.deterministic import fingerprint as numerics_fingerprint
-from titan_audit.golden import check_golden, record_golden
-from titan_audit.trainer.config import load_config
-from titan_audit.trainer.launch import launch
-from titan_audit.trainer.replay import elastic_replay
+from titan_audit.atomic import write_json_atomic
 
-RECIPE, STEPS, REPLAY_FROM = "tiny-dense", 8, 4
+RECIPE, RL_RECIPE = "tiny-dense", "rl-tiny"
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
+DEMO_FILE = "demo.json"
 
 
 def default_out_dir() -> Path:
     return Path("runs") / dt.datetime.now(dt.timezone.utc).strftime("demo-%Y%m%dT%H%M%SZ")
 
 
-def train_run(out: Path, nproc: int, overrides: tuple[str, ...] = ()) -> None:
-    config = load_config(RECIPE, overrides=[f"steps={STEPS}", *overrides])
-    rc = launch(config, out, nproc=nproc if nproc > 1 else None, quiet=True)
-    if rc:
-        raise RuntimeError(f"training into {out} failed with exit code {rc}")
+@dataclass
+class Plan:
+    quick: bool
+    steps: int
+    head_dims: tuple[int, ...]
+    rl_steps: int
+    rl_overrides: tuple[str, ...]
+    controls: bool  # the negative controls that cost a torchrun start
+
+    @property
+    def checkpoint_step(self) -> int:
+        return self.steps // 2
+
+    @classmethod
+    def make(cls, quick: bool) -> Plan:
+        rl = ("task.prompts_per_step=4", "task.samples_per_prompt=4", "sampling.max_new_tokens=8", "checkpoint.interval=0")
+        if quick:
+            return cls(True, 4, (64, 128), 2, rl, controls=False)
+        return cls(False, 8, (64, 96, 128, 256), 4, rl, controls=True)
+
+    def train_overrides(self) -> list[str]:
+        return [f"steps={self.steps}", "audit.level=full", f"checkpoint.interval={self.checkpoint_step}"]
 
 
-@torch.no_grad()
-def decode_matches_full_forward(bi: bool, prompt_len: int = 24, new_tokens: int = 8) -> bool:
-    """Do cached token-by-token decode logits equal one full forward's, bit for bit?"""
-    model = models.build(RECIPE, seed=0)
-    tokens = torch.randint(model.config.vocab_size, (1, prompt_len + new_tokens),
-                           generator=torch.Generator().manual_seed(0))  # fmt: skip
-    with batch_invariant.enabled(bi):
-        full = model(tokens)
-        cache = models.ContiguousKVCache(model.config, batch_size=1, max_len=prompt_len + new_tokens)
-        steps = [model(tokens[:, :prompt_len], cache=cache)]
-        for t in range(prompt_len, prompt_len + new_tokens):
-            steps.append(model(tokens[:, t : t + 1], cache=cache))
-    return bitwise_equal(torch.cat(steps, dim=1), full)
+@dataclass
+class Row:
+    guarantee: str
+    checked: str
+    result: str  # PASS | FAIL | SKIP
+    detail: str = ""
+    evidence: str = ""
 
 
-def _verdict(ok: bool, good: str, bad: str) -> str:
-    return f"[green]{good}[/]" if ok else f"[red]{bad}[/]"
+@dataclass
+class Demo:
+    out: Path
+    plan: Plan
+    console: Console
+    verbose: bool
+    rows: list[Row] = field(default_factory=list)
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    runs: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # stage -> why
+    extra: dict[str, Any] = field(default_factory=dict)
+    progress: Progress | None = None
+
+    # ---------------------------------------------------------------- helpers
+    def path(self, role: str, name: str) -> Path:
+        self.runs[role] = name
+        return self.out / name
+
+    def say(self, text: str) -> None:
+        (self.progress.console if self.progress else self.console).print(text)
+
+    def row(self, guarantee: str, checked: str, ok: bool | None, detail: str = "", evidence: str | Path = "") -> None:
+        result = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+        self.rows.append(Row(guarantee, checked, result, detail, str(evidence)))
+        color = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}[result]
+        self.say(f"  [{color}]{result}[/] {guarantee}: {checked}" + (f" [dim]({detail})[/]" if detail else ""))
+
+    def needs(self, *stages: str) -> str | None:
+        missing = [s for s in stages if s in self.failed]
+        return f"needs {', '.join(missing)}, which failed" if missing else None
+
+    def run_logged(self, name: str, command: list[str], env: dict[str, str] | None = None,
+                   on_start: Callable[[subprocess.Popen], None] | None = None) -> int:  # fmt: skip
+        """Run `command`, its output to OUT/logs/NAME.log (and the terminal with -v); its exit code."""
+        log = self.out / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as sink:
+            sink.write("$ " + " ".join(command) + "\n")
+            sink.flush()
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+
+            def pump() -> None:
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    sink.write(line)
+                    if self.verbose:
+                        self.say(f"[dim]{name}> {line.rstrip()}[/]")
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            if on_start is not None:
+                on_start(proc)
+            rc = proc.wait()
+            reader.join(timeout=10)
+        return rc
+
+    def rank_command(self, module: str, config: dict[str, Any], out: Path, flags: list[str], nproc: int | None,
+                     config_file: Path) -> list[str]:  # fmt: skip
+        """The rank entry point of trainer.launch.torchrun's contract (`MODULE CONFIG_JSON OUT FLAGS`),
+        under torchrun for nproc, else as one plain process."""
+        config_file.write_text(json.dumps(config))
+        tail = ["-m", module, str(config_file), str(out), *flags]
+        if nproc is None:
+            return [sys.executable, *tail]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *tail]
+
+    def train_subprocess(self, name: str, out: Path, overrides: list[str], nproc: int | None,
+                         on_start: Callable[[subprocess.Popen], None] | None = None) -> int:  # fmt: skip
+        from titan_audit.trainer.config import load_config, to_dict
+        from titan_audit.trainer.train import check_run_dir
+
+        config = load_config(RECIPE, overrides)
+        check_run_dir(config, out, resume=False, overwrite=False, world_size=nproc or 1)
+        with tempfile.TemporaryDirectory(prefix="titan-audit-demo-") as tmp:
+            command = self.rank_command("titan_audit.trainer.train", to_dict(config), out, [] if self.verbose else ["quiet"],
+                                        nproc, Path(tmp) / "config.json")  # fmt: skip
+            env = {"OMP_NUM_THREADS": str(config.parallel.threads)}
+            return self.run_logged(name, command, env=env, on_start=on_start)
+
+    def train_here(self, out: Path, overrides: list[str], resume: bool = False) -> None:
+        from titan_audit.trainer.config import load_config
+        from titan_audit.trainer.launch import launch
+        from titan_audit.trainer.train import check_run_dir
+
+        config = load_config(RECIPE, overrides)
+        check_run_dir(config, out, resume=resume, overwrite=False, world_size=1)
+        rc = launch(config, out, nproc=None, resume=resume, quiet=not self.verbose)
+        if rc:
+            raise RuntimeError(f"training into {out} exited {rc}")
+
+    def stage(self, name: str, title: str, fn: Callable[[], None], log: str | None = None) -> None:
+        assert self.progress is not None
+        task = self.progress.tasks[0].id
+        self.progress.update(task, description=title)
+        self.say(f"[bold]{title}[/]")
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception as error:  # a failed stage is a FAIL row, the demo goes on
+            reason = f"{type(error).__name__}: {error}"
+            self.failed[name] = reason
+            self.row("-", f"stage {name}", False, reason[:300], self.out / "logs" / f"{name}.log" if log else "")
+            if self.verbose:
+                import traceback
+
+                self.say(traceback.format_exc())
+        self.stages.append({"name": name, "seconds": time.perf_counter() - start, "log": log})
+        self.progress.advance(task)
+
+    # ---------------------------------------------------------------- stages
+    def train_w2(self) -> None:
+        out = self.path("train_w2", "train-w2")
+        rc = self.train_subprocess("train-w2", out, self.plan.train_overrides(), nproc=2)
+        if rc:
+            raise RuntimeError(f"torchrun exited {rc}; see {self.out / 'logs' / 'train-w2.log'}")
+        self.say(f"  trained {RECIPE} for {self.plan.steps} steps on 2 ranks (full audit) -> {out}")
+
+    def train_w1(self) -> None:
+        out = self.path("train_w1", "train-w1")
+        self.train_here(out, self.plan.train_overrides())
+        self.say(f"  trained the same run on 1 rank -> {out}")
+
+    def elastic(self) -> None:
+        from titan_audit.audit import compare_runs
+        from titan_audit.trainer.replay import elastic_replay
+
+        why = self.needs("train_w1", "train_w2")
+        w1, w2 = self.out / "train-w1", self.out / "train-w2"
+        if why:
+            self.row("G3 elastic", "W=2 run == W=1 run", False, why)
+        else:
+            same = compare_runs(w2, w1)
+            self.row("G3 elastic", f"{RECIPE} {self.plan.steps} steps, W=2 == W=1, every audit record", same.identical,
+                     f"{same.compared} records compared, {same.differing} differ, {same.only_in_a + same.only_in_b} in one run only",
+                     f"titan-audit compare {w2} {w1}")  # fmt: skip
+        why = self.needs("train_w2")
+        k = self.plan.checkpoint_step
+        if why:
+            self.row("G3 elastic", "replay of a mid-run checkpoint at another W", False, why)
+            return
+        replay = self.path("replay_w1", "replay-w1")
+        result, to_step = elastic_replay(w2, k, replay, nproc=1, quiet=not self.verbose)
+        self.row("G3 elastic", f"W=2 checkpoint of step {k} replayed on W=1: steps {k + 1}-{to_step}", result.identical,
+                 f"{result.compared} records compared, {result.differing} differ", replay)  # fmt: skip
+
+    def control_w2(self) -> None:
+        from titan_audit.audit import compare_runs
+
+        out = self.path("control_w2", "control-w2-nondeterministic")
+        rc = self.train_subprocess("control-w2", out, [*self.plan.train_overrides(), "determinism.enabled=false"], nproc=2)
+        if rc:
+            raise RuntimeError(f"torchrun exited {rc}; see {self.out / 'logs' / 'control-w2.log'}")
+        why = self.needs("train_w1")
+        if why:
+            self.row("G3 control", "plain all_reduce at W=2 differs", False, why)
+            return
+        control = compare_runs(self.out / "train-w1", out)
+        fd = control.first_divergence
+        detail = ("identical: the check proves nothing here" if fd is None else
+                  f"differs, first at step {fd['step']} phase {fd['phase']} ({fd['name']}); {control.differing} records differ")  # fmt: skip
+        self.row("G3 control", "determinism off (plain all_reduce) at W=2 vs W=1 must differ", fd is not None, detail,
+                 f"titan-audit compare {self.out / 'train-w1'} {out}")  # fmt: skip
+        self.extra.setdefault("divergence", []).append(
+            {"a": "train-w1", "b": out.name, "label": "W=1 vs W=2 with determinism off (plain all_reduce)"})
+
+    def kill_resume(self) -> None:
+        from titan_audit.audit import compare_runs
+        from titan_audit.trainer.checkpoint import Checkpointer
+
+        out = self.path("kill_resume", "kill-resume-w1")
+        k, steps = self.plan.checkpoint_step, self.plan.steps
+        kill: dict[str, Any] = {"checkpoint_step": k}
+
+        def killer(proc: subprocess.Popen) -> None:
+            target = Checkpointer(out).path(k)
+            while proc.poll() is None and not target.is_dir():
+                time.sleep(0.01)
+            if proc.poll() is None:
+                seen = time.perf_counter()
+                os.kill(proc.pid, signal.SIGKILL)
+                kill.update(pid=proc.pid, after_s=time.perf_counter() - seen)
+
+        rc = self.train_subprocess("kill-resume-w1", out, self.plan.train_overrides(), nproc=None, on_start=killer)
+        kill["returncode"] = rc
+        self.extra["kill"] = kill
+        if rc != -signal.SIGKILL:
+            raise RuntimeError(f"the run was to be killed after its step-{k} checkpoint but exited {rc} "
+                               f"(see {self.out / 'logs' / 'kill-resume-w1.log'})")  # fmt: skip
+        done = Checkpointer(out).steps()
+        self.say(f"  SIGKILL to pid {kill['pid']} once checkpoint {k} was on disk (checkpoints left: {done}); resuming")
+        self.train_here(out, self.plan.train_overrides(), resume=True)
+        why = self.needs("train_w1")
+        if why:
+            self.row("G5 kill -9 + resume", "resumed run == uninterrupted run", False, why)
+            return
+        ref = self.out / "train-w1"
+        same = compare_runs(ref, out)
+        hashes = [json.loads((Checkpointer(r).path(steps) / "hashes.json").read_text())["tensors"] for r in (ref, out)]
+        ok = same.identical and hashes[0] == hashes[1]
+        self.row("G5 kill -9 + resume", f"SIGKILL after the step-{k} checkpoint, --resume, == uninterrupted run", ok,
+                 f"{same.compared} records compared, {same.differing} differ; step-{steps} checkpoint hashes "
+                 f"{'equal' if hashes[0] == hashes[1] else 'DIFFER'} ({len(hashes[0])} tensors)",
+                 f"titan-audit compare {ref} {out}")  # fmt: skip
+
+    def _rl(self, role: str, name: str, extra: list[str]) -> dict[str, Any]:
+        from titan_audit.rl.launch import start_rl
+        from titan_audit.rl.report import onpolicy_summary
+
+        out = self.path(role, name)
+        init = self.out / "train-w1" if "train_w1" not in self.failed else None
+        rc = start_rl(RL_RECIPE, out, init=None if init is None else str(init), nproc=None, steps=self.plan.rl_steps,
+                      resume=False, overwrite=False, overrides=[*self.plan.rl_overrides, "verify=true", *extra],
+                      quiet=not self.verbose)  # fmt: skip
+        if rc:
+            raise RuntimeError(f"RL into {out} exited {rc}")
+        return onpolicy_summary(out)
+
+    def zero_gap(self) -> None:
+        from titan_audit.rl.report import _verdict
+
+        s = self._rl("rl_builtin", "rl-builtin", [])
+        self.row("G4 zero gap", f"built-in generator, {RL_RECIPE} {s['steps']} steps from the trained run", s["zero_gap"],
+                 f"{s['tokens_compared']} sampled tokens, {s['tokens_differing']} with any bit difference",
+                 self.out / "rl-builtin" / "reports")  # fmt: skip
+        control = self._rl("rl_native", "rl-native-control", ["determinism.batch_invariant=false"])
+        self.row("G4 control", "native ops (BI off) must show a gap", control["tokens_differing"] > 0,
+                 _verdict(control), self.out / "rl-native-control")  # fmt: skip
+        self.extra.setdefault("divergence", []).append(
+            {"a": "rl-builtin", "b": "rl-native-control", "label": "RL with batch-invariant ops vs native ops"})
+
+    def zero_gap_vllm(self) -> None:
+        ok, reason = vllm_status()
+        if not ok:
+            self.row("G4 zero gap", "vLLM generator", None, reason)
+            return
+        s = self._rl("rl_vllm", "rl-vllm", ["generator=vllm"])
+        self.row("G4 zero gap", f"vLLM generator, {RL_RECIPE} {s['steps']} steps", s["zero_gap"],
+                 f"{s['tokens_compared']} sampled tokens, {s['tokens_differing']} with any bit difference",
+                 self.out / "rl-vllm" / "reports")  # fmt: skip
+
+    def spot_checks(self) -> None:
+        from titan_audit.demo.spot_checks import run_spot_checks
+
+        checks = run_spot_checks(self.plan.head_dims)
+        self.extra["spot_checks"] = [c.to_dict() for c in checks]
+        bad = [c for c in checks if not c.passed]
+        native = sum(c.native == "differs" for c in checks)
+        self.row("G2 batch invariance", f"{len(checks)} spot-checks: attention (batch, decode, chunked), matmul, log_softmax, "
+                 f"rms_norm at head dims {', '.join(map(str, self.plan.head_dims))}; model KV decode", not bad,
+                 (f"all identical; native ops differ in {native} of {len(checks)} (control)" if not bad else
+                  f"DIFFERENT: {'; '.join(c.check + ' ' + c.shape for c in bad[:3])}"),
+                 "report: Batch invariance spot-checks")  # fmt: skip
+
+    def goldens(self) -> None:
+        from titan_audit.golden import check_golden
+
+        if not (GOLDEN_DIR / "tiny-dense-bi" / "golden.json").is_file():
+            raise RuntimeError(f"{GOLDEN_DIR}: the committed goldens are not there (run the demo from a clone of the repository)")
+        results = self.extra.setdefault("goldens", [])
+
+        def check(golden: str, run: Path, require_exact: bool):
+            r = check_golden(run, GOLDEN_DIR / golden, require_exact=require_exact)
+            results.append({"golden": str(GOLDEN_DIR / golden), "run": str(run), "mode": r.mode,
+                            "result": "PASS" if r.passed else "FAIL",
+                            "records": None if r.compare is None else r.compare.compared, "metric_points": r.metric_points,
+                            "notes": [*r.failures, *r.notes, *(["config: " + "; ".join(r.config_differences)] if r.config_differences else [])]})  # fmt: skip
+            return r
+
+        bi_run = self.path("golden_bi", "golden-bi-w1")
+        self.train_here(bi_run, ["steps=4", "determinism.batch_invariant=true"])
+        r = check("tiny-dense-bi", bi_run, True)
+        self.row("G1 run to run", "committed golden tiny-dense-bi (BI mode) vs a run made now, exact on any CPU",
+                 r.passed and r.mode == "exact", f"{r.mode} mode; " + (r.failures[0] if r.failures else
+                 f"{r.compare.compared if r.compare else 0} records, {r.metric_points} metric values bitwise equal"),
+                 f"titan-audit golden check {bi_run} {GOLDEN_DIR / 'tiny-dense-bi'}")  # fmt: skip
+        why = self.needs("train_w1")
+        if why:
+            self.row("G1 run to run", "committed golden tiny-dense vs the W=1 run", False, why)
+        else:
+            r = check("tiny-dense", self.out / "train-w1", False)
+            detail = (f"{r.mode} mode; " + (r.failures[0] if r.failures else "passed")
+                      + ("" if r.mode == "exact" else " (this machine's numerics fingerprint differs from the golden's: "
+                         + "; ".join(r.fingerprint_differences[:2]) + ")"))  # fmt: skip
+            self.row("G1 run to run", "committed golden tiny-dense (steps 1-4) vs the W=1 run", r.passed, detail,
+                     f"titan-audit golden check {self.out / 'train-w1'} {GOLDEN_DIR / 'tiny-dense'}")  # fmt: skip
+        seed_run = self.path("golden_control", "golden-control-seed1")
+        self.train_here(seed_run, ["steps=4", "seed=1", "determinism.batch_invariant=true"])
+        r = check("tiny-dense-bi", seed_run, True)
+        self.row("G1 control", "a run with seed 1 must fail the tiny-dense-bi golden", not r.passed,
+                 r.failures[0] if r.failures else "it passed: the golden check proves nothing here", seed_run)  # fmt: skip
+
+    # ---------------------------------------------------------------- driver
+    def summary(self, seconds: float, numerics: str) -> dict[str, Any]:
+        return {"kind": "demo", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "quick": self.plan.quick, "steps": self.plan.steps, "seconds": seconds, "numerics": numerics,
+                "passed": self.passed, "rows": [r.__dict__ for r in self.rows], "stages": self.stages, "runs": self.runs,
+                **self.extra}  # fmt: skip
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.result != "FAIL" for r in self.rows)
 
 
-def run(out: Path | None = None, console: Console | None = None) -> bool:
+def vllm_status() -> tuple[bool, str]:
+    """(usable, why not): `titan_audit.rl.vllm.available()` (bool, or (bool, reason), or a reason)."""
+    try:
+        from titan_audit.rl import vllm as rl_vllm
+    except ImportError as error:
+        return False, f"skipped: the vLLM generator (titan_audit.rl.vllm) is not in this build ({error})"
+    try:
+        status = rl_vllm.available()
+    except Exception as error:  # a broken optional extra must not stop the demo
+        return False, f"skipped: titan_audit.rl.vllm.available() raised {type(error).__name__}: {error}"
+    if isinstance(status, tuple):
+        ok, reason = bool(status[0]), str(status[1]) if len(status) > 1 else ""
+    elif isinstance(status, str):
+        ok, reason = False, status
+    else:
+        ok, reason = bool(status), ""
+    return ok, ("" if ok else f"skipped: vLLM is not available here ({reason or 'pip install -e .[vllm]'})")
+
+
+def verdict_table(rows: list[Row]) -> Table:
+    table = Table(title="titan-audit demo: verdicts", title_justify="left", show_lines=False)
+    for column in ("guarantee", "what was checked", "result", "evidence"):
+        table.add_column(column, overflow="fold")
+    colors = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}
+    for r in rows:
+        result = f"[{colors[r.result]}]{r.result}[/]" + (f" {r.detail}" if r.detail else "")
+        table.add_row(r.guarantee, r.checked, result, r.evidence)
+    return table
+
+
+def run(out: Path | None = None, console: Console | None = None, *, quick: bool = False, verbose: bool = False) -> bool:
+    """Run the demo into `out` (a new directory); True iff every guarantee held."""
+    from titan_audit.deterministic import fingerprint as numerics_fingerprint
+
     console = console or Console()
     out = out or default_out_dir()
     if out.exists():
         raise ValueError(f"{out}: already exists; the demo writes new runs only (pick another --out)")
+    plan = Plan.make(quick)
+    start = time.perf_counter()
+    out.mkdir(parents=True)
     fp = numerics_fingerprint()
-    console.rule("[bold]titan-audit demo")
-    console.print(
-        f"numerics: torch {fp.torch_version} on {fp.device_kind} ({fp.device_name}), ISA {fp.cpu_capability}, "
-        f"BLAS {fp.blas}; runs go to {out}"
-    )
-    checks: list[bool] = []
+    numerics = (f"numerics: torch {fp.torch_version} on {fp.device_kind} ({fp.device_name}), ISA {fp.cpu_capability}, "
+                f"BLAS {fp.blas}")  # fmt: skip
+    console.rule(f"[bold]titan-audit demo{' --quick' if quick else ''}")
+    console.print(f"{numerics}; runs go to {out}")
+    demo = Demo(out, plan, console, verbose)
+    stages: list[tuple[str, str, Callable[[], None], str | None]] = [
+        ("train_w2", f"G3: train {RECIPE} on 2 ranks (torchrun)", demo.train_w2, "train-w2"),
+        ("train_w1", f"G3: train {RECIPE} on 1 rank", demo.train_w1, None),
+        ("elastic", "G3: compare W=2 with W=1, replay a checkpoint on W=1", demo.elastic, None),
+    ]
+    if plan.controls:
+        stages.append(("control_w2", "G3 control: W=2 with determinism off", demo.control_w2, "control-w2"))
+    stages += [
+        ("kill_resume", "G5: SIGKILL a run after a checkpoint, resume, compare", demo.kill_resume, "kill-resume-w1"),
+        ("zero_gap", "G4: RL zero gap, built-in generator (+ native control)", demo.zero_gap, None),
+        ("zero_gap_vllm", "G4: RL zero gap, vLLM generator", demo.zero_gap_vllm, None),
+        ("spot_checks", "G2: batch-invariance spot-checks", demo.spot_checks, None),
+        ("goldens", "G1: committed goldens", demo.goldens, None),
+    ]
+    columns = (SpinnerColumn(), TextColumn("[bold blue]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console, transient=True) as progress:
+        demo.progress = progress
+        progress.add_task("starting", total=len(stages) + 1)
+        for name, title, fn, log in stages:
+            demo.stage(name, title, fn, log)
+        progress.update(progress.tasks[0].id, description="writing the report")
+        seconds = time.perf_counter() - start
+        write_json_atomic(out / DEMO_FILE, demo.summary(seconds, numerics))
+        report = None
+        try:
+            from titan_audit.report import write_report
 
-    console.rule(f"G1 run-to-run: {RECIPE}, {STEPS} steps, twice on 1 rank")
-    train_run(out / "w1", nproc=1)
-    train_run(out / "w1-again", nproc=1)
-    same = compare_runs(out / "w1", out / "w1-again")
-    console.print(_verdict(same.identical, f"identical: {same.compared} audit records, all hashes equal",
-                           f"DIFFERENT: {same.differing} records differ"))  # fmt: skip
-    checks.append(same.identical)
-
-    console.rule("G3 elastic: the same run on 2 ranks (torchrun, gloo)")
-    train_run(out / "w2", nproc=2)
-    elastic = compare_runs(out / "w1", out / "w2")
-    console.print(_verdict(elastic.identical, f"W=2 == W=1: {elastic.compared} audit records, all hashes equal",
-                           f"DIFFERENT: {elastic.differing} records differ"))  # fmt: skip
-    train_run(out / "w2-nondeterministic", nproc=2, overrides=("determinism.enabled=false",))
-    control = compare_runs(out / "w1", out / "w2-nondeterministic")
-    if control.identical:
-        console.print("[red]negative control: plain all_reduce gave the same bits; the check proves nothing here")
-    else:
-        first = control.first_divergence
-        console.print(f"negative control, plain all_reduce at W=2: [yellow]differs[/], first at step {first['step']} "
-                      f"phase {first['phase']} ({first['name']})")  # fmt: skip
-    checks += [elastic.identical, not control.identical]
-
-    console.rule(f"G3/G5 elastic replay: W=2 checkpoint of step {REPLAY_FROM} resumed on 1 rank")
-    replayed, to_step = elastic_replay(out / "w2", REPLAY_FROM, out / "w2-replay-w1", nproc=1, quiet=True)
-    console.print(_verdict(replayed.identical,
-                           f"steps {REPLAY_FROM + 1}-{to_step} identical ({replayed.compared} records)",
-                           f"DIFFERENT: {replayed.differing} records differ"))  # fmt: skip
-    checks.append(replayed.identical)
-
-    console.rule("golden check: record from the W=1 run, check the W=2 run")
-    record_golden(out / "w1", out / "golden")
-    golden = check_golden(out / "w2", out / "golden")
-    console.print(_verdict(golden.passed and golden.mode == "exact", f"PASS in {golden.mode} mode",
-                           f"FAIL ({golden.mode} mode)"))  # fmt: skip
-    checks.append(golden.passed and golden.mode == "exact")
-
-    console.rule(f"G2 batch invariance: KV-cache decode vs full forward ({RECIPE})")
-    bi_equal, native_equal = decode_matches_full_forward(bi=True), decode_matches_full_forward(bi=False)
-    console.print(
-        _verdict(bi_equal, "batch-invariant ops: identical bits", "batch-invariant ops: DIFFERENT bits")
-        + "; native ops (control): " + ("identical bits" if native_equal else "[yellow]different bits[/]")
-    )
-    checks.append(bi_equal)
-
-    ok = all(checks)
-    console.rule("[green]demo passed: every guarantee held" if ok else "[red]demo found a problem")
-    console.print(f"inspect: titan-audit compare {out / 'w1'} {out / 'w2-nondeterministic'}")
+            report = write_report(out)
+        except Exception as error:  # the verdicts stand; the report's failure is one more FAIL
+            demo.row("report", "RUN/reports/report.html", False, f"{type(error).__name__}: {error}")
+        seconds = time.perf_counter() - start
+        write_json_atomic(out / DEMO_FILE, demo.summary(seconds, numerics))
+        progress.advance(progress.tasks[0].id)
+    demo.progress = None
+    console.print(verdict_table(demo.rows))
+    ok = demo.passed
+    console.rule(f"[green]demo passed: every guarantee held ({seconds:.0f} s)" if ok
+                 else f"[red]demo FAILED: see the FAIL rows ({seconds:.0f} s)")  # fmt: skip
+    if report is not None:
+        console.print(f"report: {report['html']}  (markdown: {report['md']}; rebuild: titan-audit report {out})")
     return ok
