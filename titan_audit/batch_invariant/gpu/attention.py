@@ -25,7 +25,9 @@ Rows: for kv head hk the Hq / Hkv query heads sharing it are packed into the row
 the group's heads. Visibility of key j for a row of sequence b: j < seq_len[b]; causal: j <= pos;
 doc_ids: doc[b, j] >= 0 and equal to the query's doc[b, min(pos, Tk - 1)]; extra_mask (SDPA's
 attn_mask as bool "may attend" [B|1, Hq|1, Tq, Tk]). A row that sees no key gets zeros and
-lse = -inf. lse is returned in base 2 of the scaled scores (what the backward consumes).
+lse = -inf. Values of keys that no row of a tile sees are zeroed before `p @ v`; a key that
+another row of the same tile sees reaches this row only as 0 * v (so a NaN or Inf held by such a
+key, a broken input anyway, would reach it). lse is returned in base 2 of the scaled scores (what the backward consumes).
 
 Paged KV cache: k_cache / v_cache [num_pages, Hkv, PAGE, D], block_table [B, pages] (int32),
 key j of sequence b at page block_table[b, j // PAGE], slot j % PAGE. The dense API
@@ -121,6 +123,9 @@ def _split_kernel(
                          + qi[:, None].to(tl.int64) * s_mt + j[None, :].to(tl.int64) * s_mk,
                          mask=row_ok[:, None] & j_ok[None, :], other=0)
             vis = vis & (mk != 0)
+        # keys no row of the tile sees (padding, other documents) hold anything, NaN included: zero
+        # their values, so p = 0 meets 0.0, never 0 * NaN
+        v = tl.where((tl.max(vis.to(tl.int32), axis=0) > 0)[:, None], v, 0.0)
         sc = tl.where(vis, qk * qk_scale, float("-inf"))
         any_vis = tl.max(vis.to(tl.int32), axis=1) > 0
         m_new = tl.where(any_vis, tl.maximum(m_i, tl.max(sc, axis=1)), m_i)

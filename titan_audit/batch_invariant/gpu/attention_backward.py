@@ -105,6 +105,9 @@ def _dq_kernel(
             v = v.to(tl.float32)
         vis = _visible(j, j_ok, row_ok, pos, qdoc, b, head, qi, doc_ptr, mask_ptr, tk, s_mb, s_mh, s_mt, s_mk,
                        CAUSAL, HAS_DOC, HAS_MASK)
+        seen = (tl.max(vis.to(tl.int32), axis=0) > 0)[:, None]  # keys some row of the tile sees
+        k = tl.where(seen, k, 0.0)
+        v = tl.where(seen, v, 0.0)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
