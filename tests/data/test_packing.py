@@ -1,4 +1,5 @@
-"""Packing: no token lost or duplicated within an epoch; best-fit never splits a short document.
+"""Packing: no token lost or duplicated within an epoch; best-fit never splits a short document;
+positions stay in [0, seq_len): a document longer than a row counts from 0 in every piece.
 
 Stores are built from random documents; the reference is the documents themselves. Each property
 also checks the per-token doc ids, positions, targets and loss mask against that reference.
@@ -47,6 +48,8 @@ def test_concat_covers_the_stream_exactly_once(lengths, seq_len, seed):
     stream = np.concatenate([np.append(d.astype(np.int64), EOS) for d in docs])
     doc_of = np.concatenate([np.full(len(d) + 1, i) for i, d in enumerate(docs)])
     pos_of = np.concatenate([np.arange(len(d) + 1) for d in docs])
+    start_of = np.concatenate([np.full(len(d) + 1, sum(len(e) + 1 for e in docs[:i])) for i, d in enumerate(docs)])
+    long_of = np.concatenate([np.full(len(d) + 1, len(d) + 1 > seq_len) for d in docs])
     n = packer.num_sequences
     assert n == (len(stream) - 1) // seq_len
     rows = [packer.sequence(j) for j in range(n)]
@@ -54,7 +57,11 @@ def test_concat_covers_the_stream_exactly_once(lengths, seq_len, seed):
     # every slot of the stream, in order, exactly once, up to the final partial window
     assert np.array_equal(tokens, stream[: n * seq_len])
     assert np.array_equal(np.concatenate([r.doc_ids for r in rows]), doc_of[: n * seq_len])
-    assert np.array_equal(np.concatenate([r.positions for r in rows]), pos_of[: n * seq_len])
+    for j, r in enumerate(rows):  # a long document's positions count from the window's first slot
+        slots = np.arange(j * seq_len, (j + 1) * seq_len)
+        expected = np.where(long_of[slots], slots - np.maximum(start_of[slots], j * seq_len), pos_of[slots])
+        assert np.array_equal(r.positions, expected)
+        assert 0 <= r.positions.min() and r.positions.max() < seq_len
     assert np.array_equal(np.concatenate([r.targets for r in rows]), stream[1 : n * seq_len + 1])
     for r in rows:
         _check_rows(packer, r)
@@ -75,11 +82,16 @@ def test_best_fit_places_every_token_once_and_never_splits_short_documents(lengt
         real = r.doc_ids >= 0
         assert real.any()  # no empty bins
         assert np.all(r.tokens[~real] == PAD) and real[: real.sum()].all()  # padding only at the end
-        for i in np.nonzero(real)[0]:
-            d, p = int(r.doc_ids[i]), int(r.positions[i])
-            assert seen[d][p] == -1, f"doc {d} slot {p} placed twice"
-            seen[d][p] = r.tokens[i]
+        assert r.positions.max() < seq_len
+        at = 0
+        for d, start, count in packer.bin_pieces(j):  # each piece counts its positions from 0
+            assert np.all(r.doc_ids[at : at + count] == d)
+            assert np.array_equal(r.positions[at : at + count], np.arange(count))
+            assert np.all(seen[d][start : start + count] == -1), f"doc {d} slots {start}.. placed twice"
+            seen[d][start : start + count] = r.tokens[at : at + count]
             rows_of[d].add(j)
+            at += count
+        assert at == real.sum()
     for d, doc in enumerate(docs):
         assert np.array_equal(seen[d], np.append(doc.astype(np.int64), EOS)), f"doc {d} lost or corrupted"
         if len(doc) + 1 <= seq_len:

@@ -16,13 +16,17 @@ best_fit  Items never split unless longer than L: an item of m > L slots is cut 
         plan (O(D) integers, identical on every rank) is built once when the packer is made.
 
 Per sequence (arrays of length L): tokens; targets (the next slot's token: targets[i] =
-tokens[i + 1] within the window, PAD after the last item of a best-fit bin); positions (offset
-of the token inside its document, so a piece of a long document continues its positions; 0 for
-PAD); doc_ids (store document index, -1 for PAD); loss_mask (True where the target is the next
-token of the same document: same doc id and position + 1). So the EOS-to-next-document target
-and padding never count. The count of True in loss_mask is known from the plan without reading
-tokens (`loss_tokens`): concat L - (number of EOS in slots [jL, jL + L)); best_fit sum over the
-bin's pieces of (length - 1).
+tokens[i + 1] within the window, PAD after the last item of a best-fit bin); positions (the RoPE
+position, always in [0, L)): the offset of the token inside its document, except that a document
+whose item is longer than L counts from 0 again in every piece: in best_fit its full pieces and
+its remainder, in concat its part in each window (measured from the window's first slot). So
+with L <= the model's max_position_embeddings no position leaves the model's context, however
+long the document; a document that fits in L slots keeps its own offsets (in concat across a
+window boundary too). 0 for PAD. doc_ids (store document index, -1 for PAD); loss_mask (True
+where the target is the next token of the same document: same doc id and position + 1). So the
+EOS-to-next-document target and padding never count. The count of True in loss_mask is known
+from the plan without reading tokens (`loss_tokens`): concat L - (number of EOS in slots
+[jL, jL + L)); best_fit sum over the bin's pieces of (length - 1).
 """
 
 from __future__ import annotations
@@ -71,9 +75,12 @@ class ConcatPacker:
         L = self.seq_len
         slots = np.arange(j * L, j * L + L + 1, dtype=np.int64)
         doc = np.searchsorted(self.item_starts, slots, side="right") - 1
-        pos = slots - self.item_starts[doc]
+        pos = slots - self.item_starts[doc]  # offset inside the document
         is_eos = pos == self.lengths[doc]
         raw = self.store.offsets[doc] + pos
+        long = self.lengths[doc] + 1 > L  # cut into pieces: positions count from the window's start
+        if long.any():
+            pos = np.where(long, slots - np.maximum(self.item_starts[doc], j * L), pos)
         tokens = np.full(L + 1, self.eos_id, dtype=np.int64)
         real = ~is_eos
         if real.any():
@@ -163,7 +170,7 @@ class BestFitPacker:
             if start + count == n + 1:
                 tokens[at + count - 1] = self.eos_id
             doc[at : at + count] = d
-            pos[at : at + count] = np.arange(start, start + count)
+            pos[at : at + count] = np.arange(count)  # every piece counts from 0 (docstring)
             at += count
         return SequenceArrays(tokens[:L], tokens[1:], pos[:L], doc[:L], _mask(doc[:L], pos[:L], doc[1:], pos[1:]))
 
