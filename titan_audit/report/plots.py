@@ -42,6 +42,8 @@ def curves(series: Sequence[tuple[str, list[dict[str, Any]]]], columns: Sequence
     present = [c for c in columns if any(any(r.get(c) is not None for r in rows) for _, rows in series)]
     if not present:
         return None
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = _figure(3.8 * len(present), 3.0, len(present))
     for ax, column in zip(axes, present):
         for n, (label, rows) in enumerate(series):
@@ -51,6 +53,7 @@ def curves(series: Sequence[tuple[str, list[dict[str, Any]]]], columns: Sequence
                 ax.plot(xs, ys, _STYLES[n % len(_STYLES)], ms=3, lw=1.2, label=label, alpha=0.85)
         ax.set_title((titles or {}).get(column, column))
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if column in log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -64,6 +67,8 @@ def gap(series: Sequence[tuple[str, list[dict[str, Any]]]]) -> str | None:
     series = [(label, rows) for label, rows in series if any(r.get("gap_tokens") is not None for r in rows)]
     if not series:
         return None
+    from matplotlib.ticker import MaxNLocator
+
     fig, (ax1, ax2) = _figure(10, 3.2, 2)
     for n, (label, rows) in enumerate(series):
         steps = [r["step"] for r in rows]
@@ -74,6 +79,7 @@ def gap(series: Sequence[tuple[str, list[dict[str, Any]]]]) -> str | None:
     ax2.set_yscale("log")
     for ax in (ax1, ax2):
         ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _png(fig)
@@ -111,8 +117,7 @@ def divergence(grid: DivergenceMap) -> str | None:
     for (i, step), cell in grid.cells.items():
         if cell.total:
             values[i, col[step]] = cell.events / cell.total
-    cmap = LinearSegmentedColormap.from_list("div", ["#d9f2d9", "#f4a582", "#b2182b"])
-    cmap.set_bad("#dddddd")
+    cmap = LinearSegmentedColormap.from_list("div", ["#d9f2d9", "#f4a582", "#b2182b"]).with_extremes(bad="#dddddd")
     height = min(2.0 + 0.16 * len(grid.rows), 14)
     fig, (ax,) = _figure(10, height)
     image = ax.imshow(values, aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
