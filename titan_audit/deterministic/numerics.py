@@ -8,7 +8,9 @@ Compared fields (they select kernels or change rounding): torch version; device 
 the CPU ISA torch dispatches to and the CPU's SIMD flags (oneDNN and MKL pick kernels by them);
 BLAS and oneDNN versions; CUDA, cuDNN and GPU compute capability; intra-op thread count; dtype
 policy (default dtype, fp32 matmul precision); deterministic-algorithms and batch-invariant modes;
-and the environment variables that steer MKL, oneDNN, OpenBLAS and cuBLAS numerics.
+and the environment variables that steer MKL, oneDNN, OpenBLAS and cuBLAS numerics; on CUDA also
+NCCL's algorithm / protocol / channel variables (`NCCL_ENV_VARS`) and, in BI mode, the Triton
+release that compiles the kernels (`bi_kernels`).
 
 Informational fields (recorded, never compared): python, numpy and titan-audit versions, the
 platform string, CPU count, and the thread-count variables a launcher sets (the effective thread
@@ -57,6 +59,11 @@ NUMERICS_ENV_VARS = (
     "NVIDIA_TF32_OVERRIDE",
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
 )
+# NCCL's reduction order (deterministic.switches.NCCL_ENV): compared, recorded for CUDA fingerprints
+# only (a CPU run reduces over gloo, and CPU fingerprints keep the keys they always had).
+NCCL_ENV_VARS = (
+    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE",
+)  # fmt: skip
 # Variables worth seeing but superseded by a compared field (num_threads). Not compared.
 INFO_ENV_VARS = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET", "TITAN_AUDIT_CPU_ISA",
@@ -203,9 +210,9 @@ def fingerprint(device: str | torch.device | None = None) -> NumericsFingerprint
         float32_matmul_precision=torch.get_float32_matmul_precision(),
         deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
         batch_invariant=batch_invariant.is_enabled(),
-        env={name: os.environ.get(name) for name in NUMERICS_ENV_VARS},
+        env={name: os.environ.get(name) for name in NUMERICS_ENV_VARS + (NCCL_ENV_VARS if cuda else ())},
         arch=platform.machine(),
-        bi_kernels=_bi_kernels() if batch_invariant.is_enabled() and not cuda else None,
+        bi_kernels=(_bi_kernels_cuda() if cuda else _bi_kernels()) if batch_invariant.is_enabled() else None,
         info={
             "python": platform.python_version(),
             "numpy": np.__version__,
@@ -224,6 +231,13 @@ def _bi_kernels() -> str:
 
     _lib.library()  # a missing or stale build is an error here too
     return f"titan-bi-cpu v{_lib.KERNELS_VERSION}"
+
+
+def _bi_kernels_cuda() -> str:
+    """The CUDA kernels' identity: the Triton backend and the Triton release compiling it."""
+    import triton
+
+    return f"titan-bi-triton (triton {triton.__version__})"
 
 
 def _kernel_isa() -> str | None:

@@ -14,6 +14,12 @@ What `enable` sets, and why:
   thread count, so the count is part of the numerics and must be chosen, never inherited from
   the launcher (torchrun sets OMP_NUM_THREADS by world size).
 - python, numpy and torch (all devices) global RNGs seeded from `seed`.
+- when CUDA is in use (`torch.cuda.is_available()`), NCCL's reduction order pinned (`NCCL_ENV`):
+  ring algorithm, Simple protocol, a fixed channel count, no NVLS / CollNet (in-switch
+  reductions). The trainer's gradient reduction does not rely on these (our TreeReducer sums in
+  a fixed tree and only moves exact partial sums across ranks); they pin every other NCCL
+  reduction (tensor-parallel all-reduces of a generator, metrics). Effective only if set before
+  NCCL initialises; on a CPU-only machine they are left alone.
 
 `enable` applies immediately and returns a handle; used as a context manager the handle restores
 every switch and every RNG state on exit, exceptions included.
@@ -32,6 +38,18 @@ from titan_audit.deterministic.rng import RngState, restore, seed_all, state
 
 CUBLAS_WORKSPACE = ":4096:8"
 DEFAULT_THREADS = 1
+NCCL_ENV = {
+    "NCCL_ALGO": "Ring",
+    "NCCL_PROTO": "Simple",
+    "NCCL_MIN_NCHANNELS": "8",
+    "NCCL_MAX_NCHANNELS": "8",
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_COLLNET_ENABLE": "0",
+}
+
+
+def _read_nccl_env() -> tuple[tuple[str, str | None], ...]:
+    return tuple((name, os.environ.get(name)) for name in NCCL_ENV)
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,7 @@ class Switches:
     float32_matmul_precision: str
     cublas_workspace_config: str | None
     num_threads: int
+    nccl_env: tuple[tuple[str, str | None], ...] = ()
 
     @classmethod
     def read(cls) -> Switches:
@@ -58,6 +77,7 @@ class Switches:
             float32_matmul_precision=torch.get_float32_matmul_precision(),
             cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
             num_threads=torch.get_num_threads(),
+            nccl_env=_read_nccl_env(),
         )
 
     def apply(self) -> None:
@@ -73,6 +93,11 @@ class Switches:
         else:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = self.cublas_workspace_config
         torch.set_num_threads(self.num_threads)
+        for name, value in self.nccl_env:
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _read_fp32_precision() -> str:
@@ -90,8 +115,8 @@ def _write_fp32_precision(value: str) -> None:
         torch.backends.cudnn.allow_tf32 = value == "tf32"
 
 
-def deterministic_switches(strict: bool, threads: int) -> Switches:
-    """The switch values deterministic mode uses."""
+def deterministic_switches(strict: bool, threads: int, cuda: bool | None = None) -> Switches:
+    """The switch values deterministic mode uses (`cuda`: pin NCCL; None: whether CUDA is available)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     return Switches(
@@ -103,6 +128,7 @@ def deterministic_switches(strict: bool, threads: int) -> Switches:
         float32_matmul_precision="highest",
         cublas_workspace_config=CUBLAS_WORKSPACE,
         num_threads=threads,
+        nccl_env=tuple(NCCL_ENV.items()) if (torch.cuda.is_available() if cuda is None else cuda) else _read_nccl_env(),
     )
 
 
