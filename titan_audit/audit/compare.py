@@ -18,6 +18,11 @@ Guarantees:
 - When both runs have a manifest with a numerics fingerprint and the fingerprints are not
   compatible, `fingerprint_warnings` says why bitwise equality is not expected; the comparison
   still runs.
+- `steps=(first, last)` (CLI `--steps FIRST:LAST`, either end may be left open) compares only the
+  records of steps first..last in both runs; records outside the range are not loaded, so a replay
+  that holds only the steps after its checkpoint compares with its source run without the early
+  steps counting as `only_in_a`. `parse_steps` turns the CLI text into the pair (ValueError naming
+  the value). The range is reported under `filters.steps` ([first, last], null for an open end).
 - Bad input (missing directory, a directory without an audit log, an unreadable part) raises
   ValueError naming the path.
 """
@@ -107,8 +112,39 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
-def _load(run_dir: Path, phase: str | None, names: str | None) -> pa.Table:
+StepRange = tuple[int | None, int | None]
+
+
+def parse_steps(text: str) -> StepRange:
+    """'FIRST:LAST', 'FIRST:' or ':LAST' (inclusive, integers >= 0, FIRST <= LAST) or 'N' (one step)."""
+    parts = text.split(":")
+    if len(parts) > 2 or not text.strip() or text.strip() == ":":
+        raise ValueError(f"--steps {text!r}: expected FIRST:LAST (e.g. 5:8, 5: or :8) or one step N")
+    values: list[int | None] = []
+    for part in parts:
+        part = part.strip()
+        if not part:
+            values.append(None)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"--steps {text!r}: {part!r} is not a step number") from None
+        if value < 0:
+            raise ValueError(f"--steps {text!r}: step {value} is negative")
+        values.append(value)
+    first, last = (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
+    if first is not None and last is not None and first > last:
+        raise ValueError(f"--steps {text!r}: FIRST {first} is after LAST {last}")
+    return first, last
+
+
+def _load(run_dir: Path, phase: str | None, names: str | None, steps: StepRange = (None, None)) -> pa.Table:
     expr = None if phase is None else ds.field("phase") == phase
+    for bound, keep in ((steps[0], lambda v: ds.field("step") >= v), (steps[1], lambda v: ds.field("step") <= v)):
+        if bound is not None:
+            term = keep(bound)
+            expr = term if expr is None else expr & term
     table = read_audit_log(run_dir, columns=list(KEY + _VALUE_COLUMNS), filter=expr)
     if names is not None:
         unique = pc.unique(table["name"]).to_pylist()
@@ -194,6 +230,7 @@ def compare_runs(
     phase: str | None = None,
     names: str | None = None,
     with_dumps: bool = True,
+    steps: StepRange | str | None = None,
 ) -> CompareResult:
     """Compare two runs' audit logs (see the module docstring)."""
     run_a, run_b = Path(run_a), Path(run_b)
@@ -201,8 +238,12 @@ def compare_runs(
     _check_run(run_b)
     if phase is not None:
         check_phase(phase)
+    step_range: StepRange = parse_steps(steps) if isinstance(steps, str) else (steps or (None, None))
+    first, last = step_range
+    if first is not None and last is not None and first > last:
+        raise ValueError(f"steps ({first}, {last}): first is after last")
     warnings, note = fingerprint_check(run_a, run_b)
-    raw_a, raw_b = _load(run_a, phase, names), _load(run_b, phase, names)
+    raw_a, raw_b = _load(run_a, phase, names, step_range), _load(run_b, phase, names, step_range)
     joined = _dedup(raw_a).join(
         _dedup(raw_b), keys=list(KEY), join_type="full outer", left_suffix="_a", right_suffix="_b"
     )
@@ -242,7 +283,7 @@ def compare_runs(
     return CompareResult(
         run_a=str(run_a),
         run_b=str(run_b),
-        filters={"phase": phase, "names": names},
+        filters={"phase": phase, "names": names, "steps": None if step_range == (None, None) else list(step_range)},
         records_a=raw_a.num_rows,
         records_b=raw_b.num_rows,
         compared=counts["compared"],

@@ -154,7 +154,10 @@ def check_data(config: TrainConfig) -> None:
         tok = ByteTokenizer()
         name, vocab, eos, pad = "the synthetic corpus (byte tokenizer)", tok.vocab_size, tok.eos_id, tok.pad_id
     else:
-        info = TokenStore(config.data.store).info  # ValueError naming the store if it is not one
+        try:
+            info = TokenStore(config.data.store).info
+        except ValueError as error:
+            raise ValueError(f"data.store: {error}") from None
         name, vocab, eos, pad = f"data.store {config.data.store} (tokenizer {info.tokenizer})", info.vocab_size, info.eos_id, info.pad_id
     if max(vocab, eos + 1, pad + 1) > model.vocab_size:
         raise ValueError(f"{name} has vocab_size {vocab} (eos_id {eos}, pad_id {pad}) but vocab_size = "
