@@ -392,7 +392,7 @@ class Demo:
     def summary(self, seconds: float, numerics: str) -> dict[str, Any]:
         return {"kind": "demo", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "quick": self.plan.quick, "steps": self.plan.steps, "seconds": seconds, "numerics": numerics,
-                "passed": self.passed, "rows": [r.__dict__ for r in self.rows], "stages": self.stages, "runs": self.runs,
+                "passed": self.passed, "rows": [r.__dict__ for r in sorted(self.rows, key=_order)], "stages": self.stages, "runs": self.runs,
                 **self.extra}  # fmt: skip
 
     @property
@@ -419,14 +419,20 @@ def vllm_status() -> tuple[bool, str]:
     return ok, ("" if ok else f"skipped: vLLM is not available here ({reason or 'pip install -e .[vllm]'})")
 
 
-def verdict_table(rows: list[Row]) -> Table:
-    table = Table(title="titan-audit demo: verdicts", title_justify="left", show_lines=False)
+def _order(row: Row) -> tuple[str, bool]:
+    return (row.guarantee.split()[0] if row.guarantee.startswith("G") else "Z", row.guarantee.endswith("control"))
+
+
+def verdict_table(rows: list[Row], out: Path) -> Table:
+    """The rows by guarantee (controls after their checks); evidence paths relative to OUT."""
+    table = Table(title=f"titan-audit demo: verdicts (evidence under {out}/)", title_justify="left")
     for column in ("guarantee", "what was checked", "result", "evidence"):
         table.add_column(column, overflow="fold")
     colors = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}
-    for r in rows:
+    for r in sorted(rows, key=_order):
         result = f"[{colors[r.result]}]{r.result}[/]" + (f" {r.detail}" if r.detail else "")
-        table.add_row(r.guarantee, r.checked, result, r.evidence)
+        evidence = r.evidence.replace(f"{out}/", "").replace(f"{GOLDEN_DIR.parent.parent}/", "")
+        table.add_row(r.guarantee, r.checked, result, evidence)
     return table
 
 
@@ -489,7 +495,7 @@ def run(out: Path | None = None, console: Console | None = None, *, quick: bool 
         write_json_atomic(out / DEMO_FILE, demo.summary(seconds, numerics))
         progress.advance(progress.tasks[0].id)
     demo.progress = None
-    console.print(verdict_table(demo.rows))
+    console.print(verdict_table(demo.rows, out))
     ok = demo.passed
     console.rule(f"[green]demo passed: every guarantee held ({seconds:.0f} s)" if ok
                  else f"[red]demo FAILED: see the FAIL rows ({seconds:.0f} s)")  # fmt: skip
