@@ -12,6 +12,17 @@ from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
 _INIT_HELP = "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; default: the deterministic init."
 
 
+_GENERATOR_HELP = "Rollout generator: builtin, or vllm (our model inside vLLM; needs the vllm extra); default: the config's."
+
+
+def _generator_override(generator: str | None) -> list[str]:
+    if generator == "vllm":
+        from titan_audit.rl import vllm as rl_vllm
+
+        rl_vllm.require()  # one line: how to install the extra (exit 2)
+    return [] if generator is None else [f"generator={generator}"]
+
+
 def _guard(fn):
     """A failed weight sync is a check that found a difference: one line, exit 1."""
     from titan_audit.rl.rollouts import WeightSyncError
@@ -32,10 +43,12 @@ def _guard(fn):
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Move a run already in --out aside and start anew.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. rollout.lag=2.")
-def rl(source, out, init, nproc, steps, resume, overwrite, overrides) -> None:
+@click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
+def rl(source, out, init, nproc, steps, resume, overwrite, overrides, generator) -> None:
     """RL on verifiable synthetic tasks (see titan_audit/rl/loop.py); no verification overhead."""
     from titan_audit.rl.launch import start_rl
 
+    overrides = [*overrides, *_generator_override(generator)]
     rc = _guard(lambda: start_rl(source, out, init=init, nproc=nproc, steps=steps, resume=resume,
                                  overwrite=overwrite, overrides=overrides))  # fmt: skip
     if rc:
@@ -46,7 +59,7 @@ def rl(source, out, init, nproc, steps, resume, overwrite, overrides) -> None:
 @click.option("--config", "source", required=True, help="An RL recipe (rl-tiny) or a TOML file.")
 @click.option("--steps", type=int, required=True, help="RL steps to run and verify.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory (reports in RUN/reports/).")
-@click.option("--generator", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True)
+@click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
 @click.option("--compare-default", is_flag=True, help="Also run with native ops (RUN/compare-default) and plot both.")
 @click.option("--init", "init", default=None, help=_INIT_HELP)
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
@@ -61,11 +74,9 @@ def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc,
     from titan_audit.rl.launch import start_rl
     from titan_audit.rl.report import write_onpolicy_report
 
-    if generator != "builtin":
-        raise UserError("--generator vllm: the vLLM generator is not built yet; use --generator builtin")
     if steps < 1:
         raise UserError(f"--steps must be >= 1, got {steps}")
-    common = [*overrides, "verify=true"]
+    common = [*overrides, *_generator_override(generator), "verify=true"]
     quiet = as_json
     rc = _guard(lambda: start_rl(source, out, init=init, nproc=nproc, steps=steps, resume=False, overwrite=overwrite,
                                  overrides=common, quiet=quiet))  # fmt: skip

@@ -19,14 +19,21 @@ Parts (each module's docstring says what it guarantees):
 - `generator.py`: `VllmGenerator` (keyed sampling, in-place weight sync + fingerprint check,
   prefix-cache reset).
 
-This package imports without vLLM; `available()` says whether the `vllm` extra is installed and
+Importing this package sends vLLM's log to stderr at level ERROR (`VLLM_LOGGING_STREAM`,
+`VLLM_LOGGING_LEVEL`, only where unset), so `--json` output stays clean. It imports without vLLM; `available()` says whether the `vllm` extra is installed and
 `require()` raises a one-line ValueError saying how to install it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
+
+# vLLM logs INFO lines to stdout by default, which would break `--json` output: send its log to
+# stderr and keep errors only, unless the user set these variables.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 INSTALL_HINT = (
     "the vLLM generator needs the `vllm` extra: run `make setup` (it installs it), or "
