@@ -17,6 +17,13 @@ Targets (issue 14, our own kernels; ratios are same-run times, ours / native):
 - attention: `attention geomean` (every prefill and decode case) <= 1.3x, and each decode step
   of plain multi-head attention (Hq == Hkv: one query row per KV head) <= 2x.
 - softmax, log_softmax and rms_norm: each case <= 1.5x.
+
+On a machine with CUDA the suite adds CUDA cases (named `cuda ...`), the Triton backend against
+cuBLAS / SDPA in the same run, timed by `triton.testing.do_bench` (CUDA events, median): bf16
+matmul over M in {1, 64, 256, 1024, 4096} (target for M >= 256: >= 0.8x cuBLAS throughput, i.e.
+ratio <= 1.25), float32 matmul (no TF32 on either side), bf16 decode attention against
+F.scaled_dot_product_attention (target >= 0.7x, ratio <= 1 / 0.7), a bf16 causal prefill, and the
+bf16 row ops (no targets). Each CUDA case records the GPU name.
 """
 
 from __future__ import annotations
@@ -111,7 +118,85 @@ def ops_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Ca
             name = f"{op} M={m} N={n}"
             cases.append(compare(name, (f"torch {op}", base), (f"bi.{op}", cand), options, target=TARGET_ROW_OPS))
             progress(name)
+    if torch.cuda.is_available():
+        cases.extend(cuda_cases(options, progress))
     cases.append(_aggregate("matmul+linear geomean M>=16", big_m, TARGET_GEOMEAN_MATMUL_LARGE_M))
     cases.append(_aggregate("matmul+linear geomean M<=4", small_m, TARGET_GEOMEAN_MATMUL_SMALL_M))
     cases.append(_aggregate("attention geomean", attention, TARGET_ATTENTION_GEOMEAN))
+    return cases
+
+
+# ---------------------------------------------------------------- CUDA: Triton vs cuBLAS / SDPA
+
+TARGET_CUDA_MATMUL_LARGE_M = 1.25  # >= 0.8x cuBLAS throughput for M >= 256 (bf16)
+TARGET_CUDA_DECODE = 1 / 0.7  # >= 0.7x SDPA
+CUDA_MS = [1, 64, 256, 1024, 4096]
+CUDA_KN = [(4096, 4096), (4096, 14336)]
+CUDA_DECODE = [(32, 32, 8, 2048, 128), (8, 32, 8, 8192, 128)]  # (B, Hq, Hkv, Tk, D)
+CUDA_PREFILL = [(1, 32, 8, 4096, 128)]
+CUDA_ROWS = [(4096, 4096)]
+
+
+def _cuda_compare(name: str, baseline: tuple[str, Callable[[], object]], candidate: tuple[str, Callable[[], object]],
+                  options: BenchOptions, target: float | None) -> Case:
+    from triton.testing import do_bench
+
+    rep = 20 if options.quick else 100
+    base_ms = do_bench(baseline[1], warmup=10, rep=rep)
+    cand_ms = do_bench(candidate[1], warmup=10, rep=rep)
+    return Case(name, baseline[0], candidate[0], base_ms / 1e3, cand_ms / 1e3, cand_ms / base_ms, target,
+                extra={"device": torch.cuda.get_device_name()})
+
+
+def cuda_cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
+    """The Triton backend against cuBLAS / SDPA on the current CUDA device."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    cases: list[Case] = []
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 cases: IEEE on both sides
+    try:
+        for k, n in CUDA_KN[:1] if options.quick else CUDA_KN:
+            w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16)
+            for m in CUDA_MS[1:3] if options.quick else CUDA_MS:
+                x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+                name = f"cuda matmul bf16 M={m} K={k} N={n}"
+                case = _cuda_compare(name, ("cuBLAS F.linear", lambda x=x, w=w: F.linear(x, w)),
+                                     ("bi.linear (triton)", lambda x=x, w=w: bi.linear(x, w)), options,
+                                     TARGET_CUDA_MATMUL_LARGE_M if m >= 256 else None)
+                case.extra["tflops"] = 2 * m * k * n / case.candidate_s / 1e12
+                cases.append(case)
+                progress(name)
+        x = torch.randn(1024, 4096, device=dev, generator=g)
+        w = torch.randn(4096, 4096, device=dev, generator=g)
+        name = "cuda matmul fp32 M=1024 K=4096 N=4096"
+        cases.append(_cuda_compare(name, ("cuBLAS F.linear", lambda: F.linear(x, w)),
+                                   ("bi.linear (triton)", lambda: bi.linear(x, w)), options, None))
+        progress(name)
+        for kind, shapes in (("decode", CUDA_DECODE[:1] if options.quick else CUDA_DECODE),
+                             ("prefill", [] if options.quick else CUDA_PREFILL)):
+            for b, hq, hkv, t, d in shapes:
+                tq = 1 if kind == "decode" else t
+                q = torch.randn(b, hq, tq, d, device=dev, generator=g, dtype=torch.bfloat16)
+                kk = torch.randn(b, hkv, t, d, device=dev, generator=g, dtype=torch.bfloat16)
+                vv = torch.randn(b, hkv, t, d, device=dev, generator=g, dtype=torch.bfloat16)
+                causal = kind == "prefill"
+                name = f"cuda attention {kind} bf16 B={b} Hq={hq} Hkv={hkv} Tq={tq} Tk={t} D={d}"
+                cases.append(_cuda_compare(
+                    name, ("F.scaled_dot_product_attention", _sdpa(q, kk, vv, causal)),
+                    ("bi.attention (triton)", lambda q=q, kk=kk, vv=vv: bi.attention(q, kk, vv)), options,
+                    TARGET_CUDA_DECODE if kind == "decode" else None))
+                progress(name)
+        for m, n in CUDA_ROWS:
+            x = torch.randn(m, n, device=dev, generator=g, dtype=torch.bfloat16)
+            w = torch.randn(n, device=dev, generator=g, dtype=torch.bfloat16)
+            for op, base, cand in (
+                ("softmax", lambda: torch.softmax(x, -1), lambda: bi.softmax(x)),
+                ("rms_norm", lambda: F.rms_norm(x, (n,), w, 1e-6), lambda: bi.rms_norm(x, w, 1e-6)),
+            ):
+                name = f"cuda {op} bf16 M={m} N={n}"
+                cases.append(_cuda_compare(name, (f"torch {op}", base), (f"bi.{op} (triton)", cand), options, None))
+                progress(name)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
     return cases

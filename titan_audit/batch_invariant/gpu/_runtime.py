@@ -13,6 +13,10 @@ which happens only for a CUDA tensor or a forced Triton backend (never on the CP
 as raw uint16 and its `tl.dot` would multiply those integers, so kernels upcast bfloat16 / float16
 tiles to float32 before `tl.dot` there (`DOT_F32`); their products are exact in float32 either
 way, so only the (fixed) accumulation order differs from the tensor cores' path.
+
+Compiled launches pass `enable_fp_fusion=False`: no multiply-add is contracted into an fma behind
+our back, so the arithmetic is the one written in the kernels whatever Triton's default (it
+changes in Triton 3.10), and the Triton release is recorded in the numerics fingerprint.
 """
 
 from __future__ import annotations
@@ -126,4 +130,4 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def launch_options(t: torch.Tensor, warps: int) -> dict[str, int]:
-    return {} if interpreted(t) else {"num_warps": warps}
+    return {} if interpreted(t) else {"num_warps": warps, "enable_fp_fusion": False}

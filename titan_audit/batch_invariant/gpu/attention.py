@@ -239,7 +239,7 @@ def paged_attention(
         mstr = [0 if extra_mask.shape[i] == 1 else extra_mask.stride(i) for i in range(4)]
     block_d = triton.next_power_of_2(d)
     interp = interpreted(q)
-    opts = {} if interp else dict(num_warps=warps, num_stages=stages)
+    opts = {} if interp else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     rows_total = tq * group
     per_row = splits * (d + 2) * 4 * batch * hkv
     slab = max(block_m, (MAX_WORKSPACE_BYTES // max(per_row, 1)) // block_m * block_m)
@@ -266,7 +266,7 @@ def paged_attention(
         _combine_kernel[(triton.cdiv(rows, block_m), batch * hkv)](
             po, pm, pl, out, lse, row0, rows, hkv, splits, d,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            G=group, BLOCK_R=block_m, BLOCK_D=block_d, **({} if interp else dict(num_warps=4)),
+            G=group, BLOCK_R=block_m, BLOCK_D=block_d, **({} if interp else dict(num_warps=4, enable_fp_fusion=False)),
         )  # fmt: skip
     return out, lse
 

@@ -222,12 +222,12 @@ def attention_backward(
         return dq, dk, dv
     interp = interpreted(q)
     block_m, block_n, warps, stages = INTERPRETER_CONFIG if interp else CONFIG
-    opts = {} if interp else dict(num_warps=warps, num_stages=stages)
+    opts = {} if interp else dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     block_d = triton.next_power_of_2(d)
     n_rows = batch * hq * tq
     delta = torch.empty(n_rows, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(n_rows, block_m),)](o, do.to(torch.float32), delta, n_rows, d, BLOCK_R=block_m,
-                                                   BLOCK_D=block_d, **({} if interp else dict(num_warps=4)))
+                                                   BLOCK_D=block_d, **({} if interp else dict(num_warps=4, enable_fp_fusion=False)))
     doc = None if doc_ids is None else doc_ids.to(device=q.device, dtype=torch.int64).contiguous()
     mstr = [0, 0, 0, 0]
     if extra_mask is not None:

@@ -113,7 +113,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     interp = interpreted(a)
     launch = dict(BM=bm, BN=bn, BK=bk)
     if not interp:
-        launch.update(num_warps=warps, num_stages=stages)
+        launch.update(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     _gemm_kernel[(programs,)](
         a, b, c, bias if bias is not None else c,
         m, n, k,
