@@ -328,6 +328,8 @@ class Demo:
             {"a": "rl-builtin", "b": "rl-native-control", "label": "RL with batch-invariant ops vs native ops"})
 
     def zero_gap_vllm(self) -> None:
+        if not self.verbose:  # vLLM logs at INFO to the terminal; it reads this when first imported
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         ok, reason = vllm_status()
         if not ok:
             self.row("G4 zero gap", "vLLM generator", None, reason)
