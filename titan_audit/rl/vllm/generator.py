@@ -106,6 +106,13 @@ class TitanWorkerExtension:
                 target.copy_(_unpack(state[name]))
         return len(own)
 
+    def titan_status(self) -> dict[str, object]:
+        """Where the worker runs and whether the BI ops are installed there outside any forward."""
+        from titan_audit import batch_invariant
+
+        return {"pid": os.getpid(), "batch_invariant_installed": batch_invariant.is_enabled(),
+                "architecture": type(self.model_runner.model).__name__}  # fmt: skip
+
     def titan_fingerprint(self) -> dict[str, str]:
         model = self.model_runner.model
         if not hasattr(model, "titan_state_dict"):
@@ -285,21 +292,25 @@ class VllmGenerator:
     # -- generation ----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Sample]:
         """One sample per request, in request order (see the module doc)."""
-        import vllm
-
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         requests = list(requests)
         self._check(requests, params)
         if not requests:
             return []
+        return self._generate(requests, params, [0] * len(requests))
+
+    def _generate(self, requests: list[GenerationRequest], params: SamplingParams, offsets: list[int]) -> list[Sample]:
+        """generate(), each request's first new token at decode position offsets[i] (sampler.py)."""
+        import vllm
+
         stop = [int(t) for t in params.stop_token_ids]
         vllm_params = [
             vllm.SamplingParams(
                 n=1, temperature=0.0, max_tokens=params.max_new_tokens, stop_token_ids=stop, ignore_eos=True,
-                logprobs=0, detokenize=False, extra_args={CONFIG_KEY: request_args(r.key, params)},
+                logprobs=0, detokenize=False, extra_args={CONFIG_KEY: request_args(r.key, params, offset)},
             )  # fmt: skip
-            for r in requests
+            for r, offset in zip(requests, offsets)
         ]
         prompts = [{"prompt_token_ids": [int(t) for t in r.prompt_ids]} for r in requests]
         with self._lock:
@@ -307,6 +318,19 @@ class VllmGenerator:
             version = self._policy_version
         assert len(outputs) == len(requests), (len(outputs), len(requests))
         return [self._sample(r, o, version) for r, o in zip(requests, outputs)]
+
+    def continue_samples(self, samples: Sequence[Sample], params: SamplingParams, upto: Sequence[int]) -> list[Sample]:
+        """For each sample, a fresh request whose prompt is its prompt + its first upto[i] tokens,
+        drawn from decode position upto[i] with its key (vLLM prefills that whole prompt): in BI
+        mode it continues the sample with the same tokens and log-probs (the parity trio's
+        decode-vs-prefill check). `prompt_ids` of the results hold the extended prompts."""
+        requests = []
+        for sample, t in zip(samples, upto, strict=True):
+            if not 0 <= t <= len(sample.tokens):
+                raise ValueError(f"sample {sample.key}: cannot continue after {t} of its {len(sample.tokens)} tokens")
+            requests.append(GenerationRequest((*sample.prompt_ids, *sample.tokens[:t]), sample.key))
+        self._check(requests, params, distinct_prompts=False)
+        return self._generate(requests, params, [int(t) for t in upto]) if requests else []
 
     @staticmethod
     def _sample(request: GenerationRequest, output, version: int) -> Sample:
@@ -321,7 +345,7 @@ class VllmGenerator:
             logprobs=torch.tensor(logprobs, dtype=torch.float32), finish_reason=reason, policy_version=version,
         )  # fmt: skip
 
-    def _check(self, requests: list[GenerationRequest], params: SamplingParams) -> None:
+    def _check(self, requests: list[GenerationRequest], params: SamplingParams, distinct_prompts: bool = True) -> None:
         vocab, max_len = self.model_config.vocab_size, self.max_model_len
         for stop in params.stop_token_ids:
             if not _is_int(stop) or not 0 <= stop < vocab:
@@ -345,6 +369,8 @@ class VllmGenerator:
             if len(ids) + params.max_new_tokens > max_len:
                 raise ValueError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} "
                                  f"exceeds the model's context (max_model_len {max_len})")  # fmt: skip
+            if not distinct_prompts:
+                continue
             if request.key in keys:
                 raise ValueError(f"{where}: the same sample key as request {keys[request.key]}")
             keys[request.key] = i

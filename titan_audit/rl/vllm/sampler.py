@@ -18,8 +18,10 @@ the built-in generator's for the same keys and logits, and the reported log-prob
 our ops, never by vLLM's sampler; vLLM's own seeded generators (which fail under chunked prefill
 on CPU) are never used. Rows of requests without the extra arg are left untouched.
 
-Position: the number of output tokens the request has so far (vLLM's live `output_tok_ids`
-list; async scheduling is off so it is exact). Rows of requests whose prefill is not complete
+Position: `offset` (request_args; 0 for a fresh sample) + the number of output tokens the
+request has so far (vLLM's live `output_tok_ids` list; async scheduling is off so it is exact).
+With offset t and the sample's first t tokens appended to its prompt, a request continues the
+sample exactly: the same uniforms, so (BI mode) the same tokens and log-probs. Rows of requests whose prefill is not complete
 yet are processed too; vLLM discards their token.
 """
 
@@ -38,21 +40,30 @@ from titan_audit.rl.sampling import sample_rows, scale_logits, stream_key, unifo
 from titan_audit.rl.vllm.model import CONFIG_KEY, batch_invariant_requested
 
 
-def request_args(key: SampleKey, params: SamplingParams) -> dict:
-    """The `extra_args[CONFIG_KEY]` of one request (plain ints/floats: it crosses processes)."""
+def request_args(key: SampleKey, params: SamplingParams, offset: int = 0) -> dict:
+    """The `extra_args[CONFIG_KEY]` of one request (plain ints/floats: it crosses processes).
+    `offset`: the decode position of the request's first new token (0 for a fresh sample; t to
+    continue a sample whose first t tokens are appended to the prompt)."""
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"decode offset must be an int >= 0, got {offset!r}")
     return {
         "key": [key.seed, key.step, key.prompt_id, key.sample_index],
         "temperature": float(params.temperature),
         "top_p": float(params.top_p),
         "top_k": int(params.top_k),
+        "offset": offset,
     }
 
 
 class _State:
-    __slots__ = ("stream", "params", "output")
+    __slots__ = ("stream", "params", "output", "offset")
 
-    def __init__(self, stream: bytes, params: SamplingParams, output: list[int]) -> None:
-        self.stream, self.params, self.output = stream, params, output
+    def __init__(self, stream: bytes, params: SamplingParams, output: list[int], offset: int) -> None:
+        self.stream, self.params, self.output, self.offset = stream, params, output, offset
+
+    @property
+    def position(self) -> int:
+        return self.offset + len(self.output)
 
 
 class KeyedSampler(LogitsProcessor):
@@ -81,7 +92,7 @@ class KeyedSampler(LogitsProcessor):
             return None
         ours = SamplingParams(temperature=args["temperature"], top_p=args["top_p"], top_k=args["top_k"],
                               max_new_tokens=1)  # unused by the draw  # fmt: skip
-        return _State(stream_key(SampleKey(*args["key"])), ours, output_ids)
+        return _State(stream_key(SampleKey(*args["key"])), ours, output_ids, int(args.get("offset", 0)))
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.states, batch_update, self._new_state)
@@ -98,7 +109,7 @@ class KeyedSampler(LogitsProcessor):
             for params, rows in groups.items():  # rows are independent: grouping changes no bits
                 index = torch.tensor(rows, device=logits.device)
                 scaled_BV = scale_logits(logits.index_select(0, index), params.temperature)
-                uniforms = [uniform_from_stream(self.states[i].stream, len(self.states[i].output)) for i in rows]
+                uniforms = [uniform_from_stream(self.states[i].stream, self.states[i].position) for i in rows]
                 tokens_B = sample_rows(scaled_BV, uniforms, params)
                 logprobs_B = ops.log_softmax(scaled_BV, -1).gather(1, tokens_B[:, None])[:, 0]
                 logits.index_fill_(0, index, float("-inf"))
