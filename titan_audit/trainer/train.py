@@ -164,9 +164,11 @@ def check_data(config: TrainConfig) -> None:
                          f"{model.vocab_size} of {where}: token ids would fall outside the embedding")  # fmt: skip
 
 
-def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, world_size: int) -> Path:
-    """Rank 0 validates, creates the run directory, prepares the data and writes the manifest."""
-    error, claimed = None, False
+def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, world_size: int) -> tuple[Path, dict]:
+    """Rank 0 validates, claims the run directory, prepares the data and writes the manifest of a
+    new run. A resume's manifest update is returned (rank 0) and written by `_record_start` once
+    the checkpoint has loaded, so a resume that fails leaves the run's files as they were."""
+    error, claimed, manifest = None, False, {}
     if _rank() == 0:
         try:
             check_run_dir(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
@@ -181,7 +183,8 @@ def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, worl
             with _batch_invariant(config)():  # the numerics the steps run under (BI mode on or off)
                 manifest["fingerprint"] = deterministic.fingerprint().to_dict()
             manifest["packages"] = package_versions()
-            write_manifest(out, manifest)
+            if not resume:
+                write_manifest(out, manifest)
         except ValueError as e:
             error = str(e)
             if claimed:
@@ -189,15 +192,14 @@ def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, worl
     else:
         config.check_world_size(world_size)
     _broadcast_error(error)
-    return Path(out)
+    return Path(out), manifest
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _record_start(out: Path, world_size: int, start_step: int, parallel_mode: str) -> None:
-    manifest = read_manifest(out)
+def _record_start(out: Path, manifest: dict, world_size: int, start_step: int, parallel_mode: str) -> None:
     manifest.pop("format", None)
     manifest["world_size_history"].append({"world_size": world_size, "start_step": start_step,
                                            "parallel_mode": parallel_mode, "time": _now()})  # fmt: skip
@@ -297,16 +299,16 @@ def train(
     torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
     mode = deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads) \
         if config.determinism.enabled else None  # fmt: skip
-    out = _prepare(config, Path(out), resume, overwrite, world_size)
+    out, manifest = _prepare(config, Path(out), resume, overwrite, world_size)
     try:
-        return _train(config, out, rank, world_size, mode, resume=resume, stop_at=stop_at, quiet=quiet,
+        return _train(config, out, manifest, rank, world_size, mode, resume=resume, stop_at=stop_at, quiet=quiet,
                       oplog_step=oplog_step)  # fmt: skip
     finally:
         if rank == 0:
             release_run_dir(out)
 
 
-def _train(config: TrainConfig, out: Path, rank: int, world_size: int, mode, *, resume: bool, stop_at: int | None,
+def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size: int, mode, *, resume: bool, stop_at: int | None,
            quiet: bool, oplog_step: int | None) -> TrainResult:  # fmt: skip
     last_step = config.steps if stop_at is None else stop_at
     if not 1 <= last_step <= config.steps:
@@ -348,7 +350,7 @@ def _train(config: TrainConfig, out: Path, rank: int, world_size: int, mode, *, 
     metrics = MetricsLog(out) if rank == 0 else None
     if rank == 0:
         metrics.truncate_after(start_step)
-        _record_start(out, world_size, start_step, config.parallel.mode)
+        _record_start(out, manifest, world_size, start_step, config.parallel.mode)
     _barrier()
 
     grad_buffers = GradBuffers(sum(p.numel() for p in params))
