@@ -7,7 +7,8 @@ into them), `_softmax`, `_log_softmax` and their backward ops, `sum` (all elemen
 `rms_norm` (a CompositeImplicitAutograd op in torch 2.13: overridden at that key by the
 functional op, which brings its own deterministic autograd; on a CUDA tensor it reaches the
 backend check like every op), and `scaled_dot_product_attention` (through its CPU kernel
-`_scaled_dot_product_flash_attention_for_cpu` and its backward). The device-key overrides sit
+`_scaled_dot_product_flash_attention_for_cpu` and its backward; on CUDA through the flash,
+memory-efficient and cuDNN kernels and their backward, `CUDA_OVERRIDES`). The device-key overrides sit
 below autograd, so autograd's backward formulas call the overridden ops too.
 
 State guarantee: the overrides are installed iff the mode is on, and `is_enabled()` reads the
@@ -32,13 +33,8 @@ from titan_audit.batch_invariant.backend import backend_for
 
 _LOCK = threading.RLock()
 _LIBRARIES: list[torch.library.Library] = []
-DEVICE_KEYS = ("CPU", "CUDA")  # every overridden op reaches backend_for, which raises for CUDA
-# until the Triton backend is registered: no silent fallback to native (variant) CUDA kernels.
-CUDA_ONLY_OPS = (  # CUDA's SDPA kernels (the CPU one is overridden in OVERRIDES)
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-)
+DEVICE_KEYS = ("CPU", "CUDA")  # every overridden op reaches backend_for: CUDA -> the Triton kernels
+# (or an error without Triton), never a silent fallback to native (variant) CUDA kernels.
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -202,10 +198,82 @@ COMPOSITE_OVERRIDES: dict[str, Callable[..., Any]] = {
 }
 
 
-def _cuda_sdpa(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """CUDA SDPA while the mode is on: the backend decides (today: a clear NotImplementedError)."""
-    backend_for(query)
-    raise NotImplementedError("batch_invariant: CUDA scaled_dot_product_attention is not wired to a backend yet")
+def _no_tensor(like: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=like.device)
+
+
+def _cuda_flash(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0, is_causal: bool = False,
+    return_debug_mask: bool = False, *, scale: float | None = None,
+) -> tuple[Any, ...]:
+    """CUDA flash SDPA: our attention; the varlen / RNG outputs are empty (no dropout)."""
+    out, lse = _sdpa(query, key, value, dropout_p, is_causal, scale=scale)
+    e = _no_tensor(query)
+    return out, lse, e, e, query.shape[2], key.shape[2], e, e, _no_tensor(query, query.dtype)
+
+
+def _cuda_flash_backward(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+    logsumexp: torch.Tensor, cum_seq_q: Any, cum_seq_k: Any, max_q: Any, max_k: Any, dropout_p: float,
+    is_causal: bool, philox_seed: Any, philox_offset: Any, *, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+
+
+def _cuda_efficient(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool, dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """CUDA memory-efficient SDPA (float32, masks): our attention, attn_bias as a 0/-inf mask."""
+    out, lse = _sdpa(query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale)
+    return out, lse, _no_tensor(query), _no_tensor(query)
+
+
+def _cuda_efficient_backward(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attn_bias: torch.Tensor | None, out: torch.Tensor, logsumexp: torch.Tensor, philox_seed: Any,
+    philox_offset: Any, dropout_p: float, grad_input_mask: list[bool], is_causal: bool = False, *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    if attn_bias is not None and attn_bias.numel() and len(grad_input_mask) > 3 and grad_input_mask[3]:
+        raise NotImplementedError("batch_invariant: a gradient for SDPA's attn_mask is not supported")
+    dq, dk, dv = _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                                attn_mask=attn_bias if attn_bias is not None and attn_bias.numel() else None,
+                                scale=scale)
+    return dq, dk, dv, _no_tensor(query, query.dtype)
+
+
+def _cuda_cudnn(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool, dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False,
+    *, scale: float | None = None,
+) -> tuple[Any, ...]:
+    out, lse = _sdpa(query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale)
+    e = _no_tensor(query)
+    return out, lse, e, e, query.shape[2], key.shape[2], e, e, _no_tensor(query, query.dtype)
+
+
+def _cuda_cudnn_backward(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+    logsumexp: torch.Tensor, philox_seed: Any, philox_offset: Any, attn_bias: torch.Tensor | None,
+    cum_seq_q: Any, cum_seq_k: Any, max_q: Any, max_k: Any, dropout_p: float, is_causal: bool, *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                          attn_mask=attn_bias if attn_bias is not None and attn_bias.numel() else None, scale=scale)
+
+
+# CUDA's SDPA kernels (the CPU one is overridden in OVERRIDES), each with its backward, so that
+# autograd's formula for the forward we replaced calls our backward with our saved outputs.
+CUDA_OVERRIDES: dict[str, Callable[..., Any]] = {
+    "_scaled_dot_product_flash_attention": _cuda_flash,
+    "_scaled_dot_product_flash_attention_backward": _cuda_flash_backward,
+    "_scaled_dot_product_efficient_attention": _cuda_efficient,
+    "_scaled_dot_product_efficient_attention_backward": _cuda_efficient_backward,
+    "_scaled_dot_product_cudnn_attention": _cuda_cudnn,
+    "_scaled_dot_product_cudnn_attention_backward": _cuda_cudnn_backward,
+}
+CUDA_ONLY_OPS = tuple(CUDA_OVERRIDES)
 
 
 OVERRIDES: dict[str, Callable[..., Any]] = {
@@ -242,8 +310,8 @@ def enable() -> None:
                 for key in DEVICE_KEYS:
                     for name, fn in OVERRIDES.items():
                         library.impl(name, fn, key)
-                for name in CUDA_ONLY_OPS:
-                    library.impl(name, _cuda_sdpa, "CUDA")
+                for name, fn in CUDA_OVERRIDES.items():
+                    library.impl(name, fn, "CUDA")
                 for name, fn in COMPOSITE_OVERRIDES.items():
                     library.impl(name, fn, "CompositeImplicitAutograd")
         except BaseException:
