@@ -187,7 +187,7 @@ def test_bad_requests_fail_before_generating(synced):
             synced.generate(requests, PARAMS)
     state = dict(tiny().state_dict())
     state["norm.weight"] = torch.zeros(3)
-    with pytest.raises(ValueError, match=r"tensor 'norm\.weight' is float32 \(3,\)"):
+    with pytest.raises(ValueError, match=r"tensor 'norm\.weight' is torch.float32 \(3,\)"):
         synced.load_weights(state, 1)
     del state["norm.weight"]
     with pytest.raises(ValueError, match=r"missing \['norm\.weight'\]"):
