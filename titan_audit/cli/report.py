@@ -9,7 +9,7 @@ import click
 from titan_audit.cli.output import print_json
 
 
-@click.command(short_help="Write RUN/reports/report.html (plots embedded) and report.md.")
+@click.command(short_help="The run report: one HTML file (plots embedded) + Markdown.")
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--against", "against", type=click.Path(path_type=Path), default=None,
               help="Also compare with this run: the divergence map (steps x modules/phases that differ).")  # fmt: skip
