@@ -5,7 +5,7 @@ into a paged KV cache (scattered pages, chunk boundaries off the split and tile 
 token-by-token decode from that cache give every query row the same bits; a sequence alone gets
 the bits it gets in a batch with a longer one; packed documents (doc_ids, with padding keys
 holding NaN) give each document the bits it gets alone; cache slots past the sequence (NaN)
-never reach a row. The backward (through bi.attention's autograd) gives a query row the same dq
+never reach a row; hypothesis varies the length, GQA ratio, head dim, page size and chunk cut. The backward (through bi.attention's autograd) gives a query row the same dq
 alone as in the batch, and dk / dv are the same on every run. Results match a float64 masked
 reference within the dtype's tolerance. Negative control: another split size gives other bits,
 so the bitwise checks can fail (and the split size is what a decode must share with a prefill).
@@ -17,6 +17,8 @@ import pytest
 import torch
 from batch_invariant._helpers import randn
 from batch_invariant._triton import close, triton_on_cpu
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import titan_audit.batch_invariant as bi
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
@@ -144,3 +146,30 @@ def test_negative_control_other_split_size_changes_bits(monkeypatch: pytest.Monk
         other = bi.attention(q, k, v)
     assert not bitwise_equal(one, other)
     close(other, reference(q, k, v, torch.arange(T).expand(B, T)), torch.float32)
+
+
+@settings(max_examples=5)
+@given(t=st.integers(1, 40), group=st.sampled_from([1, 2]), d=st.sampled_from([8, 16]),
+       page=st.sampled_from([4, 8, 64]), cut=st.data())  # fmt: skip
+def test_property_chunked_paged_equals_prefill(t: int, group: int, d: int, page: int, cut: st.DataObject) -> None:
+    c = cut.draw(st.integers(0, t - 1))
+    hkv = 1
+    q = randn(1, hkv * group, t, d, seed=t * 7 + d)
+    k, v = randn(1, hkv, t, d, seed=t + 1), randn(1, hkv, t, d, seed=t + 2)
+    pages = -(-t // page)
+    kc = torch.full((pages, hkv, page, d), float("nan"))
+    vc = kc.clone()
+    j = torch.arange(t)
+    table = torch.arange(pages - 1, -1, -1, dtype=torch.int32).unsqueeze(0)  # pages in reverse order
+    kc[table[0, j // page].long(), :, j % page] = k[0].transpose(0, 1)
+    vc[table[0, j // page].long(), :, j % page] = v[0].transpose(0, 1)
+    positions = torch.arange(t).unsqueeze(0)
+    with triton_on_cpu() as be:
+        full = bi.attention(q, k, v)
+        pieces = []
+        for lo, hi in ((0, c), (c, t)):
+            if hi > lo:
+                lens = torch.tensor([hi], dtype=torch.int32)
+                pieces.append(be.paged_attention(q[:, :, lo:hi], kc, vc, table, lens, positions[:, lo:hi], d**-0.5)[0])
+    assert_bitwise_equal(torch.cat(pieces, dim=2), full)
+    close(full, reference(q, k, v, positions), torch.float32)

@@ -50,7 +50,7 @@ def test_matmul_compiles_for_sm90_with_wgmma_and_no_atomics() -> None:
     for dtype, ty in (("bf16", "*bf16"), ("fp32", "*fp32")):
         cfg = matmul.CONFIGS[{"bf16": matmul.torch.bfloat16, "fp32": matmul.torch.float32}[dtype]]
         k = _compile(matmul._gemm_kernel, {n: ty for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")},
-                     dict(HAS_BIAS=True, DOT_F32=False, IEEE=dtype == "fp32", BM=cfg[0], BN=cfg[1], BK=cfg[2]),
+                     dict(HAS_BIAS=True, DOT_F32=False, IEEE=dtype == "fp32", BM=cfg[0], BN=cfg[1], BK=cfg[2], GROUP_M=8),
                      num_warps=cfg[3], num_stages=cfg[4])
         _no_atomics(k)
         if dtype == "bf16":

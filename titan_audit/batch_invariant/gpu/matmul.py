@@ -55,14 +55,22 @@ def _gemm_kernel(
     s_cb, s_cm, s_cn,
     tiles_per_matrix, tiles_n, total_tiles, num_programs,
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     for tile in range(pid, total_tiles, num_programs):
         mat = tile // tiles_per_matrix
         t = tile % tiles_per_matrix
-        rm = (t // tiles_n) * BM + tl.arange(0, BM)
-        rn = (t % tiles_n) * BN + tl.arange(0, BN)
+        # grouped order (GROUP_M tile rows walk the tile columns together, for L2 reuse): it picks
+        # which tile a program computes next, never how a tile is computed
+        tiles_m = tiles_per_matrix // tiles_n
+        group = t // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+        tm = first_m + (t % (GROUP_M * tiles_n)) % rows_in_group
+        tn = (t % (GROUP_M * tiles_n)) // rows_in_group
+        rm = tm * BM + tl.arange(0, BM)
+        rn = tn * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         a_base = a_ptr + mat.to(tl.int64) * s_ab
         b_base = b_ptr + mat.to(tl.int64) * s_bb
@@ -111,7 +119,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     total = per_matrix * batch
     programs = persistent_grid(a, total)
     interp = interpreted(a)
-    launch = dict(BM=bm, BN=bn, BK=bk)
+    launch = dict(BM=bm, BN=bn, BK=bk, GROUP_M=8)
     if not interp:
         launch.update(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     _gemm_kernel[(programs,)](
