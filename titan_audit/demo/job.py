@@ -14,7 +14,8 @@ every S/2 steps; S = 8, or 4 with --quick):
   (audit records and the final checkpoint's tensor hashes).
 - G4 zero gap: GRPO (`rl-tiny`, small) from the trained run with `verify`: every sampled token's
   generator log-prob equals the trainer's recomputation bitwise, with the built-in generator and,
-  when `titan_audit.rl.vllm` says it is available, vLLM. Negative control: native ops show a gap.
+  when `titan_audit.rl.vllm` says it is available, vLLM (not with --quick: its engine start-up
+  alone is ~25 s on 2 cores; the row says so). Negative control: native ops show a gap.
 - G2 batch invariance: spot-checks of attention (batch, decode, chunked prefill), matmul,
   log_softmax and rms_norm at several head dims including 128, and the model's KV-cache decode;
   native ops as the (reported, not counted) control.
@@ -38,7 +39,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -135,7 +135,8 @@ class Demo:
             sink.write("$ " + " ".join(command) + "\n")
             sink.flush()
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+                                    env={**os.environ, **(env or {})})  # fmt: skip
+            # same process group: Ctrl-C in the terminal reaches the child (torchrun passes it on)
 
             def pump() -> None:
                 for line in proc.stdout:  # type: ignore[union-attr]
@@ -151,28 +152,13 @@ class Demo:
             reader.join(timeout=10)
         return rc
 
-    def rank_command(self, module: str, config: dict[str, Any], out: Path, flags: list[str], nproc: int | None,
-                     config_file: Path) -> list[str]:  # fmt: skip
-        """The rank entry point of trainer.launch.torchrun's contract (`MODULE CONFIG_JSON OUT FLAGS`),
-        under torchrun for nproc, else as one plain process."""
-        config_file.write_text(json.dumps(config))
-        tail = ["-m", module, str(config_file), str(out), *flags]
-        if nproc is None:
-            return [sys.executable, *tail]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *tail]
-
     def train_subprocess(self, name: str, out: Path, overrides: list[str], nproc: int | None,
                          on_start: Callable[[subprocess.Popen], None] | None = None) -> int:  # fmt: skip
-        from titan_audit.trainer.config import load_config, to_dict
-        from titan_audit.trainer.train import check_run_dir
-
-        config = load_config(RECIPE, overrides)
-        check_run_dir(config, out, resume=False, overwrite=False, world_size=nproc or 1)
-        with tempfile.TemporaryDirectory(prefix="titan-audit-demo-") as tmp:
-            command = self.rank_command("titan_audit.trainer.train", to_dict(config), out, [] if self.verbose else ["quiet"],
-                                        nproc, Path(tmp) / "config.json")  # fmt: skip
-            env = {"OMP_NUM_THREADS": str(config.parallel.threads)}
-            return self.run_logged(name, command, env=env, on_start=on_start)
+        """`titan-audit train --config RECIPE --out OUT [--nproc N] --set ...` as a child process
+        (the user's own command: its checks, run lock and launcher), output to OUT/logs/NAME.log."""
+        command = [sys.executable, "-m", "titan_audit.cli", "train", "--config", RECIPE, "--out", str(out),
+                   *(["--nproc", str(nproc)] if nproc else []), *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
+        return self.run_logged(name, command, on_start=on_start)
 
     def train_here(self, out: Path, overrides: list[str], resume: bool = False) -> None:
         from titan_audit.trainer.config import load_config
@@ -328,6 +314,12 @@ class Demo:
             {"a": "rl-builtin", "b": "rl-native-control", "label": "RL with batch-invariant ops vs native ops"})
 
     def zero_gap_vllm(self) -> None:
+        if self.plan.quick:
+            ok, reason = vllm_status()
+            self.row("G4 zero gap", "vLLM generator", None,
+                     "skipped in --quick (the vLLM engine's start-up alone takes ~25 s on 2 cores); "
+                     + ("the full demo runs it" if ok else reason.removeprefix("skipped: ")))  # fmt: skip
+            return
         if not self.verbose:  # vLLM logs at INFO to the terminal; it reads this when first imported
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         ok, reason = vllm_status()
@@ -418,7 +410,8 @@ def vllm_status() -> tuple[bool, str]:
         ok, reason = False, status
     else:
         ok, reason = bool(status), ""
-    return ok, ("" if ok else f"skipped: vLLM is not available here ({reason or 'pip install -e .[vllm]'})")
+    hint = reason or getattr(rl_vllm, "INSTALL_HINT", "") or "pip install -e '.[vllm]'"
+    return ok, ("" if ok else f"skipped: vLLM is not available here ({hint})")
 
 
 def _order(row: Row) -> tuple[str, bool]:
