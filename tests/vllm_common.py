@@ -72,3 +72,38 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def cli(*args: str, env: dict | None = None):
+    """The real command line in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)  # fmt: skip
+
+
+def cli_here(*args: str):
+    """The command line in this process (bad input: fails before any compute)."""
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from titan_audit.cli.main import cli as group
+
+    result = CliRunner().invoke(group, list(args))
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
+def one_line_error(proc, pattern: str) -> None:
+    import re
+
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith(_NOISE)]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr[-3000:]
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+# what importing vLLM prints on stderr before any of our output (its own import-time messages)
+_NOISE = ("Triton ", "/work", "  ", "[W")
