@@ -140,12 +140,23 @@ def test_negative_control_row_block_picked_by_batch_changes_bits(monkeypatch: py
 
 
 def test_interpreter_leaves_no_trace() -> None:
+    """No TRITON_INTERPRET in the environment, triton.language unpatched (compiled kernels share
+    the process), the CPU backend back after the block."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    names = ("__bool__", "__add__", "__floordiv__", "T")
+    lang = {n: tl.tensor.__dict__.get(n) for n in names}
+    funcs = (tl.zeros, tl.program_id, tl.load, JITFunction.__call__)
     before = os.environ.get("TRITON_INTERPRET")
     x = randn(3, 8, seed=16)
     with triton_on_cpu() as be:
         assert bi.backend_for(x) is be
         bi.softmax(x, -1)
+        bi.linear(x, randn(4, 8, seed=17))
     assert os.environ.get("TRITON_INTERPRET") == before
+    assert {n: tl.tensor.__dict__.get(n) for n in names} == lang
+    assert (tl.zeros, tl.program_id, tl.load, JITFunction.__call__) == funcs
     assert bi.backend_for(x).NAME == "cpu"
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import triton
+from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -72,6 +73,13 @@ def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
     return found(*args, **kwargs)
 
 
+class _DeferredScope:
+    """What the interpreter gets back from a patch: its own restore() is left to `_interpreting`."""
+
+    def restore(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def _interpreting() -> Iterator[None]:
     """While an interpreted kernel runs, a call of any JITFunction (Triton's own library helpers
@@ -79,11 +87,26 @@ def _interpreting() -> Iterator[None]:
     what TRITON_INTERPRET=1 arranges at import time, done for the launch only."""
     with _LOCK:
         saved = JITFunction.__call__
+        saved_patch = _interpreter._patch_lang
+        scopes: list[Any] = []
+
+        def patch_lang(fn: Any) -> Any:
+            # The interpreter patches triton.language for the launch and again for each
+            # device-function call, and never undoes the latter (under TRITON_INTERPRET=1 nothing
+            # is compiled, so it does not matter there). Compiled kernels share this process, so
+            # every patch is undone here, last first, when the launch is over.
+            scopes.append(saved_patch(fn))
+            return _DeferredScope()
+
         JITFunction.__call__ = _call_interpreted  # type: ignore[method-assign]
+        _interpreter._patch_lang = patch_lang
         try:
             yield
         finally:
             JITFunction.__call__ = saved  # type: ignore[method-assign]
+            _interpreter._patch_lang = saved_patch
+            while scopes:
+                scopes.pop().restore()
 
 
 def jit(fn: Any) -> DualKernel:
