@@ -21,6 +21,7 @@ class BenchOptions:
     repeats: int = 5
     min_batch_s: float = 0.02
     threads: int | None = None  # intra-op threads for the run (both sides); None: torch's current
+    generator: str = "builtin"  # suite generate: "builtin" or "vllm" (bench/generate_suite.py)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
@@ -29,6 +30,8 @@ class BenchOptions:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.min_batch_s <= 0:
             raise ValueError(f"min_batch_s must be > 0, got {self.min_batch_s}")
+        if self.generator not in ("builtin", "vllm"):
+            raise ValueError(f"generator must be 'builtin' or 'vllm', got {self.generator!r}")
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """`bench generate`: tokens/s of the built-in generator in BI mode against the same generator on
-native ops, and against a plain HF-transformers `generate` of the same model.
+native ops, and against a plain HF-transformers `generate` of the same model; with
+`--generator vllm` (`BenchOptions.generator`), our BI model inside vLLM against vLLM's default
+mode on the same weights (`vllm_generate_suite`, target <= 1.5x).
 
 Workload (one timed call): tiny-dense (deterministic init, seed 0), B prompts of 32 random tokens
 (distinct prompt ids, one sample each), 32 new tokens per sample by sampling at temperature 1.0
@@ -62,6 +64,8 @@ def _hf_generate(
 
 
 def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
+    if options.generator == "vllm":
+        return vllm_generate_suite(options, progress)
     batches = QUICK_BATCHES if options.quick else BATCHES
     prompt_len = QUICK_PROMPT_LEN if options.quick else PROMPT_LEN
     new_tokens = QUICK_NEW_TOKENS if options.quick else NEW_TOKENS
@@ -110,3 +114,70 @@ def _case(
         extra={"new_tokens": tokens, "baseline_tokens_per_s": tokens / seconds[baseline],
                "candidate_tokens_per_s": tokens / seconds[candidate]},
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------- --generator vllm
+VLLM_TARGET_RATIO = 1.5
+VLLM_BATCHES = [8, 32]
+VLLM_DEFAULT = "vLLM default (its Qwen3 and sampler)"
+VLLM_BI = "vLLM + titan model, BI mode (keyed sampler)"
+
+
+def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
+    """`bench generate --generator vllm`: two in-process vLLM engines on the same weights (tiny-dense,
+    seed 0, exported once): baseline vLLM's default mode (its own Qwen3 implementation and CPU
+    kernels, its own sampler at temperature 1, log-prob of each sampled token in its default
+    `raw_logprobs` mode), candidate our model in BI mode inside vLLM (`VllmGenerator`: our
+    attention backend, BI ops, keyed sampler, log-probs bitwise the trainer's). Same workload as
+    the built-in cases (B prompts of 32 tokens, 32 new tokens each, no stop), timed interleaved;
+    extra key `builtin_bi_tokens_per_s`: the built-in generator in BI mode on the same requests."""
+    import vllm
+
+    from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig, _environment, _keep_process_state
+
+    batches = QUICK_BATCHES if options.quick else VLLM_BATCHES
+    prompt_len = QUICK_PROMPT_LEN if options.quick else PROMPT_LEN
+    new_tokens = QUICK_NEW_TOKENS if options.quick else NEW_TOKENS
+    repeats = 1 if options.quick else options.repeats
+    timing = BenchOptions(quick=options.quick, repeats=repeats, min_batch_s=options.min_batch_s)
+    model = models.build("tiny-dense", seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    engine = dict(max_num_seqs=max(batches), max_num_batched_tokens=2048, kv_cache_memory_bytes=128 << 20)
+    candidate = VllmGenerator(model, VllmGeneratorConfig(batch_invariant=True, **engine))
+    builtin = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=max(batches)))
+    try:
+        with _environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), _keep_process_state():
+            baseline = vllm.LLM(model=candidate._dir.name, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                                seed=0, max_model_len=model.config.max_position_embeddings, block_size=32,
+                                max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
+                                kv_cache_memory_bytes=engine["kv_cache_memory_bytes"], async_scheduling=False)  # fmt: skip
+        default_params = vllm.SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0,
+                                             detokenize=False)  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        cases: list[Case] = []
+        for batch in batches:
+            prompts_BT = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
+            requests = [GenerationRequest(tuple(r), SampleKey(0, 0, i, 0)) for i, r in enumerate(prompts_BT.tolist())]
+            prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+
+            def run_default(prompts=prompts) -> object:
+                outputs = baseline.generate(prompts, default_params, use_tqdm=False)
+                assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
+                baseline.reset_prefix_cache()  # as the candidate's sync does: no cross-call cache hits
+                return outputs
+
+            def run_bi(requests=requests) -> object:
+                samples = candidate.generate(requests, params)
+                candidate.llm.reset_prefix_cache()
+                return samples
+
+            sides = {VLLM_DEFAULT: run_default, VLLM_BI: run_bi, BI: lambda requests=requests: builtin.generate(requests, params)}
+            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing)))
+            tokens = batch * new_tokens
+            case = _case(f"generate B={batch} vLLM", VLLM_DEFAULT, VLLM_BI, seconds, tokens, VLLM_TARGET_RATIO)
+            case.extra["builtin_bi_tokens_per_s"] = tokens / seconds[BI]
+            cases.append(case)
+            progress(case.case)
+        return cases
+    finally:
+        candidate.close()

@@ -17,13 +17,21 @@ from titan_audit.cli.output import print_json
 @click.option("--repeats", default=5, show_default=True, help="Timed batches per side; the minimum counts.")
 @click.option("--threads", type=int, default=None,
               help="Intra-op threads for both sides (default: torch's; suites that pin their own keep them).")
-def bench(suite: str, as_json: bool, quick: bool, repeats: int, threads: int | None) -> None:
+@click.option("--generator", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True,
+              help="Suite generate: the built-in generator, or our model inside vLLM against vLLM's default mode.")
+def bench(suite: str, as_json: bool, quick: bool, repeats: int, threads: int | None, generator: str) -> None:
     """Time a suite; ratio = candidate time / baseline time (lower is better)."""
+    if generator != "builtin":
+        if suite != "generate":
+            raise click.UsageError(f"--generator applies to the generate suite only, not {suite!r}")
+        from titan_audit.rl import vllm as rl_vllm
+
+        rl_vllm.require()  # one line: how to install the extra (exit 2)
     err = Console(stderr=True)
     with err.status(f"bench {suite}") as status:
         result = run_suite(
             suite,
-            BenchOptions(quick=quick, repeats=repeats, threads=threads),
+            BenchOptions(quick=quick, repeats=repeats, threads=threads, generator=generator),
             progress=lambda case: status.update(f"bench {suite}: done {case}"),
         )
     data = result.to_dict()
