@@ -110,3 +110,13 @@ def test_cli_report_json_and_bad_input(runs, tmp_path):
         assert message in result.output and "Traceback" not in result.output
         assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "empty" / "reports").exists()
+
+
+def test_cli_report_open_hands_the_file_uri_to_the_browser(runs, monkeypatch):
+    import webbrowser
+
+    opened = []
+    monkeypatch.setattr(webbrowser, "open", lambda url, *a, **k: opened.append(url) or True)
+    result = CliRunner().invoke(cli, ["report", str(runs["base"]), "--open"])
+    assert result.exit_code == 0, result.output
+    assert opened == [(runs["base"] / "reports" / "report.html").resolve().as_uri()]
