@@ -80,10 +80,9 @@ def existing_run_locked(out: str | os.PathLike):
     from titan_audit.trainer.run_dir import lock_run_dir, release_run_dir
 
     out = Path(out)
-    if int(os.environ.get("RANK", "0")) != 0 or not out.is_dir():
+    if int(os.environ.get("RANK", "0")) != 0 or not lock_run_dir(out):
         yield
         return
-    lock_run_dir(out)
     try:
         yield
     finally:

@@ -104,7 +104,7 @@ def claim_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> 
     path = Path(path)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
-    old = path.is_dir() and (resume or overwrite or not has_entries(path))
+    old = path.is_dir() and (is_run_dir(path) or not has_entries(path))  # never leave a .lock in a foreign dir
     if old:
         _lock(path)
     try:
@@ -124,10 +124,14 @@ def claim_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> 
     return prepared
 
 
-def lock_run_dir(path: str | os.PathLike) -> None:
-    """Take (or nest) this process's lock of the existing directory `path`; ValueError naming the
-    holder when another live process has it. Release with `release_run_dir`."""
+def lock_run_dir(path: str | os.PathLike) -> bool:
+    """Take (or nest) this process's lock of `path` when it holds a run (True; release with
+    `release_run_dir`), else nothing (False); ValueError naming the holder when another live
+    process has it."""
+    if not is_run_dir(Path(path)):
+        return False
     _lock(Path(path))
+    return True
 
 
 @contextlib.contextmanager
