@@ -32,3 +32,12 @@ def test_available_is_false_without_the_package(monkeypatch):
     assert rl_vllm.available() is False
     with pytest.raises(ValueError, match="pip install"):
         rl_vllm.require()
+
+
+def test_bench_generate_vllm_without_vllm_says_how_to_install(no_vllm):
+    one_line_error(cli_here("bench", "generate", "--generator", "vllm", "--quick"), r"pip install -e '\.\[vllm\]'")
+
+
+def test_bench_generator_applies_to_generate_only():
+    proc = cli_here("bench", "ops", "--generator", "vllm")
+    assert proc.returncode == 2 and "--generator applies to the generate suite only" in proc.stderr

@@ -28,10 +28,10 @@ any process.
 from __future__ import annotations
 
 import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
 
 from titan_audit.models import ops
-from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 
 class TitanAttentionImpl(AttentionImpl):
