@@ -94,49 +94,66 @@ class TitanAttentionImpl(AttentionImpl):
         assert kv_heads == self.num_kv_heads and width == 2 * dim, (kv_cache.shape, kv_heads, dim)
         cache_BHNCD = kv_cache.view(num_blocks, kv_heads, block_size, 2, dim)
         _write(cache_BHNCD, key[:num_tokens], value[:num_tokens], attn_metadata.slot_mapping[:num_tokens])
-
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        num_reqs = len(seq_lens)
-        assert len(starts) >= num_reqs + 1 and starts[num_reqs] == num_tokens, (starts, seq_lens, num_tokens)
-        block_table = attn_metadata.block_table
-        decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
-        if decodes:
-            self._decode(query, output, cache_BHNCD, block_table, starts, seq_lens, decodes)
-        for r in range(num_reqs):
-            q_len = starts[r + 1] - starts[r]
-            if q_len > 1:
-                self._run(query, output, cache_BHNCD, block_table, starts[r], q_len, r, seq_lens[r])
+        plan = _plan(attn_metadata, block_size, query.device)
+        if plan.decodes:
+            self._decode(query, output, cache_BHNCD, plan)
+        for start, q_len, r, seq_len in plan.prefills:
+            self._prefill(query, output, cache_BHNCD, plan.block_table, start, q_len, r, seq_len)
         return output
 
-    def _keys(self, cache_BHNCD: torch.Tensor, block_table: torch.Tensor, r: int, length: int,
-              padded: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Request r's keys and values 0 .. padded - 1, [Hkv, padded, D] each (beyond `length`:
-        whatever its blocks hold there; invisible to its queries)."""
-        block_size = cache_BHNCD.shape[2]
-        blocks = block_table[r, : -(-padded // block_size)].long()
-        kv_bHNCD = cache_BHNCD.index_select(0, blocks)  # [blocks, Hkv, block_size, 2, D]
-        kv_HSCD = kv_bHNCD.transpose(0, 1).reshape(self.num_kv_heads, -1, 2, self.head_size)[:, :padded]
-        assert length <= kv_HSCD.shape[1], (length, kv_HSCD.shape)
-        return kv_HSCD[:, :, 0], kv_HSCD[:, :, 1]
+    def _gather(self, cache_BHNCD: torch.Tensor, blocks_RB: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values 0 .. length - 1 of R requests whose blocks are the rows of blocks_RB,
+        [R, Hkv, length, D] each (beyond a request's own length: whatever its table's blocks hold
+        there, invisible to its queries)."""
+        rows, count = blocks_RB.shape
+        kv = cache_BHNCD.index_select(0, blocks_RB.reshape(-1).long())  # [R * blocks, Hkv, block_size, 2, D]
+        kv = kv.view(rows, count, self.num_kv_heads, -1, 2, self.head_size).transpose(1, 2)
+        kv_RHSCD = kv.reshape(rows, self.num_kv_heads, -1, 2, self.head_size)[:, :, :length]
+        return kv_RHSCD[:, :, :, 0].contiguous(), kv_RHSCD[:, :, :, 1].contiguous()
 
-    def _run(self, query, output, cache_BHNCD, block_table, start: int, q_len: int, r: int, seq_len: int) -> None:
-        k_HSD, v_HSD = self._keys(cache_BHNCD, block_table, r, seq_len, seq_len)
-        q_1HTD = query[start : start + q_len].transpose(0, 1)[None]
+    def _prefill(self, query, output, cache_BHNCD, block_table, start: int, q_len: int, r: int, seq_len: int) -> None:
+        block_size = cache_BHNCD.shape[2]
+        k_1HSD, v_1HSD = self._gather(cache_BHNCD, block_table[r : r + 1, : -(-seq_len // block_size)], seq_len)
+        q_1HTD = query[start : start + q_len].transpose(0, 1)[None].contiguous()
         positions_1T = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-        out_1HTD = ops.attention(q_1HTD.contiguous(), k_HSD[None].contiguous(), v_HSD[None].contiguous(), positions_1T)
+        out_1HTD = ops.attention(q_1HTD, k_1HSD, v_1HSD, positions_1T)
         output[start : start + q_len] = out_1HTD[0].transpose(0, 1)
 
-    def _decode(self, query, output, cache_BHNCD, block_table, starts, seq_lens, decodes: list[int]) -> None:
-        longest = max(seq_lens[r] for r in decodes)
-        keys, values = zip(*(self._keys(cache_BHNCD, block_table, r, seq_lens[r], longest) for r in decodes))
-        rows = torch.tensor([starts[r] for r in decodes], device=query.device)
-        q_B1HD = query.index_select(0, rows)[:, None]  # [B, 1, Hq, D]
-        positions_B1 = torch.tensor([[seq_lens[r] - 1] for r in decodes], device=query.device)
-        out_BH1D = ops.attention(
-            q_B1HD.transpose(1, 2).contiguous(), torch.stack(keys), torch.stack(values), positions_B1
-        )
-        output.index_copy_(0, rows, out_BH1D[:, :, 0])
+    def _decode(self, query, output, cache_BHNCD, plan: _Plan) -> None:
+        block_size = cache_BHNCD.shape[2]
+        blocks_RB = plan.block_table.index_select(0, plan.decode_reqs)[:, : -(-plan.decode_longest // block_size)]
+        k_BHSD, v_BHSD = self._gather(cache_BHNCD, blocks_RB, plan.decode_longest)
+        q_BH1D = query.index_select(0, plan.decode_rows)[:, :, None]
+        out_BH1D = ops.attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
+        output.index_copy_(0, plan.decode_rows, out_BH1D[:, :, 0])
+
+
+class _Plan:
+    """Which requests of a step decode (one new token) and which prefill, from the step's
+    metadata; computed once per step (the metadata object is shared by the layers)."""
+
+    def __init__(self, metadata: CPUAttentionMetadata, device: torch.device) -> None:
+        starts = metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        num_reqs = len(seq_lens)
+        assert len(starts) >= num_reqs + 1 and starts[num_reqs] == metadata.num_actual_tokens, (starts, seq_lens)
+        self.block_table = metadata.block_table
+        self.decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
+        self.prefills = [(starts[r], starts[r + 1] - starts[r], r, seq_lens[r])
+                         for r in range(num_reqs) if starts[r + 1] - starts[r] > 1]  # fmt: skip
+        if self.decodes:
+            self.decode_reqs = torch.tensor(self.decodes, device=device)
+            self.decode_rows = torch.tensor([starts[r] for r in self.decodes], device=device)
+            self.decode_positions = torch.tensor([[seq_lens[r] - 1] for r in self.decodes], device=device)
+            self.decode_longest = max(seq_lens[r] for r in self.decodes)
+
+
+def _plan(metadata: CPUAttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    plan = getattr(metadata, "_titan_plan", None)
+    if plan is None:
+        plan = _Plan(metadata, device)
+        metadata._titan_plan = plan
+    return plan
 
 
 def _write(cache_BHNCD: torch.Tensor, key_NHD: torch.Tensor, value_NHD: torch.Tensor, slots_N: torch.Tensor) -> None:
@@ -148,8 +165,7 @@ def _write(cache_BHNCD: torch.Tensor, key_NHD: torch.Tensor, value_NHD: torch.Te
     if not bool(keep.all()):
         slots_N, key_NHD, value_NHD = slots_N[keep], key_NHD[keep], value_NHD[keep]
     blocks, offsets = slots_N // block_size, slots_N % block_size
-    cache_BHNCD[blocks, :, offsets, 0] = key_NHD.to(cache_BHNCD.dtype)
-    cache_BHNCD[blocks, :, offsets, 1] = value_NHD.to(cache_BHNCD.dtype)
+    cache_BHNCD[blocks, :, offsets] = torch.stack((key_NHD, value_NHD), dim=2).to(cache_BHNCD.dtype)  # [N, H, 2, D]
 
 
 class TitanAttentionBackend(CPUAttentionBackend):
