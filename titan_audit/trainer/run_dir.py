@@ -57,7 +57,7 @@ def _describe_holder(pid: int | None) -> str:
         return "another process"
     try:
         words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        command = " ".join(w.decode(errors="replace") for w in words if w)
+        command = " ".join(" ".join(w.decode(errors="replace").split()) for w in words if w)
     except OSError:
         command = ""
     return f"process {pid}" + (f" ({command[:120]})" if command else "")
