@@ -15,7 +15,7 @@ every S/2 steps; S = 8, or 4 with --quick):
 - G4 zero gap: GRPO (`rl-tiny`, small) from the trained run with `verify`: every sampled token's
   generator log-prob equals the trainer's recomputation bitwise, with the built-in generator and,
   when `titan_audit.rl.vllm` says it is available, vLLM (not with --quick: its engine start-up
-  alone is ~25 s on 2 cores; the row says so). Negative control: native ops show a gap.
+  makes the stage ~28 s on 2 cores; the row says so). Negative control: native ops show a gap.
 - G2 batch invariance: spot-checks of attention (batch, decode, chunked prefill), matmul,
   log_softmax and rms_norm at several head dims including 128, and the model's KV-cache decode;
   native ops as the (reported, not counted) control.
@@ -317,7 +317,7 @@ class Demo:
         if self.plan.quick:
             ok, reason = vllm_status()
             self.row("G4 zero gap", "vLLM generator", None,
-                     "skipped in --quick (the vLLM engine's start-up alone takes ~25 s on 2 cores); "
+                     "skipped in --quick (the vLLM stage took 28-29 s on 2 cores, mostly engine start-up); "
                      + ("the full demo runs it" if ok else reason.removeprefix("skipped: ")))  # fmt: skip
             return
         if not self.verbose:  # vLLM logs at INFO to the terminal; it reads this when first imported
