@@ -124,9 +124,9 @@ def test_corrupt_newest_checkpoint_falls_back_and_is_kept(finished, tmp_path):
     corrupt = _snapshot(_ckpt(run, 2))
     done = _cli("train", "--out", str(run), "--resume", "--steps", "3", "--nproc", "2")
     assert done.exit_code == 0, done.stderr
-    assert "resuming from step_00000001" in done.stderr and "step_00000002.corrupt" in done.stderr
+    assert "resuming from step_00000001" in done.stderr and "corrupt-step_00000002" in done.stderr
     assert "step 2/3" in done.stderr and "step 3/3" in done.stderr
-    kept = run / "checkpoints" / "step_00000002.corrupt"
+    kept = run / "checkpoints" / "corrupt-step_00000002"
     assert _snapshot(kept) == corrupt  # set aside, byte for byte, never deleted
     assert (_ckpt(run, 2) / "trainer.json").read_text() != "{not json"  # step 2 written again
     history = json.loads((run / "manifest.json").read_text())["world_size_history"]

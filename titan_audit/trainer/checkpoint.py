@@ -8,7 +8,7 @@ Guarantees:
   every model and optimizer tensor. `load` recomputes them after loading and refuses a checkpoint
   whose bytes differ, which catches flipped bytes and truncated files; `load_latest(fallback=True)`
   then falls back to the newest older checkpoint that verifies, says so on stderr (rank 0) and
-  moves the corrupt ones aside to `step_NNNNNNNN.corrupt` (kept, never deleted; the resumed run
+  moves the corrupt ones aside to `corrupt-step_NNNNNNNN` (kept, never deleted; the resumed run
   writes its own `step_NNNNNNNN` again). With checkpoints present but none that verifies it
   raises: a resume never silently restarts from step 0.
 - Checked before any rank starts. `preflight(fallback)` reads only the small files (trainer.json,
@@ -263,11 +263,11 @@ class Checkpointer:
         if _rank() == 0:
             for step, error in skipped:
                 final = self.path(step)
-                aside = final.with_name(f"{final.name}.corrupt")
+                aside = final.with_name(f"corrupt-{final.name}")  # not step_*: no reader takes it for a checkpoint
                 n = 1
                 while aside.exists():
                     n += 1
-                    aside = final.with_name(f"{final.name}.corrupt{n}")
+                    aside = final.with_name(f"corrupt-{final.name}.{n}")
                 os.replace(final, aside)
                 print(f"warning: {error}; resuming from {self.path(used).name} (the corrupt checkpoint is kept as "
                       f"{aside.name})", file=sys.stderr, flush=True)  # fmt: skip
