@@ -154,7 +154,7 @@ def _sdpa(
     if dropout_p != 0.0:
         raise NotImplementedError("batch_invariant: scaled_dot_product_attention with dropout is not supported")
     batch, _, tq, dim = query.shape
-    positions = torch.arange(tq).expand(batch, tq)  # SDPA's causal mask is top-left aligned
+    positions = torch.arange(tq, device=query.device).expand(batch, tq)  # SDPA's causal mask is top-left aligned
     scale = dim**-0.5 if scale is None else scale
     out, lse = backend_for(query, key, value).attention_forward(
         query, key, value, scale, is_causal, positions, None, _sdpa_mask(attn_mask, query, key)
@@ -168,7 +168,7 @@ def _sdpa_backward(
     attn_mask: torch.Tensor | None = None, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, _, tq, dim = query.shape
-    positions = torch.arange(tq).expand(batch, tq)
+    positions = torch.arange(tq, device=query.device).expand(batch, tq)
     scale = dim**-0.5 if scale is None else scale
     dq, dk, dv = backend_for(query, key, value).attention_backward(
         grad_out, query, key, value, out, logsumexp, scale, is_causal, positions, None,

@@ -303,16 +303,17 @@ class _Attention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _positions(q_positions: torch.Tensor | None, batch: int, tq: int, tk: int) -> torch.Tensor:
+def _positions(q_positions: torch.Tensor | None, batch: int, tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    """The query positions [B, Tq] (long) on the device of q (no host-device copy on CUDA)."""
     if q_positions is None:
-        return torch.arange(tk - tq, tk).expand(batch, tq)
+        return torch.arange(tk - tq, tk, device=device).expand(batch, tq)
     if not isinstance(q_positions, torch.Tensor) or q_positions.dtype not in (torch.int64, torch.int32):
         raise ValueError("q_positions must be an integer (long) tensor of shape [Tq] or [B, Tq]")
     if q_positions.shape not in (torch.Size([tq]), torch.Size([batch, tq])):
         raise ValueError(f"q_positions must have shape [{tq}] or [{batch}, {tq}], got {tuple(q_positions.shape)}")
     if q_positions.numel() and int(q_positions.min()) < 0:
         raise ValueError("q_positions must be >= 0")
-    return q_positions.long().cpu().expand(batch, tq)
+    return q_positions.long().to(device).expand(batch, tq)
 
 
 def attention(
@@ -349,7 +350,7 @@ def attention(
         raise ValueError(f"attention: query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if q_positions is None and tq > tk:
         raise ValueError(f"attention: Tq={tq} > Tk={tk} needs explicit q_positions")
-    positions = _positions(q_positions, batch, tq, tk)
+    positions = _positions(q_positions, batch, tq, tk, q.device)
     if doc_ids is not None:
         if not isinstance(doc_ids, torch.Tensor) or doc_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError("doc_ids must be an integer (long) tensor of shape [B, Tk]")

@@ -203,12 +203,15 @@ def paged_attention(
     causal: bool = True,
     doc_ids: torch.Tensor | None = None,
     extra_mask: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, Tq, D] float32, lse [B, Hq, Tq] base 2) over a paged KV cache.
 
     q [B, Hq, Tq, D] (any strides, last dim contiguous); k_cache, v_cache [pages, Hkv, PAGE, D];
     block_table [B, n] int; seq_lens [B] int (keys present per sequence); q_positions [B, Tq]
-    long; doc_ids [B, >= max seq_len] long or None; extra_mask bool [B|1, Hq|1, Tq, Tk] or None.
+    long; doc_ids [B, >= max seq_len] long or None; extra_mask bool [B|1, Hq|1, Tq, Tk] or None;
+    max_seq_len: an upper bound of seq_lens known to the caller (saves reading seq_lens back; it
+    sets only how many splits are launched: splits past a sequence's length are empty no-ops).
     """
     _check_dtype(q)
     batch, hq, tq, d = q.shape
@@ -227,7 +230,7 @@ def paged_attention(
     lse = torch.empty((batch, hq, tq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    max_seq = int(seq.max()) if seq.numel() else 0
+    max_seq = max_seq_len if max_seq_len is not None else (int(seq.max()) if seq.numel() else 0)
     if max_seq == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     splits = triton.cdiv(max_seq, split)
@@ -291,7 +294,7 @@ def attention_forward(
     seq = torch.full((batch,), tk, dtype=torch.int32, device=q.device)
     # page = max(Tk, 1): j // page == 0 for every key, so sequence b reads k[b] with its own strides
     return paged_attention(q, k, v, table, seq, q_positions, scale, causal=causal, doc_ids=doc_ids,
-                           extra_mask=extra_mask)
+                           extra_mask=extra_mask, max_seq_len=tk)
 
 
 __all__ = ["KEY_CHUNK", "LOG2_E", "attention_forward", "config", "paged_attention", "math"]
