@@ -7,8 +7,8 @@ vLLM hands a layer the new tokens of every scheduled request as one flat batch (
    write and the read, so the layout inside a block is ours: the block
    `[kv_heads, block_size, 2 * D]` holds, per token, its key in the first D values and its value
    in the last D);
-2. per request, gathers its keys and values 0 .. seq_len - 1 in absolute position order from its
-   blocks, and runs `models.ops.attention` (in BI mode `batch_invariant.attention`) with the
+2. per request, gathers its keys and values in absolute position order from its blocks (whole
+   blocks: the keys beyond seq_len are invisible to its queries), and runs `models.ops.attention` (in BI mode `batch_invariant.attention`) with the
    request's queries at their absolute positions seq_len - q_len .. seq_len - 1.
 So a query row sees exactly the keys a full forward of its sequence gives it, at the same key
 indices, and `batch_invariant.attention` reduces over keys in fixed chunks aligned to absolute
@@ -101,19 +101,21 @@ class TitanAttentionImpl(AttentionImpl):
             self._prefill(query, output, cache_BHNCD, plan.block_table, start, q_len, r, seq_len)
         return output
 
-    def _gather(self, cache_BHNCD: torch.Tensor, blocks_RB: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values 0 .. length - 1 of R requests whose blocks are the rows of blocks_RB,
-        [R, Hkv, length, D] each (beyond a request's own length: whatever its table's blocks hold
-        there, invisible to its queries)."""
+    def _gather(self, cache_BHNCD: torch.Tensor, blocks_RB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of R requests whose blocks are the rows of blocks_RB, [R, Hkv,
+        blocks * block_size, D] each, key j at absolute position j (beyond a request's own
+        length: whatever its table's blocks hold there, invisible to its queries)."""
         rows, count = blocks_RB.shape
         kv = cache_BHNCD.index_select(0, blocks_RB.reshape(-1).long())  # [R * blocks, Hkv, block_size, 2, D]
-        kv = kv.view(rows, count, self.num_kv_heads, -1, 2, self.head_size).transpose(1, 2)
-        kv_RHSCD = kv.reshape(rows, self.num_kv_heads, -1, 2, self.head_size)[:, :, :length]
-        return kv_RHSCD[:, :, :, 0].contiguous(), kv_RHSCD[:, :, :, 1].contiguous()
+        kv = kv.view(rows, count, self.num_kv_heads, -1, 2, self.head_size)
+        shape = (rows, self.num_kv_heads, -1, self.head_size)
+        k = kv[..., 0, :].permute(0, 2, 1, 3, 4).reshape(shape)
+        v = kv[..., 1, :].permute(0, 2, 1, 3, 4).reshape(shape)
+        return k, v
 
     def _prefill(self, query, output, cache_BHNCD, block_table, start: int, q_len: int, r: int, seq_len: int) -> None:
         block_size = cache_BHNCD.shape[2]
-        k_1HSD, v_1HSD = self._gather(cache_BHNCD, block_table[r : r + 1, : -(-seq_len // block_size)], seq_len)
+        k_1HSD, v_1HSD = self._gather(cache_BHNCD, block_table[r : r + 1, : -(-seq_len // block_size)])
         q_1HTD = query[start : start + q_len].transpose(0, 1)[None].contiguous()
         positions_1T = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
         out_1HTD = ops.attention(q_1HTD, k_1HSD, v_1HSD, positions_1T)
@@ -122,7 +124,7 @@ class TitanAttentionImpl(AttentionImpl):
     def _decode(self, query, output, cache_BHNCD, plan: _Plan) -> None:
         block_size = cache_BHNCD.shape[2]
         blocks_RB = plan.block_table.index_select(0, plan.decode_reqs)[:, : -(-plan.decode_longest // block_size)]
-        k_BHSD, v_BHSD = self._gather(cache_BHNCD, blocks_RB, plan.decode_longest)
+        k_BHSD, v_BHSD = self._gather(cache_BHNCD, blocks_RB)
         q_BH1D = query.index_select(0, plan.decode_rows)[:, :, None]
         out_BH1D = ops.attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
         output.index_copy_(0, plan.decode_rows, out_BH1D[:, :, 0])

@@ -50,6 +50,7 @@ from typing import Literal
 
 import torch
 
+from titan_audit import batch_invariant as bi
 from titan_audit.audit import fingerprint
 from titan_audit.models import save_pretrained
 from titan_audit.models.transformer import Transformer
@@ -313,7 +314,10 @@ class VllmGenerator:
             for r, offset in zip(requests, offsets)
         ]
         prompts = [{"prompt_token_ids": [int(t) for t in r.prompt_ids]} for r in requests]
-        with self._lock:
+        # in-process, the whole call in BI mode (as the built-in generator does): the model's and the
+        # sampler's own `enabled()` blocks are then no-ops instead of installing the ops every step
+        mode = bi.enabled() if self.config.batch_invariant and not self.config.multiprocessing else contextlib.nullcontext()
+        with self._lock, mode:
             outputs = self._engine().generate(prompts, vllm_params, use_tqdm=False)
             version = self._policy_version
         assert len(outputs) == len(requests), (len(outputs), len(requests))
