@@ -25,7 +25,7 @@ import triton.language as tl
 from titan_audit.batch_invariant.gpu._runtime import interpreted, jit
 from titan_audit.batch_invariant.gpu.attention import LOG2_E
 
-CONFIG = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
+CONFIG = (32, 32, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
 INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
