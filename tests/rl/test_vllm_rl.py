@@ -9,7 +9,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from vllm_common import cli, needs_vllm, one_line_error
+from vllm_common import cli, cli_here, needs_vllm, one_line_error
 
 pytestmark = [*needs_vllm, pytest.mark.slow]
 SMALL = ["--set", "task.prompts_per_step=2", "--set", "task.samples_per_prompt=2", "--set", "sampling.max_new_tokens=6",
@@ -53,6 +53,6 @@ def test_vllm_and_builtin_runs_are_the_same_run(runs):
 
 
 def test_vllm_generator_refuses_several_ranks(tmp_path):
-    proc = cli("rl", "--config", "rl-tiny", "--out", str(tmp_path / "r"), "--generator", "vllm", "--nproc", "2")
+    proc = cli_here("rl", "--config", "rl-tiny", "--out", str(tmp_path / "r"), "--generator", "vllm", "--nproc", "2")
     one_line_error(proc, r"generator = 'vllm' runs on one rank")
     assert not (tmp_path / "r").exists()
