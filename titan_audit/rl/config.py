@@ -35,6 +35,7 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 RESUME_MUTABLE_KEYS = frozenset({
     "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
     "audit.flush_every_steps", "parallel.backend", "rollout.buffer",
+    "generator",  # builtin and vllm give the same samples in BI mode (tests/rl/test_vllm_rl.py); runs before the key
 })  # fmt: skip
 
 
