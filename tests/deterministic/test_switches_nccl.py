@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from titan_audit import deterministic
 from titan_audit.deterministic import numerics, switches
@@ -25,10 +26,11 @@ def test_cuda_switches_pin_nccl_and_restore(monkeypatch: pytest.MonkeyPatch) -> 
     assert all(n not in os.environ for n in switches.NCCL_ENV)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="deterministic.enable pins NCCL on a CUDA machine")
 def test_cpu_leaves_nccl_alone_and_fingerprint_keys_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCL_ALGO", "Tree")
     assert switches.deterministic_switches(True, 1, cuda=False).nccl_env[0] == ("NCCL_ALGO", "Tree")
-    with deterministic.enable(0) if not __import__("torch").cuda.is_available() else pytest.skip("CUDA here"):
+    with deterministic.enable(0):
         assert os.environ["NCCL_ALGO"] == "Tree"
         fp = numerics.fingerprint("cpu")
     assert not set(numerics.NCCL_ENV_VARS) & set(fp.env)

@@ -42,7 +42,6 @@ one takes the prompt's sequence over). Blocks are reserved per sample for its wo
 from __future__ import annotations
 
 import contextlib
-import numbers
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -55,8 +54,9 @@ from titan_audit.audit import fingerprint
 from titan_audit.models import ops
 from titan_audit.models.kv_cache import PagedKVCache
 from titan_audit.models.transformer import Transformer
-from titan_audit.rl.generator import FinishReason, GenerationRequest, Sample, SampleKey, SamplingParams
-from titan_audit.rl.sampling import check_key, sample_rows, scale_logits, stream_key, uniform_from_stream
+from titan_audit.rl.generator import FinishReason, GenerationRequest, Sample, SamplingParams
+from titan_audit.rl.requests import check_requests
+from titan_audit.rl.sampling import sample_rows, scale_logits, stream_key, uniform_from_stream
 
 
 @dataclass(frozen=True)
@@ -202,47 +202,10 @@ class BuiltinGenerator:
     def _check(self, requests: list[GenerationRequest], params: SamplingParams) -> list[_Prompt]:
         """Validate every request; the prompts, in order of their first request."""
         model_config = self.model.config
-        vocab, max_pos = model_config.vocab_size, model_config.max_position_embeddings
-        for stop in params.stop_token_ids:
-            if not _is_int(stop) or not 0 <= stop < vocab:
-                raise ValueError(f"stop token id {stop!r} is not in [0, {vocab})")
+        groups = check_requests(requests, params, model_config.vocab_size,
+                                model_config.max_position_embeddings, "max_position_embeddings")  # fmt: skip
+        prompts = {group: _Prompt(ids, indices) for group, (ids, indices) in groups.items()}
         max_new = params.max_new_tokens
-        prompts: dict[tuple[int, int, int], _Prompt] = {}
-        keys: dict[SampleKey, int] = {}
-        for i, request in enumerate(requests):
-            if not isinstance(request, GenerationRequest):
-                raise ValueError(f"request {i}: expected a GenerationRequest, got {type(request).__name__}")
-            where = f"request {i} ({request.key})" if isinstance(request.key, SampleKey) else f"request {i}"
-            try:
-                check_key(request.key)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
-            ids = request.prompt_ids
-            if len(ids) == 0:
-                raise ValueError(f"{where}: empty prompt")
-            bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{where}: prompt token id {bad[0]!r} is not an int in [0, {vocab})")
-            ids = tuple(int(t) for t in ids)
-            if len(ids) + max_new > max_pos:
-                raise ValueError(
-                    f"{where}: prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the "
-                    f"model's context (max_position_embeddings {max_pos})"
-                )
-            if request.key in keys:
-                raise ValueError(f"{where}: the same sample key as request {keys[request.key]}")
-            keys[request.key] = i
-            group = (request.key.seed, request.key.step, request.key.prompt_id)
-            prompt = prompts.get(group)
-            if prompt is None:
-                prompts[group] = _Prompt(tuple(ids), [i])
-            elif tuple(ids) != prompt.prompt_ids:
-                raise ValueError(
-                    f"{where}: prompt_id {request.key.prompt_id} has different prompt tokens than "
-                    f"request {prompt.requests[0]}"
-                )
-            else:
-                prompt.requests.append(i)
         if self.config.num_blocks is not None:
             for prompt in prompts.values():
                 # one sample: it takes the prompt's blocks over; more: the prompt's sequence stays
@@ -275,10 +238,6 @@ class BuiltinGenerator:
             self._cache = cache
         assert not cache.lengths and cache.num_free_blocks == cache.num_blocks
         return cache
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class _Run:

@@ -54,8 +54,8 @@ from titan_audit import batch_invariant as bi
 from titan_audit.audit import fingerprint
 from titan_audit.models import save_pretrained
 from titan_audit.models.transformer import Transformer
-from titan_audit.rl.generator import GenerationRequest, Sample, SampleKey, SamplingParams
-from titan_audit.rl.sampling import check_key
+from titan_audit.rl.generator import GenerationRequest, Sample, SamplingParams
+from titan_audit.rl.requests import check_requests
 from titan_audit.rl.vllm import plugin
 from titan_audit.rl.vllm.model import ARCHITECTURE, CONFIG_KEY
 from titan_audit.rl.vllm.sampler import request_args
@@ -350,43 +350,5 @@ class VllmGenerator:
         )  # fmt: skip
 
     def _check(self, requests: list[GenerationRequest], params: SamplingParams, distinct_prompts: bool = True) -> None:
-        vocab, max_len = self.model_config.vocab_size, self.max_model_len
-        for stop in params.stop_token_ids:
-            if not _is_int(stop) or not 0 <= stop < vocab:
-                raise ValueError(f"stop token id {stop!r} is not in [0, {vocab})")
-        prompts: dict[tuple[int, int, int], tuple[int, tuple[int, ...]]] = {}
-        keys: dict[SampleKey, int] = {}
-        for i, request in enumerate(requests):
-            if not isinstance(request, GenerationRequest):
-                raise ValueError(f"request {i}: expected a GenerationRequest, got {type(request).__name__}")
-            try:
-                check_key(request.key)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
-            where = f"request {i} ({request.key})"
-            ids = request.prompt_ids
-            if len(ids) == 0:
-                raise ValueError(f"{where}: empty prompt")
-            bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{where}: prompt token id {bad[0]!r} is not an int in [0, {vocab})")
-            if len(ids) + params.max_new_tokens > max_len:
-                raise ValueError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} "
-                                 f"exceeds the model's context (max_model_len {max_len})")  # fmt: skip
-            if not distinct_prompts:
-                continue
-            if request.key in keys:
-                raise ValueError(f"{where}: the same sample key as request {keys[request.key]}")
-            keys[request.key] = i
-            group = (request.key.seed, request.key.step, request.key.prompt_id)
-            ids = tuple(int(t) for t in ids)
-            first = prompts.setdefault(group, (i, ids))
-            if first[1] != ids:
-                raise ValueError(f"{where}: prompt_id {request.key.prompt_id} has different prompt tokens than "
-                                 f"request {first[0]}")  # fmt: skip
-
-
-def _is_int(value: object) -> bool:
-    import numbers
-
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        check_requests(requests, params, self.model_config.vocab_size, self.max_model_len, "max_model_len",
+                       distinct_prompts=distinct_prompts)  # fmt: skip
