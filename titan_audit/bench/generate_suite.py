@@ -63,16 +63,22 @@ def _hf_generate(
     return run
 
 
+def _workload(options: BenchOptions) -> tuple[int, int, BenchOptions, models.Transformer, SamplingParams]:
+    """What every generate case shares: prompt length, new tokens per sample, the timing options,
+    the model (tiny-dense, seed 0) and the sampling params."""
+    new_tokens = QUICK_NEW_TOKENS if options.quick else NEW_TOKENS
+    repeats = 1 if options.quick else options.repeats
+    timing = BenchOptions(quick=options.quick, repeats=repeats, min_batch_s=options.min_batch_s)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    prompt_len = QUICK_PROMPT_LEN if options.quick else PROMPT_LEN
+    return prompt_len, new_tokens, timing, models.build("tiny-dense", seed=0), params
+
+
 def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     if options.generator == "vllm":
         return vllm_generate_suite(options, progress)
     batches = QUICK_BATCHES if options.quick else BATCHES
-    prompt_len = QUICK_PROMPT_LEN if options.quick else PROMPT_LEN
-    new_tokens = QUICK_NEW_TOKENS if options.quick else NEW_TOKENS
-    repeats = 1 if options.quick else options.repeats
-    timing = BenchOptions(quick=options.quick, repeats=repeats, min_batch_s=options.min_batch_s)
-    model = models.build("tiny-dense", seed=0)
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    prompt_len, new_tokens, timing, model, params = _workload(options)
     native = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=False, max_batch_size=max(batches)))
     bi = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=max(batches)))
     has_hf = importlib.util.find_spec("transformers") is not None
@@ -136,12 +142,7 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
     from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig, _environment, _keep_process_state
 
     batches = QUICK_BATCHES if options.quick else VLLM_BATCHES
-    prompt_len = QUICK_PROMPT_LEN if options.quick else PROMPT_LEN
-    new_tokens = QUICK_NEW_TOKENS if options.quick else NEW_TOKENS
-    repeats = 1 if options.quick else options.repeats
-    timing = BenchOptions(quick=options.quick, repeats=repeats, min_batch_s=options.min_batch_s)
-    model = models.build("tiny-dense", seed=0)
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    prompt_len, new_tokens, timing, model, params = _workload(options)
     engine = dict(max_num_seqs=max(batches), max_num_batched_tokens=2048, kv_cache_memory_bytes=128 << 20)
     candidate = VllmGenerator(model, VllmGeneratorConfig(batch_invariant=True, **engine))
     builtin = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=max(batches)))
