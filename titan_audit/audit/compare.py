@@ -223,6 +223,41 @@ def _check_run(run_dir: Path) -> None:
         raise ValueError(f"{run_dir}: not a run with an audit log (audit/ not found)")
 
 
+FLAGS = ("compared", "differing", "only_in_a", "only_in_b", "conflict_in_a", "conflict_in_b")
+
+
+def _join(raw_a: pa.Table, raw_b: pa.Table) -> pa.Table:
+    """The two runs' records joined on the key, one row per key, with int64 0/1 columns `_<flag>`
+    for each of FLAGS: in both runs (compared), in both with different hashes (differing), in one
+    run only, recorded more than once with different hashes in a run (conflict_in_a / _b)."""
+    joined = _dedup(raw_a).join(
+        _dedup(raw_b), keys=list(KEY), join_type="full outer", left_suffix="_a", right_suffix="_b"
+    )
+    in_a, in_b = pc.is_valid(joined["hash_a"]), pc.is_valid(joined["hash_b"])
+    both = pc.and_(in_a, in_b)
+    flags = {
+        "compared": both,
+        "differing": pc.fill_null(pc.and_(both, pc.not_equal(joined["hash_a"], joined["hash_b"])), False),
+        "only_in_a": pc.and_(in_a, pc.invert(in_b)),
+        "only_in_b": pc.and_(in_b, pc.invert(in_a)),
+        "conflict_in_a": pc.fill_null(pc.greater(joined["n_hashes_a"], 1), False),
+        "conflict_in_b": pc.fill_null(pc.greater(joined["n_hashes_b"], 1), False),
+    }
+    assert tuple(flags) == FLAGS
+    for name, flag in flags.items():
+        joined = joined.append_column(f"_{name}", pc.cast(flag, pa.int64()))
+    return joined
+
+
+def joined_records(run_a: str | os.PathLike, run_b: str | os.PathLike) -> pa.Table:
+    """Every audit key of two runs, joined as `compare_runs` joins them (see `_join`): columns
+    KEY, `hash_a`, `hash_b` and the `_<flag>` columns of FLAGS."""
+    run_a, run_b = Path(run_a), Path(run_b)
+    _check_run(run_a)
+    _check_run(run_b)
+    return _join(_load(run_a, None, None), _load(run_b, None, None))
+
+
 def compare_runs(
     run_a: str | os.PathLike,
     run_b: str | os.PathLike,
@@ -244,20 +279,10 @@ def compare_runs(
         raise ValueError(f"steps ({first}, {last}): first is after last")
     warnings, note = fingerprint_check(run_a, run_b)
     raw_a, raw_b = _load(run_a, phase, names, step_range), _load(run_b, phase, names, step_range)
-    joined = _dedup(raw_a).join(
-        _dedup(raw_b), keys=list(KEY), join_type="full outer", left_suffix="_a", right_suffix="_b"
-    )
-    in_a, in_b = pc.is_valid(joined["hash_a"]), pc.is_valid(joined["hash_b"])
-    both = pc.and_(in_a, in_b)
-    differ = pc.fill_null(pc.and_(both, pc.not_equal(joined["hash_a"], joined["hash_b"])), False)
-    only_a, only_b = pc.and_(in_a, pc.invert(in_b)), pc.and_(in_b, pc.invert(in_a))
-    conflict_a = pc.fill_null(pc.greater(joined["n_hashes_a"], 1), False)
-    conflict_b = pc.fill_null(pc.greater(joined["n_hashes_b"], 1), False)
-    flags = {"compared": both, "differing": differ, "only_in_a": only_a, "only_in_b": only_b,
-             "conflict_in_a": conflict_a, "conflict_in_b": conflict_b}  # fmt: skip
-    for name, flag in flags.items():
-        joined = joined.append_column(f"_{name}", pc.cast(flag, pa.int64()))
-    counts = {name: int(pc.sum(joined[f"_{name}"]).as_py() or 0) for name in flags}
+    joined = _join(raw_a, raw_b)
+    counts = {name: int(pc.sum(joined[f"_{name}"]).as_py() or 0) for name in FLAGS}
+    differ, only_a, only_b = (pc.cast(joined[f"_{n}"], pa.bool_()) for n in ("differing", "only_in_a", "only_in_b"))
+    conflict_a, conflict_b = (pc.cast(joined[f"_{n}"], pa.bool_()) for n in ("conflict_in_a", "conflict_in_b"))
 
     event = pc.or_(pc.or_(pc.or_(differ, only_a), pc.or_(only_b, conflict_a)), conflict_b)
     events = _sorted(joined.filter(event))

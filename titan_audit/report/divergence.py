@@ -18,12 +18,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-import pyarrow as pa
-
-from titan_audit.audit.log import read_audit_log
-from titan_audit.audit.schema import KEY, PHASE_RANK
+from titan_audit.audit.compare import joined_records
+from titan_audit.audit.schema import PHASE_RANK
 
 
 def module_group(name: str) -> str:
@@ -90,30 +87,21 @@ class DivergenceMap:
         return out
 
 
-def _keyed(run: Path) -> pa.Table:
-    table = read_audit_log(run, columns=[*KEY, "hash"])
-    return table.group_by(list(KEY)).aggregate([("hash", "min"), ("hash", "max")])
-
-
 def divergence_map(run_a: str | os.PathLike, run_b: str | os.PathLike) -> DivergenceMap:
-    a, b = _keyed(Path(run_a)), _keyed(Path(run_b))
-    joined = a.join(b, keys=list(KEY), join_type="full outer", left_suffix="_a", right_suffix="_b")
+    joined = joined_records(run_a, run_b)
     rows: dict[tuple[str, str], int] = {}
     raw: dict[tuple[tuple[str, str], int], Cell] = {}
-    cols = {c: joined[c].to_pylist() for c in ("step", "phase", "name", "hash_min_a", "hash_max_a", "hash_min_b", "hash_max_b")}
-    for i in range(joined.num_rows):
-        row = (cols["phase"][i], module_group(cols["name"][i]))
-        cell = raw.setdefault((row, cols["step"][i]), Cell())
+    names = ("step", "phase", "name", "_compared", "_differing", "_only_in_a", "_only_in_b", "_conflict_in_a", "_conflict_in_b")
+    for step, phase, name, both, differ, only_a, only_b, conflict_a, conflict_b in zip(
+        *(joined[c].to_pylist() for c in names)
+    ):
+        row = (phase, module_group(name))
+        cell = raw.setdefault((row, step), Cell())
         rows.setdefault(row, 0)
-        lo_a, hi_a, lo_b, hi_b = cols["hash_min_a"][i], cols["hash_max_a"][i], cols["hash_min_b"][i], cols["hash_max_b"][i]
-        if lo_a is None:
-            cell.only_b += 1
-        elif lo_b is None:
-            cell.only_a += 1
-        else:
-            cell.compared += 1
-            if lo_a != hi_a or lo_b != hi_b or lo_a != lo_b:
-                cell.differing += 1
+        cell.only_a += only_a
+        cell.only_b += only_b
+        cell.compared += both
+        cell.differing += both and (differ or conflict_a or conflict_b)
     order = sorted(rows, key=lambda r: (PHASE_RANK.get(r[0], len(PHASE_RANK)), r[0], _natural(r[1])))
     index = {row: i for i, row in enumerate(order)}
     cells = {(index[row], step): cell for (row, step), cell in raw.items()}

@@ -94,7 +94,7 @@ class TitanAttentionImpl(AttentionImpl):
         assert kv_heads == self.num_kv_heads and width == 2 * dim, (kv_cache.shape, kv_heads, dim)
         cache_BHNCD = kv_cache.view(num_blocks, kv_heads, block_size, 2, dim)
         _write(cache_BHNCD, key[:num_tokens], value[:num_tokens], attn_metadata.slot_mapping[:num_tokens])
-        plan = _plan(attn_metadata, block_size, query.device)
+        plan = _plan(attn_metadata, query.device)
         if plan.decodes:
             self._decode(query, output, cache_BHNCD, plan)
         for start, q_len, r, seq_len in plan.prefills:
@@ -150,7 +150,7 @@ class _Plan:
             self.decode_longest = max(seq_lens[r] for r in self.decodes)
 
 
-def _plan(metadata: CPUAttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _plan(metadata: CPUAttentionMetadata, device: torch.device) -> _Plan:
     plan = getattr(metadata, "_titan_plan", None)
     if plan is None:
         plan = _Plan(metadata, device)
