@@ -320,8 +320,8 @@ class Demo:
                      "skipped in --quick (the vLLM stage took 28-29 s on 2 cores, mostly engine start-up); "
                      + ("the full demo runs it" if ok else reason.removeprefix("skipped: ")))  # fmt: skip
             return
-        if not self.verbose:  # vLLM logs at INFO to the terminal; it reads this when first imported
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if self.verbose:  # titan_audit.rl.vllm keeps vLLM's log at ERROR unless this is set first
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         ok, reason = vllm_status()
         if not ok:
             self.row("G4 zero gap", "vLLM generator", None, reason)
