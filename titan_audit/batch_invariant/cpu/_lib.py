@@ -30,7 +30,7 @@ LIB_PATH = Path(__file__).with_name("_titan_bi.so")
 SOURCE_DIR = Path(__file__).with_name("kernels")
 ISAS = ("scalar", "avx2", "avx512")
 ENV_VAR = "TITAN_AUDIT_CPU_ISA"
-KERNELS_VERSION = 1  # must equal TA_KERNELS_VERSION in kernels/ta_common.h
+KERNELS_VERSION = 2  # must equal TA_KERNELS_VERSION in kernels/ta_common.h
 
 _LOCK = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -11,8 +11,10 @@ the negative controls). The sequences, written next to each kernel:
     sigmoid(x) = num / (1 + e)                  silu(x) = (x * num) / (1 + e)
     sigmoid'(g, y) = g * (y * (1 - y))         silu'(g, x) = g * (s * fma(x, 1 - s, 1)), s = sigmoid(x)
 
-Float32 compute: inputs of other floating dtypes are converted to float32 and the result is
-float32 (callers round it). Forward-only; `titan_audit.models.pointwise` adds autograd. Each
+Dtypes: `exp`, `log` and `sqrt` of a float64 tensor run the float64 kernels (`exp_f64`, `log_f64`,
+correctly rounded sqrt; float64 result; same guarantee; accuracy in ta_math.h: 0.90 / 2.93 /
+0.5 ulp). Everything else computes in float32: inputs of other floating dtypes are converted to
+float32 and the result is float32 (callers round it). Forward-only; `titan_audit.models.pointwise` adds autograd. Each
 function is also a `torch.library` custom op (`titan_audit::silu`, ...) with a fake
 implementation, used while `torch.compile` traces; eager calls go to the kernel directly.
 """
@@ -30,19 +32,31 @@ PARALLEL_MIN_ELEMENTS = 1 << 16  # below this one thread does the call (threads 
 
 UNARY = ("exp", "exp2", "log", "sqrt", "sigmoid", "silu")
 BINARY = ("sigmoid_backward", "silu_backward")
+FLOAT64 = ("exp", "log", "sqrt")  # these take float64 to float64 kernels
 
 for _name in UNARY:
     _lib.declare(f"{_name}_f32", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+for _name in FLOAT64:
+    _lib.declare(f"{_name}_f64", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
 for _name in BINARY:
     _lib.declare(f"{_name}_f32", None, [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int])
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
+def _check(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"pointwise: expected a floating tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.device.type != "cpu":
         raise ValueError(f"pointwise: the CPU kernels need a CPU tensor, got one on {x.device}")
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    _check(x)
     return x.to(torch.float32).contiguous()
+
+
+def result_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `name` computes in and returns for an input of `dtype`."""
+    return torch.float64 if dtype == torch.float64 and name in FLOAT64 else torch.float32
 
 
 def _threads(numel: int) -> int:
@@ -50,10 +64,13 @@ def _threads(numel: int) -> int:
 
 
 def _unary(name: str, x: torch.Tensor) -> torch.Tensor:
-    x = _f32(x)
-    y = torch.empty(x.shape, dtype=torch.float32)
+    _check(x)
+    dtype = result_dtype(name, x.dtype)
+    x = x.to(dtype).contiguous()
+    y = torch.empty(x.shape, dtype=dtype)
     if x.numel():
-        _lib.kernel(f"{name}_f32")(_lib.ptr(x), _lib.ptr(y), x.numel(), _threads(x.numel()))
+        suffix = "f64" if dtype == torch.float64 else "f32"
+        _lib.kernel(f"{name}_{suffix}")(_lib.ptr(x), _lib.ptr(y), x.numel(), _threads(x.numel()))
     return y
 
 
@@ -75,14 +92,18 @@ def _make_unary(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     def impl(x: torch.Tensor) -> torch.Tensor:
         return _unary(name, x)
 
+    def fake(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=result_dtype(name, x.dtype), device=x.device)
+
     op = torch.library.custom_op(f"titan_audit::{name}", mutates_args=())(impl)
-    op.register_fake(_fake)
+    op.register_fake(fake)
 
     def call(x: torch.Tensor) -> torch.Tensor:
         return op(x) if torch.compiler.is_compiling() else _unary(name, x)
 
     call.__name__ = name
-    call.__doc__ = f"{name} of a float tensor, element by element (float32 result); see the module doc."
+    result = "float64 result for float64, else float32" if name in FLOAT64 else "float32 result"
+    call.__doc__ = f"{name} of a float tensor, element by element ({result}); see the module doc."
     return call
 
 
@@ -104,10 +125,10 @@ def _make_binary(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
 exp = _make_unary("exp")
 exp2 = _make_unary("exp2")
 log = _make_unary("log")
-sqrt = _make_unary("sqrt")  # correctly rounded; torch.sqrt may take MKL VML (MKL_CBWR changes it)
+sqrt = _make_unary("sqrt")  # correctly rounded; torch.sqrt takes MKL VML, whose path depends on the CPU vendor
 sigmoid = _make_unary("sigmoid")
 silu = _make_unary("silu")
 sigmoid_backward = _make_binary("sigmoid_backward")  # (grad, sigmoid's output y)
 silu_backward = _make_binary("silu_backward")  # (grad, silu's input x)
 
-__all__ = ["exp", "exp2", "log", "sigmoid", "sigmoid_backward", "silu", "silu_backward", "sqrt"]
+__all__ = ["FLOAT64", "exp", "exp2", "log", "sigmoid", "sigmoid_backward", "silu", "silu_backward", "result_dtype", "sqrt"]

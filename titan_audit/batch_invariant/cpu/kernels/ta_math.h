@@ -9,7 +9,14 @@
 // 0.91 / 0.87 / 2.81 ulp; tests/batch_invariant/test_math.py).
 // Special values: exp(-inf) = exp2(-inf) = 0, exp2(0) = exp(0) = 1 exactly, +inf -> +inf,
 // NaN -> NaN; log(0) = -inf, log(x < 0) = NaN, log(+inf) = +inf, subnormal inputs handled.
-// exp_f64 / log_f64: the same constructions in float64 (for the float64 row ops).
+// exp_f64 / log_f64: the same constructions in float64 (the float64 row ops, attention, RoPE
+// frequencies and the pointwise exp_f64 / log_f64 kernels). Accuracy against a long-double
+// (64-bit mantissa) expl / logl reference, measured on 2e7 random inputs over the whole range plus
+// 3e6 in each hard region (subnormal and near-overflow results, |x| < 1e-5, log near 1, sqrt 2,
+// 1/sqrt 2, subnormal inputs): exp_f64 0.90 ulp (worst in the subnormal-result range), log_f64
+// 2.93 ulp (worst just above 1, from the rounding of s = f / (2 + f)); tested in
+// tests/batch_invariant/test_math_f64.py. Special values as for float32 (exp: clamp to
+// [-746, 710], so -inf -> +0 and +inf -> +inf; log: subnormal inputs scaled by 2^52).
 // exp_f32_v16 (AVX-512) and exp_f32_v8 (AVX2): exp_f32 on a vector, the same bits lane by lane
 // in fewer instructions (max/min clamps, round_ps, scalef or a one-multiply 2^n); use them in
 // hand-written vector loops (rowops.cpp, pointwise.cpp do).
