@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
+from titan_audit.batch_invariant import census, elementwise
 from titan_audit.batch_invariant.backend import backend_for
 
 _LOCK = threading.RLock()
 _LIBRARIES: list[torch.library.Library] = []
+_ROUTES: dict[str, Callable[..., Any]] = {}  # elementwise.routes(), made on the first enable()
 DEVICE_KEYS = ("CPU", "CUDA")  # every overridden op reaches backend_for: CUDA -> the Triton kernels
 # (or an error without Triton), never a silent fallback to native (variant) CUDA kernels.
 
@@ -93,7 +95,9 @@ def _sum_impl(mean: bool) -> Callable[..., torch.Tensor]:
 
     def impl(self: torch.Tensor, dim: list[int] | None = None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         x = self if dtype is None else self.to(dtype)
-        if not x.is_floating_point() or self.dim() == 0:
+        if x.is_floating_point() and self.dim() == 0:
+            return x.clone()  # a sum or mean of one element is that element, exactly
+        if not x.is_floating_point():
             # Integer and bool sums are exact (associative), so any order gives the same bits.
             out = torch.empty(0, dtype=dtype or (torch.int64 if not x.is_floating_point() else x.dtype))
             return native(x, dim, keepdim, dtype=dtype, out=out)
@@ -112,6 +116,11 @@ def _sum_impl(mean: bool) -> Callable[..., torch.Tensor]:
 def _sum_all(self: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """aten::sum (no dim, e.g. `loss.sum()`): every element by the fixed-tree sum."""
     return _sum_impl(mean=False)(self, None, False, dtype=dtype)
+
+
+def _mean_all(self: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """aten::mean (no dim, e.g. `rewards.mean()`): the fixed-tree sum over the element count."""
+    return _sum_impl(mean=True)(self, None, False, dtype=dtype)
 
 
 def _vector_norm(
@@ -287,9 +296,30 @@ OVERRIDES: dict[str, Callable[..., Any]] = {
     "sum.dim_IntList": _sum_impl(mean=False),
     "mean.dim": _sum_impl(mean=True),
     "sum": _sum_all,
+    "mean": _mean_all,
     "linalg_vector_norm": _vector_norm,
     "_scaled_dot_product_flash_attention_for_cpu": _sdpa,
     "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_backward,
+}
+
+
+def _embedding_backward(
+    keyset: Any, grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool
+) -> torch.Tensor:
+    """aten::embedding_dense_backward: each row's gradient added in ascending token order on our
+    kernel (ATen's goes through index_put_ with accumulate, in an order of its iterator's choosing)."""
+    if scale_grad_by_freq or not grad.is_floating_point() or grad.dtype == torch.float64:
+        op = "aten::embedding_dense_backward"
+        census.note(op, "scale_grad_by_freq" if scale_grad_by_freq else f"dtype {grad.dtype}")
+        return census.original(op)(keyset, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    from titan_audit.batch_invariant.cpu.embedding import embedding_backward
+
+    return _cast(embedding_backward(grad, indices, num_weights, padding_idx), grad.dtype)
+
+
+# CPU-only overrides that take the dispatch keyset (to call the native kernel where they defer).
+CPU_KEYSET_OVERRIDES: dict[str, Callable[..., Any]] = {
+    "embedding_dense_backward": _embedding_backward,
 }
 
 
@@ -299,10 +329,15 @@ def is_enabled() -> bool:
 
 
 def enable() -> None:
-    """Install the overrides (no-op when already on)."""
+    """Install the overrides, the CPU elementwise routes and the census guards (no-op when on)."""
     with _LOCK:
         if _LIBRARIES:
             return
+        if not _ROUTES:
+            _ROUTES.update(elementwise.routes())
+            _ROUTES.update(CPU_KEYSET_OVERRIDES)
+        routes = _ROUTES
+        census.prefetch([f"aten::{name}" for name in routes])  # their native kernels, before ours shadow them
         library = torch.library.Library("aten", "IMPL")
         try:
             with warnings.catch_warnings():  # overriding the native kernel is the point
@@ -314,6 +349,9 @@ def enable() -> None:
                     library.impl(name, fn, "CUDA")
                 for name, fn in COMPOSITE_OVERRIDES.items():
                     library.impl(name, fn, "CompositeImplicitAutograd")
+                for name, fn in routes.items():
+                    library.impl(name, fn, "CPU", with_keyset=True)
+                census.install(library, set(OVERRIDES) | set(routes))
         except BaseException:
             library._destroy()
             raise

@@ -94,7 +94,10 @@ class GroupedExperts(nn.Module):
         flat_experts = experts_NK.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        x_sorted = x_ND[order // k]
+        # x_ND[order // k], written so that its backward is exact: `order` is a permutation
+        # (distinct destinations) and the expand's backward sums each token's k copies by the
+        # fixed-order sum (BI mode) instead of an index_put_ accumulating in ATen's order.
+        x_sorted = x_ND[:, None, :].expand(-1, k, -1).reshape(num_tokens * k, -1)[order]
         outputs = []
         start = 0
         for expert, count in enumerate(counts):

@@ -1,0 +1,213 @@
+"""Elementwise math of batch-invariant mode on CPU: the aten ops whose native kernels the CPU
+vendor's library chooses, sent to our kernels or to exact IEEE operations.
+
+Guarantee: while BI mode is on, these aten ops on a CPU tensor give the same bits on every CPU,
+wherever an element sits in its tensor:
+- exp, log, sqrt (float32 and float64): our compiled kernels (`cpu.pointwise`). Torch's run
+  MKL's VML on CPU tensors, which picks its code path by CPU vendor (on an AMD EPYC `sSqrt` is
+  built on the approximate `rsqrtps` and is 1 ulp off on ~17% of inputs; on an Intel AVX-512
+  Xeon on ~0.6%), and no knob (MKL_CBWR, MKL_ENABLE_INSTRUCTIONS) moves the AMD path.
+- rsqrt = 1 / sqrt(x) (two correctly rounded operations).
+- pow(x, scalar e): e in {0, 1, 2, 3, -1, -2} as the products and reciprocals ATen itself uses for
+  them, e = 0.5 our sqrt, e = -0.5 1 / sqrt; any other exponent runs natively and is counted by the
+  census (or refused under strict).
+- sigmoid, silu and their backward (float32 and lower): our kernels (the models' own choice,
+  `models/pointwise.py`); float64 runs natively and is counted.
+- add / sub with alpha != 1: `a + (b * alpha)`, two roundings (ATen's vector code fuses them into
+  one FMA on AVX2/AVX-512 and not in its scalar build); alpha == 1 is one correctly rounded add.
+Other dtypes: bfloat16/float16 compute in float32 and round once; integer inputs of exp/log/sqrt
+are promoted to the default float dtype as torch does; complex inputs run natively and are counted.
+
+Registered at the CPU key (below autograd, so autograd's formulas call these too) by `mode.py`;
+CUDA tensors keep their native kernels (deterministic on one GPU model; issue 27 moves them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from titan_audit.batch_invariant import census
+from titan_audit.batch_invariant.cpu import pointwise
+
+_FLOAT64_KERNELS = ("exp", "log", "sqrt")  # the kernels with a float64 version
+
+
+def _kernel_input(x: torch.Tensor) -> torch.Tensor | None:
+    """x as our kernels take it, or None when it must run natively (complex)."""
+    if x.is_complex():
+        return None
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
+def _apply(name: str, x: torch.Tensor) -> torch.Tensor | None:
+    """Our kernel `name` on x, rounded to x's (floating) dtype; None when the census must see a
+    native call instead (complex, or float64 for a kernel without a float64 version)."""
+    xin = _kernel_input(x)
+    if xin is None or (xin.dtype == torch.float64 and name not in _FLOAT64_KERNELS):
+        return None
+    y = getattr(pointwise, name)(xin)
+    return y if y.dtype == xin.dtype else y.to(xin.dtype)
+
+
+def _write_out(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if out.shape != value.shape:
+        out.resize_(value.shape)
+    return out.copy_(value)
+
+
+def _unary_routes(name: str) -> dict[str, Callable[..., Any]]:
+    """`name`, `name_` and `name.out` on our kernel; natively (counted) where it has none."""
+    op, op_, op_out = f"aten::{name}", f"aten::{name}_", f"aten::{name}.out"
+
+    def functional(keyset: Any, x: torch.Tensor) -> torch.Tensor:
+        y = _apply(name, x)
+        if y is None:
+            census.note(op, f"dtype {x.dtype}")
+            return census.original(op)(keyset, x)
+        return y
+
+    def inplace(keyset: Any, x: torch.Tensor) -> torch.Tensor:
+        y = _apply(name, x)
+        if y is None:
+            census.note(op_, f"dtype {x.dtype}")
+            return census.original(op_)(keyset, x)
+        return x.copy_(y)
+
+    def out_form(keyset: Any, x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        y = _apply(name, x)
+        if y is None:
+            census.note(op_out, f"dtype {x.dtype}")
+            return census.original(op_out)(keyset, x, out=out)
+        return _write_out(out, y.to(out.dtype))
+
+    return {name: functional, f"{name}_": inplace, f"{name}.out": out_form}
+
+
+def _rsqrt(x: torch.Tensor) -> torch.Tensor | None:
+    y = _apply("sqrt", x)
+    return None if y is None else torch.reciprocal(y)
+
+
+def _pow_scalar(x: torch.Tensor, exponent: Any) -> torch.Tensor | None:
+    """x ** exponent by exact operations or our sqrt (module doc); None: run natively."""
+    if not x.is_floating_point() or isinstance(exponent, complex) or isinstance(exponent, bool):
+        return None  # integer powers are exact; complex runs natively (counted by the caller)
+    e = float(exponent)
+    if e == 0:
+        return torch.ones_like(x)
+    if e == 1:
+        return x.clone()
+    if e == 2:
+        return x * x
+    if e == 3:
+        return x * x * x
+    if e == -1:
+        return torch.reciprocal(x)
+    if e == -2:
+        return torch.reciprocal(x * x)
+    if e == 0.5:
+        return _apply("sqrt", x)
+    if e == -0.5:
+        return _rsqrt(x)
+    return None
+
+
+def _pow_routes() -> dict[str, Callable[..., Any]]:
+    op, op_, op_out = "aten::pow.Tensor_Scalar", "aten::pow_.Scalar", "aten::pow.Tensor_Scalar_out"
+
+    def native(which: str, x: torch.Tensor, exponent: Any) -> None:
+        if x.is_floating_point() or x.is_complex():
+            census.note(which, f"exponent={exponent!r}")
+
+    def functional(keyset: Any, x: torch.Tensor, exponent: Any) -> torch.Tensor:
+        y = _pow_scalar(x, exponent)
+        if y is None:
+            native(op, x, exponent)
+            return census.original(op)(keyset, x, exponent)
+        return y
+
+    def inplace(keyset: Any, x: torch.Tensor, exponent: Any) -> torch.Tensor:
+        y = _pow_scalar(x, exponent)
+        if y is None:
+            native(op_, x, exponent)
+            return census.original(op_)(keyset, x, exponent)
+        return x.copy_(y)
+
+    def out_form(keyset: Any, x: torch.Tensor, exponent: Any, *, out: torch.Tensor) -> torch.Tensor:
+        y = _pow_scalar(x, exponent)
+        if y is None:
+            native(op_out, x, exponent)
+            return census.original(op_out)(keyset, x, exponent, out=out)
+        return _write_out(out, y.to(out.dtype))
+
+    return {"pow.Tensor_Scalar": functional, "pow_.Scalar": inplace, "pow.Tensor_Scalar_out": out_form}
+
+
+def _rsqrt_routes() -> dict[str, Callable[..., Any]]:
+    def functional(keyset: Any, x: torch.Tensor) -> torch.Tensor:
+        y = _rsqrt(x)
+        if y is None:
+            census.note("aten::rsqrt", f"dtype {x.dtype}")
+            return census.original("aten::rsqrt")(keyset, x)
+        return y
+
+    def inplace(keyset: Any, x: torch.Tensor) -> torch.Tensor:
+        y = _rsqrt(x)
+        if y is None:
+            census.note("aten::rsqrt_", f"dtype {x.dtype}")
+            return census.original("aten::rsqrt_")(keyset, x)
+        return x.copy_(y)
+
+    return {"rsqrt": functional, "rsqrt_": inplace}
+
+
+def _backward_route(name: str) -> Callable[..., Any]:
+    """sigmoid_backward(grad, output) / silu_backward(grad, input) on our float32 kernels."""
+    op = f"aten::{name}"
+    kernel = getattr(pointwise, name)
+
+    def route(keyset: Any, grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+        if grad.dtype == torch.float64 or saved.dtype == torch.float64 or grad.is_complex():
+            census.note(op, f"dtype {grad.dtype}")
+            return census.original(op)(keyset, grad, saved)
+        return kernel(grad, saved).to(grad.dtype)
+
+    return route
+
+
+def _alpha_routes(name: str) -> dict[str, Callable[..., Any]]:
+    """add/sub: alpha == 1 runs the native kernel (one correctly rounded add); other alphas as
+    a +- (b * alpha) (module doc)."""
+    routes = {}
+    for overload in (f"{name}.Tensor", f"{name}_.Tensor", f"{name}.out"):
+        op = f"aten::{overload}"
+        out_form = overload.endswith(".out")
+
+        def route(keyset: Any, a: torch.Tensor, b: Any, *, alpha: Any = 1, out: torch.Tensor | None = None,
+                  _op: str = op, _out_form: bool = out_form) -> torch.Tensor:  # fmt: skip
+            kernel = census.original(_op)
+            if alpha != 1 and (census.floating(a) or census.floating(b)):
+                b = torch.mul(b, alpha)  # exact op; then the add/sub with alpha 1
+            elif alpha != 1:
+                return kernel(keyset, a, b, alpha=alpha, **({"out": out} if _out_form else {}))
+            return kernel(keyset, a, b, **({"out": out} if _out_form else {}))
+
+        routes[overload] = route
+    return routes
+
+
+def routes() -> dict[str, Callable[..., Any]]:
+    """CPU-key routes ('name.overload' -> kernel taking the dispatch keyset first)."""
+    table: dict[str, Callable[..., Any]] = {}
+    for name in ("exp", "log", "sqrt", "sigmoid", "silu"):
+        table.update(_unary_routes(name))
+    table.update(_rsqrt_routes())
+    table.update(_pow_routes())
+    table["sigmoid_backward"] = _backward_route("sigmoid_backward")
+    table["silu_backward"] = _backward_route("silu_backward")
+    table.update(_alpha_routes("add"))
+    table.update(_alpha_routes("sub"))
+    return table
