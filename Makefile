@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # tests and `--generator vllm` need; set EXTRAS=test for a lighter venv (those tests then skip).
 EXTRAS     ?= test,vllm
 
-.PHONY: demo test setup kernels clean-venv clean-kernels
+.PHONY: demo test setup kernels battery battery-aarch64 clean-venv clean-kernels
 
 setup: $(STAMP) kernels
 
@@ -52,8 +52,41 @@ $(KERNEL_OBJ)/%.$(1).o: $(KERNEL_DIR)/%.cpp $(KERNEL_HDR) Makefile
 endef
 $(foreach isa,$(KERNEL_ISAS),$(eval $(call KERNEL_RULE,$(isa))))
 
+# The kernel battery (batch_invariant/cpu/battery/battery.cpp): a program without torch that runs
+# every kernel of every variant on inputs made from integers and writes the raw outputs, which
+# `titan-audit golden kernels` hashes against tests/golden/kernels.json. Linked from the same
+# objects as the library, with the same flag discipline (-ffp-contract=off, no fast-math).
+BATTERY_SRC := titan_audit/batch_invariant/cpu/battery/battery.cpp
+BATTERY_BIN := build/battery/battery
+BATTERY_CXXFLAGS := -std=c++17 -O2 -fopenmp -ffp-contract=off -fno-fast-math -Wall -Wextra -Wno-unused-parameter
+
+battery: $(BATTERY_BIN)
+
+$(BATTERY_BIN): $(BATTERY_SRC) $(KERNEL_OBJS) Makefile
+	@mkdir -p $(@D)
+	$(CXX) $(BATTERY_CXXFLAGS) -o $@.tmp $(BATTERY_SRC) $(KERNEL_OBJS) && mv $@.tmp $@
+
+# The same battery for arm64 (the portable scalar variant), cross-compiled with Debian's
+# g++-aarch64-linux-gnu and linked statically, so `qemu-aarch64 build/aarch64/battery` runs it
+# (`titan-audit golden kernels --arch aarch64`). Only this target needs the cross toolchain.
+AARCH64_CXX     ?= aarch64-linux-gnu-g++
+AARCH64_DIR     := build/aarch64
+AARCH64_OBJS    := $(patsubst $(KERNEL_DIR)/%.cpp,$(AARCH64_DIR)/kernels/%.scalar.o,$(KERNEL_SRC))
+AARCH64_BATTERY := $(AARCH64_DIR)/battery
+CROSS_HINT      := install the arm64 cross toolchain and emulator: apt-get install -y g++-aarch64-linux-gnu qemu-user
+
+battery-aarch64: $(AARCH64_BATTERY)
+
+$(AARCH64_DIR)/kernels/%.scalar.o: $(KERNEL_DIR)/%.cpp $(KERNEL_HDR) Makefile
+	@command -v $(AARCH64_CXX) >/dev/null 2>&1 || { echo "$(AARCH64_CXX) not found; $(CROSS_HINT)" >&2; exit 1; }
+	@mkdir -p $(@D)
+	$(AARCH64_CXX) $(KERNEL_CXXFLAGS) -DTA_ISA_SCALAR -c $< -o $@
+
+$(AARCH64_BATTERY): $(BATTERY_SRC) $(AARCH64_OBJS) Makefile
+	$(AARCH64_CXX) $(BATTERY_CXXFLAGS) -static -o $@.tmp $(BATTERY_SRC) $(AARCH64_OBJS) && mv $@.tmp $@
+
 clean-kernels:
-	rm -rf $(KERNEL_OBJ) $(KERNEL_LIB)
+	rm -rf $(KERNEL_OBJ) $(KERNEL_LIB) build/battery $(AARCH64_DIR)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,10 +98,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-demo: $(STAMP) kernels
+demo: $(STAMP) kernels battery
 	$(VENV)/bin/titan-audit demo
 
-test: $(STAMP) kernels
+test: $(STAMP) kernels battery
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:

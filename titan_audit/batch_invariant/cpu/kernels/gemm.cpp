@@ -10,10 +10,15 @@
 //   * else, with <= 4 * MR rows and a row-major B: full panels read in place, the partial last
 //     panel packed; otherwise B packed here per call.
 // A is copied per k-block into row tiles (pack_a) from any strides (transposed A needs no copy).
+// NaN: every NaN output is stored as the one quiet NaN (ta::canon_nan_f32 / f64), by a pass over
+// each task's outputs right after they are computed: which NaN an fma propagates depends on the
+// operand order the compiler picks per variant, and an invalid operation (inf * 0) makes a
+// negative NaN on x86 and a positive one on arm64 (the kernel battery found both).
 #include <cstdlib>
 #include <memory>
 
 #include "ta_gemm.h"
+#include "ta_math.h"
 
 namespace {
 
@@ -41,6 +46,19 @@ void pack(const T* b, int64_t batch, int64_t K, int64_t N, int64_t sbb, int64_t 
             ta::gemm::pack_panels<T>(b + bi * sbb, K, N, sbk, sbn, packed + bi * per_batch, p, p + 1);
         }
     });
+}
+
+inline float canon(float y) { return ta::canon_nan_f32(y); }
+inline double canon(double y) { return ta::canon_nan_f64(y); }
+
+// The canonical NaN over the outputs rows [m0, m1) x columns [n0, n1) of one C (a select per
+// element: other values are unchanged).
+template <typename T>
+void canon_outputs(T* c, int64_t scm, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    for (int64_t i = m0; i < m1; ++i) {
+        T* row = c + i * scm;
+        for (int64_t j = n0; j < n1; ++j) row[j] = canon(row[j]);
+    }
 }
 
 #ifndef TA_GEMM_AXPY_ROWS
@@ -74,6 +92,7 @@ void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
                 const int64_t bi = t / chunks, n0 = (t % chunks) * cols;
                 ta::gemm::rows_axpy<T>(a + bi * sab, sam, sak, b + bi * sbb, sbk, K, c + bi * scb, scm, M, n0,
                                        std::min<int64_t>(N, n0 + cols));
+                canon_outputs<T>(c + bi * scb, scm, 0, M, n0, std::min<int64_t>(N, n0 + cols));
             }
         });
         return;
@@ -124,6 +143,7 @@ void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
                 src.packed_tail = tail ? buffer.ptr + bi * K * PANEL : nullptr;
             }
             ta::gemm::block<T>(a + bi * sab, sam, sak, src, c + bi * scb, scm, m0, m1, p0, p1, abuf.ptr);
+            canon_outputs<T>(c + bi * scb, scm, m0, m1, p0 * PANEL, std::min<int64_t>(N, p1 * PANEL));
         }
     });
 }

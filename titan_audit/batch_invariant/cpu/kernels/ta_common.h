@@ -47,7 +47,7 @@
 #define TA_EXPORT(ret, name) extern "C" __attribute__((visibility("default"))) ret TA_CAT(ta_##name, TA_ISA_SUFFIX)
 
 // Bump when any kernel's output bits change; recorded in the numerics fingerprint (compared).
-#define TA_KERNELS_VERSION 2  // 2: the float64 pointwise exp / log / sqrt kernels
+#define TA_KERNELS_VERSION 2  // 2: float64 pointwise exp / log / sqrt; canonical NaN out of gemm and cos_sin
 
 #define TA_LANES 16
 

@@ -8,6 +8,7 @@
 //   sin x, cos x: Taylor polynomials to x^15 / x^16 by Horner in x^2 with fma (|x| <= pi/4,
 //   truncation < 1e-16), then the quadrant k by selects.
 // Accuracy: within 1 ulp of float32 for |a| < 2^16 (tested against float64 numpy).
+// A NaN or infinite angle gives the canonical NaN 0x7fc00000 for both (ta::canon_nan_f32).
 #include "ta_common.h"
 #include "ta_math.h"
 
@@ -42,8 +43,8 @@ inline void cos_sin(float a, float* c_out, float* s_out) {
     int q = ((int)k) & 3;
     double cq = q == 0 ? c : (q == 1 ? -s : (q == 2 ? -c : s));
     double sq = q == 0 ? s : (q == 1 ? c : (q == 2 ? -s : -c));
-    *c_out = (float)cq;
-    *s_out = (float)sq;
+    *c_out = ta::canon_nan_f32((float)cq);  // a NaN or infinite angle: the one quiet NaN (x86 makes
+    *s_out = ta::canon_nan_f32((float)sq);  // inf - inf negative, arm64 positive)
 }
 
 }  // namespace
