@@ -101,9 +101,12 @@ def test_negative_control_token_output_depends_on_batch_without_bi(moe):
 
 @torch.no_grad()
 def test_negative_control_native_silu_breaks_bi_mode(moe, monkeypatch):
-    """Why pointwise.silu exists: with the native SiLU, BI mode is not enough."""
+    """Why pointwise.silu exists: with the native SiLU kernel (which BI mode's routes would
+    otherwise replace, so it is called directly), BI mode is not enough."""
+    from titan_audit.batch_invariant import census
+
     x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(pointwise, "silu", F.silu)
+    monkeypatch.setattr(pointwise, "silu", lambda t: census.call_native("aten::silu", t))
     with enabled():
         everything = moe(x)[0]
         differing = sum(not bitwise_equal(moe(x[:, i : i + 1])[0, 0], everything[i]) for i in range(40))

@@ -38,3 +38,15 @@ def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def write_manifest(run_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
     write_json_atomic(Path(run_dir) / MANIFEST, {"format": MANIFEST_FORMAT, **manifest})
+
+
+def record_census(run_dir: str | os.PathLike, strict: bool) -> None:
+    """Store this process's batch-invariant op census (`batch_invariant.census.summary()`: the
+    native ops seen in BI mode, with counts, reasons and first call sites) in the manifest as
+    `bi_census` {"mode": "strict" | "record", "native_ops_seen": {...}}."""
+    from titan_audit.batch_invariant import census
+
+    manifest = read_manifest(run_dir)
+    manifest.pop("format", None)
+    manifest["bi_census"] = {"mode": "strict" if strict else "record", "native_ops_seen": census.summary()}
+    write_manifest(run_dir, manifest)

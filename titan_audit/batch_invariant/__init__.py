@@ -4,13 +4,15 @@ them in place of the aten ops (guarantee G2).
 Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`,
 `log_softmax`, `rms_norm`, `attention`. Mode: `enabled()` (context manager), `enable()`,
 `disable()`, `is_enabled()` (read by the numerics fingerprint; it reports the overrides actually
-installed). Kernels come from a backend chosen by device (`backend.backend_for`): on CPU our own
+installed). `census`: what else computed on a CPU tensor while the mode was on (record or strict;
+census.py), so "only our kernels and exact IEEE ops run" is checked, not assumed. Kernels come from a backend chosen by device (`backend.backend_for`): on CPU our own
 compiled kernels (`cpu/kernels`, built by `make`; scalar, AVX2 and AVX-512 variants with
 identical bits, so BI results are the same on every CPU); on CUDA the Triton kernels
 (`gpu/`: persistent matmul with fixed tiles and no split-K, row ops, split-KV attention over a
 paged KV cache, deterministic attention backward), imported only when a CUDA tensor arrives.
 """
 
+from titan_audit.batch_invariant import census
 from titan_audit.batch_invariant.backend import backend_for, register_backend
 from titan_audit.batch_invariant.mode import disable, enable, enabled, is_enabled
 from titan_audit.batch_invariant.ops import (
@@ -32,6 +34,7 @@ __all__ = [
     "attention",
     "backend_for",
     "bmm",
+    "census",
     "disable",
     "enable",
     "enabled",

@@ -308,6 +308,15 @@ def original(op: str) -> _Original:
     return _ORIGINALS[op]
 
 
+def call_native(op: str, *args: Any, **kwargs: Any) -> Any:
+    """Run `op`'s native CPU kernel, bypassing the mode's routes and guards (negative controls:
+    "this is what torch's own kernel would have computed here"). Only for ops the mode has
+    registered over (fetched before ours)."""
+    if op not in _ORIGINALS:
+        raise ValueError(f"census.call_native: {op} is not an op batch-invariant mode overrides")
+    return _ORIGINALS[op](torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+
+
 def prefetch(ops: list[str]) -> None:
     """Remember the CPU kernels of `ops` (qualified names); call before registering over them."""
     for op in ops:

@@ -35,6 +35,7 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 RESUME_MUTABLE_KEYS = frozenset({
     "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
     "audit.flush_every_steps", "parallel.backend", "rollout.buffer",
+    "determinism.census",  # record or stop: never the bits of a step
     "generator",  # builtin and vllm give the same samples in BI mode (tests/rl/test_vllm_rl.py); runs before the key
 })  # fmt: skip
 
@@ -115,6 +116,7 @@ class RLParallelSection:
 class RLDeterminismSection:
     strict: bool = True
     batch_invariant: bool = True  # G4 needs it; false: native ops (the --compare-default control)
+    census: Literal["record", "strict"] = "record"  # BI op census: count native ops, or stop at one
 
 
 @dataclass

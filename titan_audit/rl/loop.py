@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from titan_audit import deterministic
 from titan_audit.audit import Recorder
+from titan_audit.audit.run_manifest import record_census
 from titan_audit.audit.fingerprint import fingerprint_many
 from titan_audit.models import ModelConfig, Transformer, build
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
@@ -252,11 +253,14 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
 
     bi_before = batch_invariant.is_enabled()
     worker = generator = None
+    strict_census = batch_invariant.census.strict(config.determinism.census == "strict")
     try:
+        if bi_on:  # process-wide, for both threads, until the run ends; before the fingerprint
+            batch_invariant.enable()
+            batch_invariant.census.reset()
+            strict_census.__enter__()
         out, manifest = _prepare(config, Path(out), init, resume, overwrite, world_size)
         init = manifest["init"]["source"] if resume else init
-        if bi_on:
-            batch_invariant.enable()  # process-wide, for both threads, until the run ends
         model = load_initial_model(config, init)
         initial_digest = weights_digest(model)
         if rank == 0 and not resume:
@@ -432,12 +436,16 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
                         "pending": [r.to_state() for r in pending]}  # fmt: skip
                 checkpointer.save(step, model, optimizer, blob)
         recorder.close()
+        if bi_on and rank == 0:
+            record_census(out, strict=config.determinism.census == "strict")
         return RLResult(out, world_size, start_step, last_step, rewards_run, max_differing)
     finally:
         if worker is not None:
             worker.close()
         if generator is not None and hasattr(generator, "close"):
             generator.close()
+        if bi_on:
+            strict_census.__exit__(None, None, None)
         if bi_on and not bi_before:
             batch_invariant.disable()
         mode.__exit__(None, None, None)

@@ -46,6 +46,7 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 RESUME_MUTABLE_KEYS = frozenset({
     "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
     "audit.flush_every_steps", "parallel.backend", "parallel.mode", "data.workers",
+    "determinism.census",  # record or stop: never the bits of a step (a strict run that passes is the same run)
 })  # fmt: skip
 
 
@@ -157,6 +158,9 @@ class DeterminismSection:
     enabled: bool = True  # False: no deterministic switches, plain all_reduce of accumulated grads
     strict: bool = True  # raise on ops without a deterministic kernel
     batch_invariant: bool = False  # run forward/backward with the batch-invariant ops
+    # BI op census (batch_invariant/census.py): "record" counts native ops into the manifest
+    # (bi_census), "strict" stops the run at the first one, naming it and its call site
+    census: Literal["record", "strict"] = "record"
 
 
 @dataclass

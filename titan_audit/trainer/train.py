@@ -62,6 +62,8 @@ import torch.distributed as dist
 
 from titan_audit import deterministic
 from titan_audit.audit import Recorder, op_log
+from titan_audit.audit.run_manifest import record_census
+from titan_audit.batch_invariant import census
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
 from titan_audit.models import build, token_logprobs
 from titan_audit.trainer.checkpoint import Checkpointer
@@ -359,89 +361,95 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
     aux_scale = config.model.router_aux_loss_coef / V  # fixed by the global batch, never by W
     losses: list[float] = []
     steps = loader.steps()
-    for step in range(start_step + 1, last_step + 1):
-        t0 = time.perf_counter()
-        recorder.start_step(step)
-        lr = lr_at(step - 1, config.optimizer, config.schedule, config.steps)
-        set_lr(optimizer, lr)
-        microbatches = next(steps)
+    # BI mode for the whole step loop (one install of the overrides; the census also sees the
+    # reduction, the clip and the optimizer); strict census: a native op stops the run.
+    census.reset()
+    with bi(), census.strict(config.determinism.census == "strict"):
+        for step in range(start_step + 1, last_step + 1):
+            t0 = time.perf_counter()
+            recorder.start_step(step)
+            lr = lr_at(step - 1, config.optimizer, config.schedule, config.steps)
+            set_lr(optimizer, lr)
+            microbatches = next(steps)
 
-        # step `oplog_step` (bisect --step) runs under DebugMode: every aten op hashed, in order
-        with op_log(out, f"step_{step}") if step == oplog_step else contextlib.nullcontext():
-            # forward + backward, one virtual microbatch at a time, gradients into the tree
-            mb_losses = []  # per local microbatch: [loss] or [loss, aux]
-            optimizer.zero_grad(set_to_none=True)
-            for j, mb in enumerate(microbatches):
-                if config.determinism.enabled and not sharded:
-                    leaf = grad_buffers.zeroed(j)  # autograd accumulates 0 + g into views of it
-                    set_grads(params, leaf)
-                recorder.set_microbatch(mb.index)
-                recorder.record_data(mb.tensors())
-                with bi():
-                    if with_aux:
-                        loss, aux = microbatch_loss(model, mb, with_aux=True)
-                        recorder.record_loss(loss)
-                        recorder.record_loss(aux, name="aux_loss")
-                        objective = loss + aux * aux_scale if aux_scale else loss
-                        mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
-                    else:
-                        loss = objective = microbatch_loss(model, mb)
-                        recorder.record_loss(loss)
-                        mb_losses.append(loss.detach().reshape(1))
-                    objective.backward()
+            # step `oplog_step` (bisect --step) runs under DebugMode: every aten op hashed, in order
+            with op_log(out, f"step_{step}") if step == oplog_step else contextlib.nullcontext():
+                # forward + backward, one virtual microbatch at a time, gradients into the tree
+                mb_losses = []  # per local microbatch: [loss] or [loss, aux]
+                optimizer.zero_grad(set_to_none=True)
+                for j, mb in enumerate(microbatches):
+                    if config.determinism.enabled and not sharded:
+                        leaf = grad_buffers.zeroed(j)  # autograd accumulates 0 + g into views of it
+                        set_grads(params, leaf)
+                    recorder.set_microbatch(mb.index)
+                    recorder.record_data(mb.tensors())
+                    with bi():
+                        if with_aux:
+                            loss, aux = microbatch_loss(model, mb, with_aux=True)
+                            recorder.record_loss(loss)
+                            recorder.record_loss(aux, name="aux_loss")
+                            objective = loss + aux * aux_scale if aux_scale else loss
+                            mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
+                        else:
+                            loss = objective = microbatch_loss(model, mb)
+                            recorder.record_loss(loss)
+                            mb_losses.append(loss.detach().reshape(1))
+                        objective.backward()
+                    if config.determinism.enabled:
+                        reducer.add(mb.index, sharded.take_flat(params) if sharded else leaf)
+                        optimizer.zero_grad(set_to_none=True)
+                recorder.set_microbatch(-1)
+
+                # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
                 if config.determinism.enabled:
-                    reducer.add(mb.index, sharded.take_flat(params) if sharded else leaf)
-                    optimizer.zero_grad(set_to_none=True)
-            recorder.set_microbatch(-1)
-
-            # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
-            if config.determinism.enabled:
-                grad = reducer.all_reduce()
-                with bi():  # BI mode: the norm by the fixed-tree sum, the same bits on every CPU
-                    grad_norm = clip_(grad, config.optimizer.grad_clip)
-                if sharded:
-                    sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
+                    grad = reducer.all_reduce()
+                    with bi():  # BI mode: the norm by the fixed-tree sum, the same bits on every CPU
+                        grad_norm = clip_(grad, config.optimizer.grad_clip)
+                    if sharded:
+                        sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
+                    else:
+                        set_grads(params, grad)
+                elif sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(world_size)
+                    grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf")))
                 else:
+                    grad = flat_grad(params)
+                    if world_size > 1:
+                        dist.all_reduce(grad)
+                    grad_norm = clip_(grad, config.optimizer.grad_clip)
                     set_grads(params, grad)
-            elif sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(world_size)
-                grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf")))
-            else:
-                grad = flat_grad(params)
-                if world_size > 1:
-                    dist.all_reduce(grad)
-                grad_norm = clip_(grad, config.optimizer.grad_clip)
-                set_grads(params, grad)
-            recorder.record_grads()
-            optimizer.step()
-            recorder.record_optimizer(optimizer)
-            recorder.record_params()
+                recorder.record_grads()
+                optimizer.step()
+                recorder.record_optimizer(optimizer)
+                recorder.record_params()
 
-        # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
-        step_sums = tree_sum(gather_in_index_order(torch.stack(mb_losses), world_size))
-        step_loss = float(step_sums[0])
-        extra = {"aux_loss": float(step_sums[1]) / V} if with_aux else {}  # mean per microbatch
-        losses.append(step_loss)
-        seconds = time.perf_counter() - t0
-        tokens = config.data.global_batch_size * config.data.seq_len
-        if rank == 0:
-            metrics.append({"step": step, "loss": step_loss, **extra, "grad_norm": float(grad_norm), "lr": lr,
-                            "tokens": tokens, "seconds": seconds, "world_size": world_size})  # fmt: skip
-            metrics.flush()
-            if not quiet:
-                print(f"step {step}/{last_step}  loss {step_loss:.4f}  grad_norm {float(grad_norm):.3f}  "
-                      f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}", file=sys.stderr, flush=True)  # fmt: skip
-        recorder.end_step()
-        crash_point("train.after_step", step)
+            # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
+            step_sums = tree_sum(gather_in_index_order(torch.stack(mb_losses), world_size))
+            step_loss = float(step_sums[0])
+            extra = {"aux_loss": float(step_sums[1]) / V} if with_aux else {}  # mean per microbatch
+            losses.append(step_loss)
+            seconds = time.perf_counter() - t0
+            tokens = config.data.global_batch_size * config.data.seq_len
+            if rank == 0:
+                metrics.append({"step": step, "loss": step_loss, **extra, "grad_norm": float(grad_norm), "lr": lr,
+                                "tokens": tokens, "seconds": seconds, "world_size": world_size})  # fmt: skip
+                metrics.flush()
+                if not quiet:
+                    print(f"step {step}/{last_step}  loss {step_loss:.4f}  grad_norm {float(grad_norm):.3f}  "
+                          f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}", file=sys.stderr, flush=True)  # fmt: skip
+            recorder.end_step()
+            crash_point("train.after_step", step)
 
-        interval = config.checkpoint.interval
-        if step == last_step or (interval and step % interval == 0):
-            recorder.flush()
-            blob = {"step": step, "loader": loader.state().to_dict(), "config": to_dict(config),
-                    "world_size": world_size}  # fmt: skip
-            checkpointer.save(step, model, optimizer, blob)
+            interval = config.checkpoint.interval
+            if step == last_step or (interval and step % interval == 0):
+                recorder.flush()
+                blob = {"step": step, "loader": loader.state().to_dict(), "config": to_dict(config),
+                        "world_size": world_size}  # fmt: skip
+                checkpointer.save(step, model, optimizer, blob)
+    if config.determinism.batch_invariant and rank == 0:
+        record_census(out, strict=config.determinism.census == "strict")
     recorder.close()
     loader.close()
     if mode is not None:
