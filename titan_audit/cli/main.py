@@ -16,6 +16,7 @@ from titan_audit.cli.demo import demo
 from titan_audit.cli.env import env
 from titan_audit.cli.errors import AuditGroup
 from titan_audit.cli.golden import golden
+from titan_audit.cli.portability import kernels as golden_kernels
 from titan_audit.cli.replay import replay
 from titan_audit.cli.report import report
 from titan_audit.cli.rl import rl, verify_onpolicy
@@ -43,6 +44,7 @@ cli.add_command(compare)
 cli.add_command(bisect)
 cli.add_command(data)
 cli.add_command(demo)
+golden.add_command(golden_kernels)  # titan-audit golden kernels
 cli.add_command(golden)
 cli.add_command(train)
 cli.add_command(replay)

@@ -72,6 +72,8 @@
     void ta_normal_from_bits__##isa(const uint32_t*, float*, int64_t, float, float);                             \
     void ta_cos_sin_f32__##isa(const float*, float*, float*, int64_t, int);                                      \
     void ta_rope_inv_freq_f32__##isa(double, int64_t, float*);                                                   \
+    void ta_embedding_backward_f32__##isa(const float*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, \
+                                          int);                                                                  \
     }
 
 #define TA_DECLARE_ROWOPS(isa, T, sfx)                                                                           \
@@ -129,6 +131,7 @@ struct Variant {
     void (*normal_from_bits)(const uint32_t*, float*, int64_t, float, float);
     void (*cos_sin)(const float*, float*, float*, int64_t, int);
     void (*rope_inv_freq)(double, int64_t, float*);
+    void (*embedding_backward)(const float*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, int);
 };
 
 #define TA_ROWOPS_OF(isa, sfx)                                                                                   \
@@ -144,7 +147,7 @@ struct Variant {
             TA_ROWOPS_OF(isa, f64), ta_exp_f32__##isa, ta_exp2_f32__##isa, ta_log_f32__##isa, ta_sqrt_f32__##isa,  \
             ta_sigmoid_f32__##isa, ta_silu_f32__##isa, ta_sigmoid_backward_f32__##isa, ta_silu_backward_f32__##isa, \
             ta_exp_f64__##isa, ta_log_f64__##isa, ta_sqrt_f64__##isa, ta_normal_from_bits__##isa,                \
-            ta_cos_sin_f32__##isa, ta_rope_inv_freq_f32__##isa}
+            ta_cos_sin_f32__##isa, ta_rope_inv_freq_f32__##isa, ta_embedding_backward_f32__##isa}
 
 TA_DECLARE(scalar)
 #if defined(TA_BATTERY_X86)
@@ -730,6 +733,24 @@ void build_cases() {
         add("rope_inv_freq_f32", kase, false, [=](const Variant& v, int, const Sink& sink) {
             std::vector<float> out(p.second / 2, 7.0f);
             v.rope_inv_freq(p.first, p.second, out.data());
+            sink.emit("", out);
+        });
+    }
+
+    // embedding backward: repeated indices (their rows add in ascending order), padding_idx, indices
+    // out of [0, V) (they add nothing), odd sizes and the model's (vocab 2048, hidden 256).
+    const int64_t emb[][4] = {{33, 7, 17, 3}, {1, 1, 1, -1}, {128, 256, 2048, 0}, {300, 15, 5, -1}};
+    for (const auto& e : emb) {
+        const int64_t n = e[0], d = e[1], vocab = e[2], pad = e[3];
+        const std::string kase = "n" + std::to_string(n) + "_d" + std::to_string(d) + "_v" + std::to_string(vocab) +
+                                 "_pad" + std::to_string(pad);
+        add("embedding_backward_f32", kase, true, [=](const Variant& v, int t, const Sink& sink) {
+            Rng r = rng_for("embedding_backward_f32", kase);
+            const std::vector<float> g = values<float>(r, n * d, n == 33 ? kSpecials : kUniform);
+            std::vector<int64_t> idx(n);
+            for (auto& i : idx) i = (int64_t)r.below((uint64_t)vocab + 4) - 2;  // [-2, V + 2)
+            std::vector<float> out(vocab * d, 7.0f);
+            v.embedding_backward(g.data(), idx.data(), out.data(), n, d, vocab, pad, t);
             sink.emit("", out);
         });
     }
