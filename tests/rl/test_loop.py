@@ -8,6 +8,7 @@ fixture), so rewards vary and the updates are not zero.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,7 +58,10 @@ def test_rollout_version_is_the_lag_rule():
 
 
 def test_on_policy_gap_is_zero_and_every_ratio_is_exactly_one(warm, tmp_path):
-    result = rl_train(config("verify=true"), tmp_path / "a", init=warm, quiet=True)
+    """Also under the strict op census: no native op ran in BI mode (it would have stopped the run)."""
+    result = rl_train(config("verify=true", 'determinism.census="strict"'), tmp_path / "a", init=warm, quiet=True)
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["bi_census"] == {"mode": "strict", "native_ops_seen": {}}
     rows = metrics(tmp_path / "a")
     assert result.max_gap_differing == 0 and len(rows) == 3
     for row in rows:

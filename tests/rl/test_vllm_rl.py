@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
     out = {}
     for generator in ("builtin", "vllm"):
         proc = cli("verify-onpolicy", "--config", "rl-tiny", "--steps", "20", "--out", str(base / generator),
-                   "--generator", generator, "--json", *SMALL)  # fmt: skip
+                   "--generator", generator, "--json", *SMALL, "--set", "determinism.census=strict")  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[generator] = (base / generator, json.loads(proc.stdout))
     return out
@@ -43,6 +43,14 @@ def test_twenty_steps_zero_gap_with_vllm(runs):
     metrics = pq.read_table(f"{run}/metrics.parquet").to_pylist()
     assert [m["gap_tokens_differing"] for m in metrics] == [0] * 20
     assert json.loads((run / "manifest.json").read_text())["config"]["generator"] == "vllm"
+
+
+@pytest.mark.parametrize("generator", ["builtin", "vllm"])
+def test_strict_census_saw_no_native_op(runs, generator):
+    """Both runs ran under the strict op census (determinism.census=strict: a native op would have
+    stopped them): trainer, rollout thread, in-process vLLM engine, log-prob recompute, AdamW."""
+    census = json.loads((runs[generator][0] / "manifest.json").read_text())["bi_census"]
+    assert census == {"mode": "strict", "native_ops_seen": {}}
 
 
 def test_vllm_and_builtin_runs_are_the_same_run(runs):
