@@ -238,6 +238,8 @@ def _sections(section: str, arch: str) -> tuple[str, ...]:
     name = section.replace("-", "_")
     if name not in SECTIONS:
         raise ValueError(f"unknown golden section {section!r}; choose from kernels, torch-ops, all")
+    if name == "torch_ops" and arch != "native":
+        raise ValueError("the torch-ops section runs natively only (torch does not run under qemu); use --section kernels")
     return (name,)
 
 
