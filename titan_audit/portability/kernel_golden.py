@@ -207,9 +207,9 @@ def _check_section(name: str, golden: dict, arch: str, only: str | None) -> dict
             elif reference is not None:
                 diff = battery.first_difference(case.dtype, reference.data, rec.data)
                 item["first_difference"] = None if diff is None else diff.to_dict()
-                item["note"] = f"golden values from {reference.variant}, threads {reference.threads} (it reproduces the golden hash)"
+                item["note"] = f"golden values from {reference.variant}, threads {reference.threads}, which has the golden's bits"
             else:
-                item["note"] = "no variant or thread count on this machine reproduces the golden hash (the golden keeps hashes only)"
+                item["note"] = "no variant or thread count here has the golden's bits; the golden keeps hashes only"
             mismatches.append(item)
     missing = sorted(k for k in expected if k not in seen and (not only or k.startswith(only)))
     result = {
@@ -371,7 +371,7 @@ def check_report(result: dict) -> list[str]:
         lines.append(f"  {label}: {'pass' if r['passed'] else 'FAIL'}: {r['cases']} cases, {r['records']} records "
                      f"(variants {' '.join(r['variants'])}; threads {' '.join(map(str, r['threads']))}) in {r['seconds']:.1f} s")  # fmt: skip
         version = r.get("kernels_version")
-        if version and version["golden"] != version["here"]:
+        if version and version["here"] is not None and version["golden"] != version["here"]:
             lines.append(f"    the golden was recorded with kernels version {version['golden']}, these are version "
                          f"{version['here']}: if the change is intended, re-record (--record --force)")  # fmt: skip
         torch_v = r.get("torch")
