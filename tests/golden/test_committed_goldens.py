@@ -80,14 +80,15 @@ def test_committed_golden_catches_a_changed_run(golden_run):
 
 
 def _rl_tiny_run(out):
-    """rl-tiny for 3 steps (lag 1, 4 prompts x 4 samples) from tiny-dense warmed up for 20 steps."""
+    """rl-tiny for 3 steps (lag 1, 4 prompts x 4 samples) from tiny-dense warmed up for 20 steps.
+    The warm-up trains in BI mode too: a native warm-up's weights would tie the golden to the CPU."""
     import subprocess
     import sys
 
     from titan_audit.golden.pytest_plugin import train_recipe
 
     warm = out.with_name(out.name + "-warmup")
-    train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512"])
+    train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512", *BI])
     settings = ['task.name="reversal"', "task.prompts_per_step=4", "task.samples_per_prompt=4",
                 "sampling.max_new_tokens=6", "rollout.lag=1", "optimizer.lr=1e-3"]  # fmt: skip
     command = [sys.executable, "-m", "titan_audit.cli", "rl", "--config", "rl-tiny", "--init", str(warm), "--out", str(out),
@@ -100,6 +101,8 @@ def _rl_tiny_run(out):
 @pytest.mark.slow
 def test_rl_tiny(golden_run):
     """The RL golden: rollouts (generator weights, tokens, generator log-probs, rewards, advantages),
-    trainer log-probs, losses, gradients, optimizer state and parameters of 3 RL steps, bitwise."""
-    result = golden_run("rl-tiny", run=_rl_tiny_run)
-    assert result is None or result.passed
+    trainer log-probs, losses, gradients, optimizer state and parameters of 3 RL steps, bitwise.
+    Recorded under the BI fingerprint (the run is in BI mode from its first op), so the check is
+    exact on every CPU, like tiny-dense-bi."""
+    result = golden_run("rl-tiny", run=_rl_tiny_run, require_exact=True)
+    assert result is None or (result.passed and result.mode == "exact")

@@ -89,6 +89,21 @@ def test_rl_report_has_the_zero_gap_table_and_plot(runs):
     assert paths["kind"] == "rl" and "ZERO GAP" in md and "| step | reward_mean | gap_tokens | gap_tokens_differing" in md
     assert re.search(r"^\| 2 \| [^|]+ \| \d+ \| 0 \|", md, re.M)
     assert len(_images(open(paths["html"]).read())) >= 3  # reward/loss, gap, coverage
+    assert "batch-invariant op census (record): native ops seen: none" in md  # the RL run is in BI mode
+
+
+def test_census_section_lists_the_native_ops_a_bi_run_saw():
+    """Negative control of the line above: a manifest whose census saw native ops gets them listed."""
+    from titan_audit.report.render import Doc, _census
+
+    doc = Doc("t")
+    _census(doc, {"bi_census": {"mode": "record", "native_ops_seen": {
+        "aten::tanh": {"count": 3, "reason": "native", "first_site": "model.py:10 (forward)"}}}})
+    md = "\n".join(doc.md)
+    assert "native ops seen: 1" in md and "| aten::tanh | 3 | native | model.py:10 (forward) |" in md
+    empty = Doc("t")
+    _census(empty, {"config": {}})  # a run without BI mode: no census line
+    assert empty.md == ["# t", ""]
 
 
 @pytest.mark.parametrize("module_name, group", [("layers.3.mlp.down_proj.weight", "layers.3"), ("embed_tokens.weight", "embed_tokens"),

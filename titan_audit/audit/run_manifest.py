@@ -40,13 +40,13 @@ def write_manifest(run_dir: str | os.PathLike, manifest: dict[str, Any]) -> None
     write_json_atomic(Path(run_dir) / MANIFEST, {"format": MANIFEST_FORMAT, **manifest})
 
 
-def record_census(run_dir: str | os.PathLike, strict: bool) -> None:
+def record_census(run_dir: str | os.PathLike, mode: str) -> None:
     """Store this process's batch-invariant op census (`batch_invariant.census.summary()`: the
     native ops seen in BI mode, with counts, reasons and first call sites) in the manifest as
-    `bi_census` {"mode": "strict" | "record", "native_ops_seen": {...}}."""
+    `bi_census` {"mode": "strict" | "record" | "off", "native_ops_seen": {...} (None when off)}."""
     from titan_audit.batch_invariant import census
 
     manifest = read_manifest(run_dir)
     manifest.pop("format", None)
-    manifest["bi_census"] = {"mode": "strict" if strict else "record", "native_ops_seen": census.summary()}
+    manifest["bi_census"] = {"mode": mode, "native_ops_seen": None if mode == "off" else census.summary()}
     write_manifest(run_dir, manifest)

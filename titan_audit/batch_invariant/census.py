@@ -176,6 +176,7 @@ class Sighting:
 
 _LOCK = threading.Lock()
 _SEEN: dict[tuple[str, str], Sighting] = {}
+_OFF: list[bool] = []
 _STRICT: list[bool] = [os.environ.get("TITAN_AUDIT_BI_STRICT", "") == "1"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _ROUTING_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "elementwise.py")}
@@ -199,6 +200,17 @@ def is_strict() -> bool:
 def set_strict(on: bool) -> None:
     """Strict census for the process: a native op in BI mode raises instead of being counted."""
     _STRICT[-1] = bool(on)
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """BI mode turned on inside the block installs no census (a run's `determinism.census = "off"`,
+    and the census-off side of `bench train`); the routes, which define the numerics, stay."""
+    _OFF.append(True)
+    try:
+        yield
+    finally:
+        _OFF.pop()
 
 
 @contextlib.contextmanager
@@ -345,7 +357,10 @@ _GUARDS: dict[str, Callable[..., Any]] = {}  # 'name.overload' -> its guard, mad
 
 
 def install(library: torch.library.Library, ours: set[str]) -> int:
-    """Register the guards in `library` (the mode's, destroyed by `disable`); returns how many."""
+    """Register the guards in `library` (the mode's, destroyed by `disable`); returns how many
+    (0 inside `off()`)."""
+    if _OFF:
+        return 0
     if not _GUARDS:
         ops = guarded_ops(ours)
         prefetch(ops)

@@ -9,7 +9,10 @@ All sides run the real train loop (trainer/train.py) on tiny-dense at W = 2 on g
   no batch-invariant ops for G3). Target: >= 0.85x the baseline's tokens/s (ratio <= 1/0.85);
 - second case `deterministic + BI ops` against `deterministic`: the same with the batch-invariant
   ops on, as RL needs them (our own CPU kernels, portable PortableAdamW). Target: <= 1.5x the
-  native deterministic step (issue 14).
+  native deterministic step (issue 14);
+- third case `deterministic + BI ops` (op census recording) against the same with
+  `determinism.census=off` (no census guards installed; the routes that define BI numerics stay):
+  what keeping the census on in every BI run costs. Target: <= 1.05 (issue 21).
 A side's time is rank 0's median step time over the steps after the first (metrics.parquet),
 minimum over `repeats` runs; the sides alternate run by run so machine noise hits them alike.
 """
@@ -29,11 +32,13 @@ from titan_audit.trainer.local_ranks import run_local_ranks
 
 TARGET_RATIO = 1 / 0.85
 TARGET_BI_RATIO = 1.5
+TARGET_CENSUS_RATIO = 1.05
 WORLD_SIZE = 2
 SIDES = {
     "determinism off (plain all_reduce)": ["determinism.enabled=false"],
     "deterministic (tree reduction, native ops)": [],
     "deterministic + BI ops": ["determinism.batch_invariant=true"],
+    "deterministic + BI ops, census off": ["determinism.batch_invariant=true", "determinism.census='off'"],
 }
 
 
@@ -60,9 +65,10 @@ def train_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[
             for i, (side, overrides) in enumerate(SIDES.items()):
                 seconds, tokens = _step_seconds(overrides, steps, Path(tmp), f"r{repeat}-s{i}")
                 best[side] = min(best[side], seconds)
-    baseline, deterministic, bi = SIDES
+    baseline, deterministic, bi, bi_no_census = SIDES
     cases = []
-    for baseline, candidate, target in ((baseline, deterministic, TARGET_RATIO), (deterministic, bi, TARGET_BI_RATIO)):
+    for baseline, candidate, target in ((baseline, deterministic, TARGET_RATIO), (deterministic, bi, TARGET_BI_RATIO),
+                                        (bi_no_census, bi, TARGET_CENSUS_RATIO)):  # fmt: skip
         name = f"train tiny-dense W={WORLD_SIZE} V=8: {candidate}"
         cases.append(Case(
             case=name, baseline=baseline, candidate=candidate,

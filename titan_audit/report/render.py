@@ -128,11 +128,30 @@ def _fingerprint_line(manifest: dict[str, Any]) -> str | None:
             f"ISA {fp.get('cpu_capability')}, BLAS {fp.get('blas')}, {fp.get('num_threads')} intra-op thread(s)")  # fmt: skip
 
 
+def _census(doc: Doc, manifest: dict[str, Any]) -> None:
+    """BI runs: the op census (batch_invariant/census.py), "native ops seen" with counts and sites."""
+    census = manifest.get("bi_census")
+    if not isinstance(census, dict):
+        return
+    seen = census.get("native_ops_seen")
+    if census.get("mode") == "off" or seen is None:
+        doc.p("batch-invariant op census: off for this run (native ops were not checked)")
+    elif not seen:
+        doc.p(f"batch-invariant op census ({census.get('mode')}): native ops seen: none; only our kernels and "
+              "exact IEEE ops computed in BI mode", "pass")  # fmt: skip
+    else:
+        doc.p(f"batch-invariant op census ({census.get('mode')}): native ops seen: {len(seen)} (their bits may "
+              "depend on the CPU)", "fail")  # fmt: skip
+        doc.table(["native op", "count", "why", "first call site"],
+                  [[op, row.get("count"), row.get("reason"), row.get("first_site")] for op, row in seen.items()])
+
+
 def section_overview(doc: Doc, run: Path, manifest: dict[str, Any]) -> None:
     doc.p(_config_line(manifest))
     line = _fingerprint_line(manifest)
     if line:
         doc.p(line)
+    _census(doc, manifest)
     history = starts(run)
     if history:
         doc.p("starts and resumes (manifest world-size history):")

@@ -116,7 +116,7 @@ class RLParallelSection:
 class RLDeterminismSection:
     strict: bool = True
     batch_invariant: bool = True  # G4 needs it; false: native ops (the --compare-default control)
-    census: Literal["record", "strict"] = "record"  # BI op census: count native ops, or stop at one
+    census: Literal["record", "strict", "off"] = "record"  # BI op census: count native ops, or stop at one
 
 
 @dataclass

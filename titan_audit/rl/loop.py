@@ -41,6 +41,7 @@ mode is switched on for the whole run (both threads) when `determinism.batch_inv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import os
@@ -168,7 +169,10 @@ def load_initial_model(config: RLConfig, init: str | os.PathLike | None) -> Tran
     kind, _ = init_kind(init)
     model = build(config.model.model_config(), seed=config.seed)
     if kind == "run":
-        optimizer = build_optimizer([p for p in model.parameters()], config.optimizer)
+        # a scratch optimizer to load into (its state is dropped); portable in BI mode, so that the
+        # state init torch runs before a load computes with exact ops only (the op census)
+        optimizer = build_optimizer([p for p in model.parameters()], config.optimizer,
+                                    portable=config.determinism.batch_invariant)  # fmt: skip
         Checkpointer(init).load_latest(model, optimizer)  # verified against its hashes.json
     elif kind == "hf":
         from titan_audit.models import from_pretrained
@@ -253,12 +257,14 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
 
     bi_before = batch_invariant.is_enabled()
     worker = generator = None
-    strict_census = batch_invariant.census.strict(config.determinism.census == "strict")
+    census_setting = contextlib.ExitStack()  # the run's census: off, record or strict
     try:
         if bi_on:  # process-wide, for both threads, until the run ends; before the fingerprint
+            if config.determinism.census == "off":
+                census_setting.enter_context(batch_invariant.census.off())
             batch_invariant.enable()
             batch_invariant.census.reset()
-            strict_census.__enter__()
+            census_setting.enter_context(batch_invariant.census.strict(config.determinism.census == "strict"))
         out, manifest = _prepare(config, Path(out), init, resume, overwrite, world_size)
         init = manifest["init"]["source"] if resume else init
         model = load_initial_model(config, init)
@@ -437,15 +443,14 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
                 checkpointer.save(step, model, optimizer, blob)
         recorder.close()
         if bi_on and rank == 0:
-            record_census(out, strict=config.determinism.census == "strict")
+            record_census(out, config.determinism.census)
         return RLResult(out, world_size, start_step, last_step, rewards_run, max_differing)
     finally:
         if worker is not None:
             worker.close()
         if generator is not None and hasattr(generator, "close"):
             generator.close()
-        if bi_on:
-            strict_census.__exit__(None, None, None)
+        census_setting.close()
         if bi_on and not bi_before:
             batch_invariant.disable()
         mode.__exit__(None, None, None)

@@ -159,8 +159,9 @@ class DeterminismSection:
     strict: bool = True  # raise on ops without a deterministic kernel
     batch_invariant: bool = False  # run forward/backward with the batch-invariant ops
     # BI op census (batch_invariant/census.py): "record" counts native ops into the manifest
-    # (bi_census), "strict" stops the run at the first one, naming it and its call site
-    census: Literal["record", "strict"] = "record"
+    # (bi_census), "strict" stops the run at the first one, naming it and its call site, "off"
+    # installs no census (what `bench train` measures it against)
+    census: Literal["record", "strict", "off"] = "record"
 
 
 @dataclass

@@ -364,7 +364,8 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
     # BI mode for the whole step loop (one install of the overrides; the census also sees the
     # reduction, the clip and the optimizer); strict census: a native op stops the run.
     census.reset()
-    with bi(), census.strict(config.determinism.census == "strict"):
+    census_off = census.off() if config.determinism.census == "off" else contextlib.nullcontext()
+    with census_off, bi(), census.strict(config.determinism.census == "strict"):
         for step in range(start_step + 1, last_step + 1):
             t0 = time.perf_counter()
             recorder.start_step(step)
@@ -449,7 +450,7 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
                         "world_size": world_size}  # fmt: skip
                 checkpointer.save(step, model, optimizer, blob)
     if config.determinism.batch_invariant and rank == 0:
-        record_census(out, strict=config.determinism.census == "strict")
+        record_census(out, config.determinism.census)
     recorder.close()
     loader.close()
     if mode is not None:
