@@ -19,6 +19,29 @@ import torch
 from titan_audit.models import ops
 
 
+class _GatherDistinct(torch.autograd.Function):
+    """x[indices] for indices that name distinct elements. The backward puts each gradient row in
+    its one place (`index_put_` without accumulate: exact, and cheap for the BI op census) where
+    autograd's own would accumulate into zeros; `grad + 0.0` keeps its bits (0 + g: -0.0 -> +0.0)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(*indices)
+        ctx.shape = x.shape
+        return x[indices]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        indices = ctx.saved_tensors
+        out = grad.new_zeros(ctx.shape)
+        out[indices] = grad + 0.0
+        return (out, *(None for _ in indices))
+
+
+def _gather_distinct(x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+    return _GatherDistinct.apply(x, *indices) if torch.is_grad_enabled() and x.requires_grad else x[indices]
+
+
 class PackedLayout:
     def __init__(self, doc_ids_BT: torch.Tensor) -> None:
         batch, seq = doc_ids_BT.shape
@@ -48,14 +71,14 @@ class PackedLayout:
         """[B, T, H, D] -> [G, L, H, D] (zeros past each document's end)."""
         flat = x_BTHD.reshape(-1, *x_BTHD.shape[2:])
         out = flat.new_zeros(self.num_segments, self.max_len, *x_BTHD.shape[2:])
-        out[self.segment, self.offset] = flat[self.token_idx]
+        out[self.segment, self.offset] = _gather_distinct(flat, self.token_idx)
         return out
 
     def from_segments(self, x_GLHD: torch.Tensor) -> torch.Tensor:
         """[G, L, H, D] -> [B, T, H, D] (zeros at padding tokens)."""
         batch, seq = self.shape
         out = x_GLHD.new_zeros(batch * seq, *x_GLHD.shape[2:])
-        out[self.token_idx] = x_GLHD[self.segment, self.offset]
+        out[self.token_idx] = _gather_distinct(x_GLHD, self.segment, self.offset)
         return out.view(batch, seq, *x_GLHD.shape[2:])
 
     def attention(self, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
