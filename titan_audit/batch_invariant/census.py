@@ -23,8 +23,9 @@ is thread-local and turns itself off inside its own handler.) An ATen kernel tha
 kernel's C++ function directly, without the dispatcher, stays invisible: that is ATen's inner
 code of one op, counted as that op.
 
-The guards are installed with the mode (`mode.enable`) and removed with it (`mode.disable`); off,
-they cost nothing. On, an op of `EXACT` runs untouched (no guard at all), a judged op pays one
+`TITAN_AUDIT_BI_STRICT=1` in the environment makes strict the process default (e.g. to run a
+whole test suite strict). The guards are installed with the mode (`mode.enable`) and removed with
+it (`mode.disable`); off, they cost nothing. On, an op of `EXACT` runs untouched (no guard at all), a judged op pays one
 Python call, and a native op pays one Python call plus the count.
 """
 
@@ -56,16 +57,16 @@ EXACT = frozenset("""
     logical_xor logical_not bitwise_and bitwise_or bitwise_xor bitwise_not
     copy_ _copy_from _copy_from_and_resize _to_copy clone contiguous fill_ zero_ empty empty_strided
     empty_like zeros zeros_like ones ones_like full full_like new_empty new_empty_strided new_zeros
-    new_ones new_full resize_ resize_as_ set_ _local_scalar_dense equal is_nonzero item
+    new_ones new_full resize_ resize_as_ set_ _local_scalar_dense equal is_nonzero
     view view_as_real view_as_complex _reshape_alias _unsafe_view as_strided as_strided_ alias
     expand permute transpose t squeeze unsqueeze select slice narrow unfold split split_with_sizes
     unbind chunk detach _conj _neg_view real imag diagonal _indices _values indices values
-    cat _cat stack index index_select gather scatter take put flip roll tril triu
+    cat _cat stack index index_select index_fill index_copy gather scatter take put flip roll tril triu
     repeat repeat_interleave tile nonzero nonzero_static argwhere searchsorted bucketize
     max min amax amin argmax argmin aminmax
     cumsum _assert_async _assert_tensor_metadata _functional_assert_async record_stream
     embedding
-    lift_fresh lift _has_compatible_shallow_copy_type _nested_tensor_from_mask
+    lift_fresh lift _has_compatible_shallow_copy_type
     count_nonzero any all
 """.split())
 EXACT = frozenset(name[:-1] if name.endswith("_") and not name.endswith("__") else name for name in EXACT)
@@ -129,6 +130,13 @@ def _single_source(args: tuple, kwargs: dict) -> str | None:
     return "several addends per element (ATen's order)"
 
 
+def _no_candidates(args: tuple, kwargs: dict) -> str | None:
+    """topk(self, k, ...): exact (nothing selected) for k = 0, what vLLM's sampler asks when no
+    top log-probs are wanted; otherwise the order of ties is ATen's choice."""
+    k = kwargs.get("k", args[1] if len(args) > 1 else None)
+    return None if k == 0 else f"k={k!r} (ties in an unspecified order)"
+
+
 def _integral_range(args: tuple, kwargs: dict) -> str | None:
     scalars = [a for a in args if not isinstance(a, torch.Tensor)]
     if all(isinstance(s, int) or (isinstance(s, float) and s.is_integer()) for s in scalars):
@@ -150,11 +158,19 @@ JUDGED: dict[str, Callable[[tuple, dict], str | None]] = {
     "scatter": _no_reduce,
     "arange": _integral_range,
     "scatter_add": _single_source,
+    "topk": _no_candidates,
 }
-# Overloads of EXACT names that are judged all the same (division with a rounding mode).
+def _no_decimals(args: tuple, kwargs: dict) -> str | None:
+    decimals = kwargs.get("decimals", args[1] if len(args) > 1 else 0)
+    return None if decimals == 0 else f"decimals={decimals!r} (a scaling by 10**decimals)"
+
+
+# Overloads of EXACT names that are judged all the same (division with a rounding mode, rounding
+# to decimals).
 JUDGED_OVERLOADS: dict[str, Callable[[tuple, dict], str | None]] = {
-    f"div{form}.{overload}": _rounding_mode
-    for form in ("", "_") for overload in ("Tensor_mode", "Scalar_mode", "out_mode", "Scalar_mode_out")
+    **{f"div{form}.{overload}": _rounding_mode
+       for form in ("", "_") for overload in ("Tensor_mode", "Scalar_mode", "out_mode", "Scalar_mode_out")},
+    **{f"round{form}.{overload}": _no_decimals for form in ("", "_") for overload in ("decimals", "decimals_out")},
 }
 
 
@@ -191,15 +207,6 @@ def call_site() -> str:
             return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "<no Python frame>"
-
-
-def is_strict() -> bool:
-    return _STRICT[-1]
-
-
-def set_strict(on: bool) -> None:
-    """Strict census for the process: a native op in BI mode raises instead of being counted."""
-    _STRICT[-1] = bool(on)
 
 
 @contextlib.contextmanager

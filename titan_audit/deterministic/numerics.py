@@ -16,10 +16,12 @@ Informational fields (recorded, never compared): python, numpy and titan-audit v
 platform string, CPU count, and the thread-count variables a launcher sets (the effective thread
 count is compared instead).
 
-Batch-invariant mode on CPU follows the truth: there every op that reduces runs on our own
-compiled kernels (batch_invariant/cpu/kernels), whose bits are the same on every CPU and ISA
-variant (tests/batch_invariant force each variant and every library knob), and the remaining torch
-ops are correctly rounded elementwise ops, gathers and integer work. So when both fingerprints
+Batch-invariant mode on CPU follows the truth: there every op that reduces or evaluates a
+transcendental function runs on our own compiled kernels (batch_invariant/cpu/kernels), whose bits
+are the same on every CPU and ISA variant (tests/batch_invariant force each variant and every
+library knob; tests/golden/kernels.json is checked on every CPU and under qemu-aarch64), and the
+remaining torch ops are correctly rounded elementwise ops, gathers and integer work: the op census
+(batch_invariant/census.py) sees every other op and records or refuses it. So when both fingerprints
 are BI-mode CPU fingerprints, the CPU model, its SIMD flags, ATen's dispatch ISA, the BLAS and
 oneDNN versions and the variables that steer them (`BI_CPU_PORTABLE_*`) become informational;
 what can still change bits stays compared: the kernel library's version (`bi_kernels`), the torch

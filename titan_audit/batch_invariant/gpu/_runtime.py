@@ -14,6 +14,13 @@ as raw uint16 and its `tl.dot` would multiply those integers, so kernels upcast 
 tiles to float32 before `tl.dot` there (`DOT_F32`); their products are exact in float32 either
 way, so only the (fixed) accumulation order differs from the tensor cores' path.
 
+In the interpreter `tl.dot` is `_fixed_order_dot`: each output element's tile sum is one chain of
+adds over k in ascending order, added to the accumulator once, the same operations wherever the
+element sits in its tile, as the GPU's MMA is assumed to do. Triton's own interpreter calls `np.matmul`, i.e. BLAS,
+which picks its micro-kernel by the element's place in the tile (numpy's OpenBLAS on an AVX2 AMD
+EPYC gives a row alone and the same row inside a tile other bits): invariance proven under it
+would be a property of that CPU's BLAS, not of our kernels.
+
 Compiled launches pass `enable_fp_fusion=False`: no multiply-add is contracted into an fma behind
 our back, so the arithmetic is the one written in the kernels whatever Triton's default (it
 changes in Triton 3.10), and the Triton release is recorded in the numerics fingerprint.
@@ -80,6 +87,21 @@ class _DeferredScope:
         pass
 
 
+def _fixed_order_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+    """The interpreter's tl.dot (module doc): d + (the tile's products summed over k = 0, 1, ... in
+    ascending order from 0), in the accumulator's dtype (float32 products of float32 tiles, exact for
+    upcast bf16/fp16). Like Triton's `np.matmul(a, b) + d`, the tile's sum is added to d once, so
+    the K tile size still shapes the bits (as it does on the GPU)."""
+    import numpy as np
+
+    dtype = d.data.dtype
+    a_data, b_data = a.data.astype(dtype), b.data.astype(dtype)
+    partial = np.zeros(np.broadcast_shapes(a_data.shape[:-1] + (1,), b_data.shape[:-2] + (1, b_data.shape[-1])), dtype)
+    for k in range(a_data.shape[-1]):
+        partial = partial + a_data[..., :, k : k + 1] * b_data[..., k : k + 1, :]
+    return _interpreter.TensorHandle(partial + d.data, d.dtype.scalar)
+
+
 @contextlib.contextmanager
 def _interpreting() -> Iterator[None]:
     """While an interpreted kernel runs, a call of any JITFunction (Triton's own library helpers
@@ -98,13 +120,16 @@ def _interpreting() -> Iterator[None]:
             scopes.append(saved_patch(fn))
             return _DeferredScope()
 
+        saved_dot = _interpreter.InterpreterBuilder.create_dot
         JITFunction.__call__ = _call_interpreted  # type: ignore[method-assign]
         _interpreter._patch_lang = patch_lang
+        _interpreter.InterpreterBuilder.create_dot = _fixed_order_dot  # type: ignore[method-assign]
         try:
             yield
         finally:
             JITFunction.__call__ = saved  # type: ignore[method-assign]
             _interpreter._patch_lang = saved_patch
+            _interpreter.InterpreterBuilder.create_dot = saved_dot  # type: ignore[method-assign]
             while scopes:
                 scopes.pop().restore()
 
