@@ -8,8 +8,12 @@ into them), `_softmax`, `_log_softmax` and their backward ops, `sum` (all elemen
 functional op, which brings its own deterministic autograd; on a CUDA tensor it reaches the
 backend check like every op), and `scaled_dot_product_attention` (through its CPU kernel
 `_scaled_dot_product_flash_attention_for_cpu` and its backward; on CUDA through the flash,
-memory-efficient and cuDNN kernels and their backward, `CUDA_OVERRIDES`). The device-key overrides sit
-below autograd, so autograd's backward formulas call the overridden ops too.
+memory-efficient and cuDNN kernels and their backward, `CUDA_OVERRIDES`), `mean` (all elements),
+and on CPU `embedding_dense_backward` (a fixed-order kernel) and the elementwise ops whose native
+kernels the CPU vendor's library picks (`elementwise.py`: exp, log, sqrt, rsqrt, pow, sigmoid,
+silu, add/sub with alpha). Every other aten op with a CPU kernel that is not exact by IEEE gets a
+census guard (`census.py`): counted or, under `census.strict()`, refused. The device-key
+overrides sit below autograd, so autograd's backward formulas call the overridden ops too.
 
 State guarantee: the overrides are installed iff the mode is on, and `is_enabled()` reads the
 installed state itself (no separate flag that could disagree). `enabled()` restores the state
