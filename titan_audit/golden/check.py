@@ -60,7 +60,8 @@ from titan_audit.golden.store import (
 METRICS = "metrics.parquet"
 # Config keys that never change the bits of a step (how long, how often it saves or flushes, how
 # it launches). Differences elsewhere are reported with the check.
-CONFIG_KEYS_IGNORED = ("steps", "checkpoint.", "audit.flush_every_steps", "parallel.backend", "data.workers")
+CONFIG_KEYS_IGNORED = ("steps", "checkpoint.", "audit.flush_every_steps", "parallel.backend", "data.workers",
+                       "determinism.census")  # record | strict | off: never the bits of a step
 
 
 # ---------------------------------------------------------------------------------- inputs
