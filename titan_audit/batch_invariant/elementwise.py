@@ -24,6 +24,7 @@ CUDA tensors keep their native kernels (deterministic on one GPU model; issue 27
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -58,32 +59,41 @@ def _write_out(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return out.copy_(value)
 
 
-def _unary_routes(name: str) -> dict[str, Callable[..., Any]]:
-    """`name`, `name_` and `name.out` on our kernel; natively (counted) where it has none."""
-    op, op_, op_out = f"aten::{name}", f"aten::{name}_", f"aten::{name}.out"
+def _three_forms(functional: str, inplace: str, out_form: str | None, compute: Callable[..., torch.Tensor | None],
+                 reason: Callable[..., str]) -> dict[str, Callable[..., Any]]:  # fmt: skip
+    """Routes for an op's functional, in-place and (if named) `.out` overloads: `compute(x, *scalars)`
+    gives the result, or None to run the native kernel, counted by the census (a floating or
+    complex input) with `reason(x, *scalars)`."""
 
-    def functional(keyset: Any, x: torch.Tensor) -> torch.Tensor:
-        y = _apply(name, x)
-        if y is None:
-            census.note(op, f"dtype {x.dtype}")
-            return census.original(op)(keyset, x)
-        return y
+    def native(op: str, keyset: Any, x: torch.Tensor, scalars: tuple, **out: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() or x.is_complex():
+            census.note(f"aten::{op}", reason(x, *scalars))
+        return census.original(f"aten::{op}")(keyset, x, *scalars, **out)
 
-    def inplace(keyset: Any, x: torch.Tensor) -> torch.Tensor:
-        y = _apply(name, x)
-        if y is None:
-            census.note(op_, f"dtype {x.dtype}")
-            return census.original(op_)(keyset, x)
-        return x.copy_(y)
+    def functional_route(keyset: Any, x: torch.Tensor, *scalars: Any) -> torch.Tensor:
+        y = compute(x, *scalars)
+        return native(functional, keyset, x, scalars) if y is None else y
 
-    def out_form(keyset: Any, x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-        y = _apply(name, x)
-        if y is None:
-            census.note(op_out, f"dtype {x.dtype}")
-            return census.original(op_out)(keyset, x, out=out)
-        return _write_out(out, y.to(out.dtype))
+    def inplace_route(keyset: Any, x: torch.Tensor, *scalars: Any) -> torch.Tensor:
+        y = compute(x, *scalars)
+        return native(inplace, keyset, x, scalars) if y is None else x.copy_(y)
 
-    return {name: functional, f"{name}_": inplace, f"{name}.out": out_form}
+    def out_route(keyset: Any, x: torch.Tensor, *scalars: Any, out: torch.Tensor) -> torch.Tensor:
+        y = compute(x, *scalars)
+        return native(out_form, keyset, x, scalars, out=out) if y is None else _write_out(out, y.to(out.dtype))
+
+    table = {functional: functional_route, inplace: inplace_route}
+    if out_form is not None:
+        table[out_form] = out_route
+    return table
+
+
+def _dtype_reason(x: torch.Tensor, *scalars: Any) -> str:
+    return f"dtype {x.dtype}"
+
+
+def _exponent_reason(x: torch.Tensor, exponent: Any) -> str:
+    return f"exponent={exponent!r}"
 
 
 def _rsqrt(x: torch.Tensor) -> torch.Tensor | None:
@@ -94,7 +104,7 @@ def _rsqrt(x: torch.Tensor) -> torch.Tensor | None:
 def _pow_scalar(x: torch.Tensor, exponent: Any) -> torch.Tensor | None:
     """x ** exponent by exact operations or our sqrt (module doc); None: run natively."""
     if not x.is_floating_point() or isinstance(exponent, complex) or isinstance(exponent, bool):
-        return None  # integer powers are exact; complex runs natively (counted by the caller)
+        return None  # integer powers are exact (and not counted); complex runs natively (counted)
     e = float(exponent)
     if e == 0:
         return torch.ones_like(x)
@@ -113,55 +123,6 @@ def _pow_scalar(x: torch.Tensor, exponent: Any) -> torch.Tensor | None:
     if e == -0.5:
         return _rsqrt(x)
     return None
-
-
-def _pow_routes() -> dict[str, Callable[..., Any]]:
-    op, op_, op_out = "aten::pow.Tensor_Scalar", "aten::pow_.Scalar", "aten::pow.Tensor_Scalar_out"
-
-    def native(which: str, x: torch.Tensor, exponent: Any) -> None:
-        if x.is_floating_point() or x.is_complex():
-            census.note(which, f"exponent={exponent!r}")
-
-    def functional(keyset: Any, x: torch.Tensor, exponent: Any) -> torch.Tensor:
-        y = _pow_scalar(x, exponent)
-        if y is None:
-            native(op, x, exponent)
-            return census.original(op)(keyset, x, exponent)
-        return y
-
-    def inplace(keyset: Any, x: torch.Tensor, exponent: Any) -> torch.Tensor:
-        y = _pow_scalar(x, exponent)
-        if y is None:
-            native(op_, x, exponent)
-            return census.original(op_)(keyset, x, exponent)
-        return x.copy_(y)
-
-    def out_form(keyset: Any, x: torch.Tensor, exponent: Any, *, out: torch.Tensor) -> torch.Tensor:
-        y = _pow_scalar(x, exponent)
-        if y is None:
-            native(op_out, x, exponent)
-            return census.original(op_out)(keyset, x, exponent, out=out)
-        return _write_out(out, y.to(out.dtype))
-
-    return {"pow.Tensor_Scalar": functional, "pow_.Scalar": inplace, "pow.Tensor_Scalar_out": out_form}
-
-
-def _rsqrt_routes() -> dict[str, Callable[..., Any]]:
-    def functional(keyset: Any, x: torch.Tensor) -> torch.Tensor:
-        y = _rsqrt(x)
-        if y is None:
-            census.note("aten::rsqrt", f"dtype {x.dtype}")
-            return census.original("aten::rsqrt")(keyset, x)
-        return y
-
-    def inplace(keyset: Any, x: torch.Tensor) -> torch.Tensor:
-        y = _rsqrt(x)
-        if y is None:
-            census.note("aten::rsqrt_", f"dtype {x.dtype}")
-            return census.original("aten::rsqrt_")(keyset, x)
-        return x.copy_(y)
-
-    return {"rsqrt": functional, "rsqrt_": inplace}
 
 
 def _backward_route(name: str) -> Callable[..., Any]:
@@ -203,9 +164,10 @@ def routes() -> dict[str, Callable[..., Any]]:
     """CPU-key routes ('name.overload' -> kernel taking the dispatch keyset first)."""
     table: dict[str, Callable[..., Any]] = {}
     for name in ("exp", "log", "sqrt", "sigmoid", "silu"):
-        table.update(_unary_routes(name))
-    table.update(_rsqrt_routes())
-    table.update(_pow_routes())
+        table.update(_three_forms(name, f"{name}_", f"{name}.out", functools.partial(_apply, name), _dtype_reason))
+    table.update(_three_forms("rsqrt", "rsqrt_", None, _rsqrt, _dtype_reason))
+    table.update(_three_forms("pow.Tensor_Scalar", "pow_.Scalar", "pow.Tensor_Scalar_out", _pow_scalar,
+                              _exponent_reason))  # fmt: skip
     table["sigmoid_backward"] = _backward_route("sigmoid_backward")
     table["silu_backward"] = _backward_route("silu_backward")
     table.update(_alpha_routes("add"))

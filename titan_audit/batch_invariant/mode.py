@@ -35,6 +35,7 @@ import torch
 
 from titan_audit.batch_invariant import census, elementwise
 from titan_audit.batch_invariant.backend import backend_for
+from titan_audit.batch_invariant.cpu.embedding import embedding_backward
 
 _LOCK = threading.RLock()
 _LIBRARIES: list[torch.library.Library] = []
@@ -316,8 +317,6 @@ def _embedding_backward(
         op = "aten::embedding_dense_backward"
         census.note(op, "scale_grad_by_freq" if scale_grad_by_freq else f"dtype {grad.dtype}")
         return census.original(op)(keyset, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    from titan_audit.batch_invariant.cpu.embedding import embedding_backward
-
     return _cast(embedding_backward(grad, indices, num_weights, padding_idx), grad.dtype)
 
 

@@ -384,18 +384,17 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
                         set_grads(params, leaf)
                     recorder.set_microbatch(mb.index)
                     recorder.record_data(mb.tensors())
-                    with bi():
-                        if with_aux:
-                            loss, aux = microbatch_loss(model, mb, with_aux=True)
-                            recorder.record_loss(loss)
-                            recorder.record_loss(aux, name="aux_loss")
-                            objective = loss + aux * aux_scale if aux_scale else loss
-                            mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
-                        else:
-                            loss = objective = microbatch_loss(model, mb)
-                            recorder.record_loss(loss)
-                            mb_losses.append(loss.detach().reshape(1))
-                        objective.backward()
+                    if with_aux:
+                        loss, aux = microbatch_loss(model, mb, with_aux=True)
+                        recorder.record_loss(loss)
+                        recorder.record_loss(aux, name="aux_loss")
+                        objective = loss + aux * aux_scale if aux_scale else loss
+                        mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
+                    else:
+                        loss = objective = microbatch_loss(model, mb)
+                        recorder.record_loss(loss)
+                        mb_losses.append(loss.detach().reshape(1))
+                    objective.backward()
                     if config.determinism.enabled:
                         reducer.add(mb.index, sharded.take_flat(params) if sharded else leaf)
                         optimizer.zero_grad(set_to_none=True)
@@ -404,8 +403,8 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
                 # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
                 if config.determinism.enabled:
                     grad = reducer.all_reduce()
-                    with bi():  # BI mode: the norm by the fixed-tree sum, the same bits on every CPU
-                        grad_norm = clip_(grad, config.optimizer.grad_clip)
+                    # in BI mode (held by the loop): the norm by the fixed-tree sum and our sqrt
+                    grad_norm = clip_(grad, config.optimizer.grad_clip)
                     if sharded:
                         sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
                     else:
