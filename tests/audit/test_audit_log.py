@@ -16,10 +16,18 @@ from titan_audit.audit.log import audit_dataset, part_files
 
 def _columns(step: int, n: int, rank: int = 0) -> dict:
     return {
-        "step": [step] * n, "phase": ["loss"] * n, "microbatch": list(range(n)), "name": [f"r{rank}"] * n,
-        "dtype": ["float32"] * n, "shape": ["[]"] * n, "hash": [f"{step:032x}"] * n, "absmax": [1.0] * n,
-        "mean": [0.5] * n, "rank": [rank] * n, "seq": [0] * n,
-    }  # fmt: skip
+        "step": [step] * n,
+        "phase": ["loss"] * n,
+        "microbatch": list(range(n)),
+        "name": [f"r{rank}"] * n,
+        "dtype": ["float32"] * n,
+        "shape": ["[]"] * n,
+        "hash": [f"{step:032x}"] * n,
+        "absmax": [1.0] * n,
+        "mean": [0.5] * n,
+        "rank": [rank] * n,
+        "seq": [0] * n,
+    }
 
 
 def test_round_trip_and_lazy_concatenation(tmp_path):
@@ -41,8 +49,10 @@ def test_ranks_write_side_by_side_and_resume_appends(tmp_path):
     again = AuditLogWriter(tmp_path, rank=0)  # a resumed rank 0 numbers on, never overwrites
     again.write(_columns(1, 2, rank=0))
     assert [p.name for p in part_files(tmp_path)] == [
-        "part-r00000-00000000.parquet", "part-r00000-00000001.parquet", "part-r00001-00000000.parquet",
-    ]  # fmt: skip
+        "part-r00000-00000000.parquet",
+        "part-r00000-00000001.parquet",
+        "part-r00001-00000000.parquet",
+    ]
     assert read_audit_log(tmp_path).num_rows == 6
 
 

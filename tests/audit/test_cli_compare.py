@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from audit._audit_runs import Perturb, train
 from click.testing import CliRunner
 
-from audit._audit_runs import Perturb, train
 from titan_audit.audit.log import part_files
 from titan_audit.cli.main import cli
 

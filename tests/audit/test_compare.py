@@ -5,10 +5,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from audit._audit_runs import MODULE_NAMES, PARAM_NAMES, Perturb, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from audit._audit_runs import MODULE_NAMES, PARAM_NAMES, Perturb, train
 from titan_audit.audit import AuditLogWriter, compare_runs
 from titan_audit.deterministic import fingerprint as numerics_fingerprint
 
@@ -130,10 +130,21 @@ def test_filters(baseline):
 
 
 def _one(run, step, name, digest, rank=0):
-    AuditLogWriter(run, rank=rank).write({
-        "step": [step], "phase": ["param"], "microbatch": [-1], "name": [name], "dtype": ["float32"],
-        "shape": ["[]"], "hash": [digest], "absmax": [0.0], "mean": [0.0], "rank": [rank], "seq": [0],
-    })  # fmt: skip
+    AuditLogWriter(run, rank=rank).write(
+        {
+            "step": [step],
+            "phase": ["param"],
+            "microbatch": [-1],
+            "name": [name],
+            "dtype": ["float32"],
+            "shape": ["[]"],
+            "hash": [digest],
+            "absmax": [0.0],
+            "mean": [0.0],
+            "rank": [rank],
+            "seq": [0],
+        }
+    )
 
 
 def test_repeated_records_count_once_unless_they_conflict(tmp_path):
@@ -178,9 +189,35 @@ def test_json_is_one_object_with_stable_keys(baseline):
         data = compare_runs(baseline, run).to_dict()
     text = json.dumps(data, allow_nan=False)  # strict JSON: no NaN literals
     assert list(json.loads(text)) == [
-        "identical", "run_a", "run_b", "filters", "records_a", "records_b", "compared", "differing",
-        "only_in_a", "only_in_b", "conflicts_a", "conflicts_b", "first_divergence", "spread",
-        "only_in_a_examples", "only_in_b_examples", "fingerprint_warnings", "fingerprint_note", "phase_order",
-    ]  # fmt: skip
-    assert data["phase_order"] == ["rollout", "data", "forward", "logprob", "loss", "backward", "grad",
-                                   "optim", "param", "ckpt"]  # fmt: skip
+        "identical",
+        "run_a",
+        "run_b",
+        "filters",
+        "records_a",
+        "records_b",
+        "compared",
+        "differing",
+        "only_in_a",
+        "only_in_b",
+        "conflicts_a",
+        "conflicts_b",
+        "first_divergence",
+        "spread",
+        "only_in_a_examples",
+        "only_in_b_examples",
+        "fingerprint_warnings",
+        "fingerprint_note",
+        "phase_order",
+    ]
+    assert data["phase_order"] == [
+        "rollout",
+        "data",
+        "forward",
+        "logprob",
+        "loss",
+        "backward",
+        "grad",
+        "optim",
+        "param",
+        "ckpt",
+    ]

@@ -16,10 +16,38 @@ from titan_audit.cli.main import cli
 
 pytestmark = pytest.mark.slow
 
-TRAIN = ["train", "--config", "tiny-dense", "--steps", "4", "--set", "checkpoint.interval=2", "--set", "audit.level=params"]
-STABLE_KEYS = {"identical", "run_a", "run_b", "filters", "records_a", "records_b", "compared", "differing", "only_in_a",
-               "only_in_b", "conflicts_a", "conflicts_b", "first_divergence", "spread", "only_in_a_examples",
-               "only_in_b_examples", "fingerprint_warnings", "fingerprint_note", "phase_order"}  # fmt: skip
+TRAIN = [
+    "train",
+    "--config",
+    "tiny-dense",
+    "--steps",
+    "4",
+    "--set",
+    "checkpoint.interval=2",
+    "--set",
+    "audit.level=params",
+]
+STABLE_KEYS = {
+    "identical",
+    "run_a",
+    "run_b",
+    "filters",
+    "records_a",
+    "records_b",
+    "compared",
+    "differing",
+    "only_in_a",
+    "only_in_b",
+    "conflicts_a",
+    "conflicts_b",
+    "first_divergence",
+    "spread",
+    "only_in_a_examples",
+    "only_in_b_examples",
+    "fingerprint_warnings",
+    "fingerprint_note",
+    "phase_order",
+}
 
 
 def _run(*args):
@@ -30,8 +58,11 @@ def _run(*args):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("steps")
     source, replay, other = root / "a", root / "replay", root / "seed1"
-    for args in ([*TRAIN, "--out", source], ["replay", source, "--from-step", "2", "--out", replay],
-                 [*TRAIN, "--set", "seed=1", "--out", other]):  # fmt: skip
+    for args in (
+        [*TRAIN, "--out", source],
+        ["replay", source, "--from-step", "2", "--out", replay],
+        [*TRAIN, "--set", "seed=1", "--out", other],
+    ):
         done = _run(*args)
         assert done.exit_code == 0, (args, done.output, done.exception)
     return source, replay, other
@@ -69,10 +100,17 @@ def test_a_different_run_differs_inside_the_range(runs):
     assert done.exit_code == 1 and "first divergence: step 3" in done.output
 
 
-@pytest.mark.parametrize("value, message", [
-    ("4:3", "FIRST 4 is after LAST 3"), ("a:4", "'a' is not a step number"), ("-1:3", "step -1 is negative"),
-    ("1:2:3", "expected FIRST:LAST"), (":", "expected FIRST:LAST"), ("", "expected FIRST:LAST"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("4:3", "FIRST 4 is after LAST 3"),
+        ("a:4", "'a' is not a step number"),
+        ("-1:3", "step -1 is negative"),
+        ("1:2:3", "expected FIRST:LAST"),
+        (":", "expected FIRST:LAST"),
+        ("", "expected FIRST:LAST"),
+    ],
+)
 def test_bad_range_exits_2_naming_the_value(runs, value, message):
     source, replay, _ = runs
     done = _run("compare", source, replay, "--steps", value)

@@ -7,8 +7,19 @@ import zarr
 from titan_audit.audit import DumpWriter, bitwise_equal, list_dumps, read_dump
 from titan_audit.audit.dumps import array_path, has_dump
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def _values(dtype: torch.dtype, shape=(37, 5)) -> torch.Tensor:

@@ -23,8 +23,19 @@ def _documented(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_128(header + raw).hexdigest()
 
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -36,7 +47,9 @@ def test_matches_the_documented_format_for_every_dtype(dtype):
 
 def test_negative_and_positive_zero_differ():
     assert fingerprint(torch.tensor([0.0])) != fingerprint(torch.tensor([-0.0]))
-    assert fingerprint(torch.tensor([0.0], dtype=torch.bfloat16)) != fingerprint(torch.tensor([-0.0], dtype=torch.bfloat16))
+    assert fingerprint(torch.tensor([0.0], dtype=torch.bfloat16)) != fingerprint(
+        torch.tensor([-0.0], dtype=torch.bfloat16)
+    )
 
 
 def test_same_bytes_under_another_dtype_or_shape_differ():

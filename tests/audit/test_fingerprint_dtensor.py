@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from titan_audit.audit import fingerprint
 
 

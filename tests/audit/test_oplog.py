@@ -73,7 +73,12 @@ def test_names_the_op_that_is_not_reproducible(tmp_path):
     _, a = record_op_log(_step(2.0), tmp_path / "a", "s")
     _, b = record_op_log(_step(2.0000002), tmp_path / "b", "s")
     result = compare_op_logs(a, b)
-    assert (result.kind, result.op, result.module, result.phase) == ("output", "aten::mul.Tensor", "Net.scale", "forward")
+    assert (result.kind, result.op, result.module, result.phase) == (
+        "output",
+        "aten::mul.Tensor",
+        "Net.scale",
+        "forward",
+    )
     assert result.inputs_identical is True
     rows = read_op_log(a)
     assert rows[result.index]["op"] == "aten::mul.Tensor"

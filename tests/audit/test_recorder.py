@@ -5,9 +5,9 @@ import math
 import pyarrow as pa
 import pytest
 import torch
+from audit._audit_runs import MODULE_NAMES, PARAM_NAMES, Tiny, train
 from torch import nn
 
-from audit._audit_runs import MODULE_NAMES, PARAM_NAMES, Tiny, train
 from titan_audit.audit import SCHEMA, Recorder, fingerprint, read_audit_log
 from titan_audit.audit.schema import DESIGN_COLUMNS
 
@@ -20,8 +20,19 @@ def test_schema_has_design_columns_exactly_plus_seq(tmp_path):
     train(tmp_path, steps=1)
     table = read_audit_log(tmp_path)
     assert tuple(table.schema.names[: len(DESIGN_COLUMNS)]) == DESIGN_COLUMNS
-    assert table.schema.names == ["step", "phase", "microbatch", "name", "dtype", "shape", "hash",
-                                  "absmax", "mean", "rank", "seq"]  # fmt: skip
+    assert table.schema.names == [
+        "step",
+        "phase",
+        "microbatch",
+        "name",
+        "dtype",
+        "shape",
+        "hash",
+        "absmax",
+        "mean",
+        "rank",
+        "seq",
+    ]
     types = {f.name: f.type for f in table.schema}
     assert types["step"] == pa.int64() and types["microbatch"] == pa.int32() and types["rank"] == pa.int32()
     assert types["absmax"] == pa.float64() and types["mean"] == pa.float64() and types["seq"] == pa.int64()
@@ -110,11 +121,22 @@ def test_record_values_match_fingerprint_and_stats(tmp_path):
         recorder.record_checkpoint({"model": {"w": t.bfloat16()}, "epoch": 3})
     rows = {r["name"]: r for r in _rows(tmp_path)}
     lp = rows["lp"]
-    assert (lp["step"], lp["phase"], lp["microbatch"], lp["dtype"], lp["shape"]) == (3, "logprob", 5, "float32", "[2, 2]")
+    assert (lp["step"], lp["phase"], lp["microbatch"], lp["dtype"], lp["shape"]) == (
+        3,
+        "logprob",
+        5,
+        "float32",
+        "[2, 2]",
+    )
     assert lp["hash"] == fingerprint(t)
     assert lp["absmax"] == 4.0 and lp["mean"] == pytest.approx(-0.0625, abs=0)
     ck = rows["model.w"]
-    assert (ck["phase"], ck["microbatch"], ck["dtype"], ck["hash"]) == ("ckpt", -1, "bfloat16", fingerprint(t.bfloat16()))
+    assert (ck["phase"], ck["microbatch"], ck["dtype"], ck["hash"]) == (
+        "ckpt",
+        -1,
+        "bfloat16",
+        fingerprint(t.bfloat16()),
+    )
     assert "epoch" not in rows
 
 

@@ -4,9 +4,9 @@ are recorded as their full logical tensor."""
 import pytest
 import torch
 import torch.distributed as dist
-
-from audit._audit_runs import batch, microbatch_loss, Tiny
+from audit._audit_runs import Tiny, batch, microbatch_loss
 from distributed import run_ranks
+
 from titan_audit.audit import Recorder, compare_runs, fingerprint, read_audit_log
 from titan_audit.audit.log import part_files
 

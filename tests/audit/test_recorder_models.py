@@ -2,8 +2,8 @@
 (G1 at every activation), and a one-ULP change in one layer's output is found there."""
 
 import torch
-
 from audit._audit_runs import one_ulp
+
 from titan_audit.audit import Recorder, compare_runs, read_audit_log
 from titan_audit.models import build
 

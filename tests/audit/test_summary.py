@@ -10,8 +10,18 @@ from hypothesis import strategies as st
 from titan_audit.audit import fingerprint
 from titan_audit.audit.summary import stats, summarize
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn]  # fmt: skip
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+]
 
 
 @given(

@@ -70,12 +70,25 @@ def native_results() -> dict[str, str]:
     angles = torch.outer(torch.arange(40960).float(), _data(14, 64).abs())
     roots = _data(15, 100_003).abs()
     correctly_rounded = roots.double().sqrt().float()  # float64 sqrt rounded once: the correctly rounded float32 root
-    return {"native_sqrt_not_correctly_rounded": int((roots.sqrt().view(torch.int32) != correctly_rounded.view(torch.int32)).sum()),
-            "native_sum": fingerprint(rows.sum(-1)), "native_adamw": fingerprint(p.detach()),
-            "native_cos": fingerprint(angles.cos()), "native_sqrt": fingerprint(_data(15, 100_003).abs().sqrt()),
-            "native_normal": fingerprint(torch.empty(4096).normal_(generator=torch.Generator().manual_seed(0)))}
+    return {
+        "native_sqrt_not_correctly_rounded": int(
+            (roots.sqrt().view(torch.int32) != correctly_rounded.view(torch.int32)).sum()
+        ),
+        "native_sum": fingerprint(rows.sum(-1)),
+        "native_adamw": fingerprint(p.detach()),
+        "native_cos": fingerprint(angles.cos()),
+        "native_sqrt": fingerprint(_data(15, 100_003).abs().sqrt()),
+        "native_normal": fingerprint(torch.empty(4096).normal_(generator=torch.Generator().manual_seed(0))),
+    }
 
 
 if __name__ == "__main__":
-    json.dump({"isa": _lib.isa(), "capability": torch.backends.cpu.get_cpu_capability(),
-               "bi": bi_results(), "native": native_results()}, sys.stdout)
+    json.dump(
+        {
+            "isa": _lib.isa(),
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "bi": bi_results(),
+            "native": native_results(),
+        },
+        sys.stdout,
+    )

@@ -202,7 +202,9 @@ def test_accuracy_against_float64(dtype: torch.dtype, causal: bool) -> None:
     torch.testing.assert_close(bi.attention(q, k, v, causal=causal).double(), reference(q, k, v, causal=causal), **tol)
     doc_ids = torch.tensor([[0] * 40 + [1] * 100 + [-1] * 10, [2] * 150])
     torch.testing.assert_close(
-        bi.attention(q, k, v, doc_ids=doc_ids, scale=0.3).double(), reference(q, k, v, doc_ids=doc_ids, scale=0.3), **tol
+        bi.attention(q, k, v, doc_ids=doc_ids, scale=0.3).double(),
+        reference(q, k, v, doc_ids=doc_ids, scale=0.3),
+        **tol,
     )
     qp = torch.tensor([3, 70, 149])
     torch.testing.assert_close(
@@ -237,7 +239,9 @@ def test_negative_control_native_sdpa_decode_differs() -> None:
     for i in range(200, 300):
         native_step = F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1])
         differs += not bitwise_equal(native_step, full[:, :, i : i + 1])
-        assert_bitwise_equal(bi.attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1]), ours[:, :, i : i + 1])
+        assert_bitwise_equal(
+            bi.attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1]), ours[:, :, i : i + 1]
+        )
     assert differs > 0, "native SDPA decode matched prefill at every step"
 
 
@@ -286,7 +290,9 @@ def test_sdpa_in_mode_gqa_and_bool_mask() -> None:
     kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
     expected = F.scaled_dot_product_attention(q.double(), kk.double(), vv.double(), attn_mask=mask)
     with bi.enabled():
-        assert_bitwise_equal(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), bi.attention(q, k, v))
+        assert_bitwise_equal(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), bi.attention(q, k, v)
+        )
         masked = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
         one = F.scaled_dot_product_attention(q[1:], kk[1:], vv[1:], attn_mask=mask[1:])
     torch.testing.assert_close(masked.double(), expected, rtol=1e-5, atol=1e-5)
@@ -302,7 +308,9 @@ def test_custom_op_under_torch_compile_gives_the_eager_bits() -> None:
     op = torch.ops.titan_audit.attention_fwd
     out, lse = op(q, k, v, 0.25, True, positions, None, None)
     assert_bitwise_equal(out, ours, "custom op vs eager")
-    torch.library.opcheck(op, (q, k, v, 0.25, True, positions, None, None), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        op, (q, k, v, 0.25, True, positions, None, None), test_utils=("test_schema", "test_faketensor")
+    )
     g = randn(1, 4, 40, 16, seed=13)
     bwd_args = (g, q, k, v, out, lse, 0.25, True, positions, None, None)
     torch.library.opcheck(torch.ops.titan_audit.attention_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))

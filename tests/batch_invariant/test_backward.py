@@ -79,7 +79,11 @@ def test_attention_dq_rows_match_between_prefill_and_decode(
     g = randn(1, 2 * groups, t, d, seed=seed + 3, dtype=dtype)
     leaves = [z.clone().requires_grad_() for z in (q, k, v)]
     (bi.attention(*leaves) * g).sum().backward()
-    step = [q[:, :, i : i + 1].clone().requires_grad_(), k[:, :, : i + 1].clone().requires_grad_(), v[:, :, : i + 1].clone().requires_grad_()]
+    step = [
+        q[:, :, i : i + 1].clone().requires_grad_(),
+        k[:, :, : i + 1].clone().requires_grad_(),
+        v[:, :, : i + 1].clone().requires_grad_(),
+    ]
     (bi.attention(*step) * g[:, :, i : i + 1]).sum().backward()
     assert_bitwise_equal(step[0].grad, leaves[0].grad[:, :, i : i + 1], "dq")
 

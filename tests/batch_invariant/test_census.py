@@ -49,8 +49,14 @@ def fresh_census():
 def test_exp_log_sqrt_run_our_kernels_in_bi_mode(dtype):
     x = data(0, 10_001, dtype)
     with bi.enabled(), census.strict():
-        got = {"exp": torch.exp(x), "log": torch.log(x.abs()), "sqrt": x.abs().sqrt(), "rsqrt": torch.rsqrt(x.abs()),
-               "pow_half": x.abs().pow(0.5), "inplace_exp": x.clone().exp_()}  # fmt: skip
+        got = {
+            "exp": torch.exp(x),
+            "log": torch.log(x.abs()),
+            "sqrt": x.abs().sqrt(),
+            "rsqrt": torch.rsqrt(x.abs()),
+            "pow_half": x.abs().pow(0.5),
+            "inplace_exp": x.clone().exp_(),
+        }
     assert same_bits(got["exp"], pointwise.exp(x)) and same_bits(got["inplace_exp"], pointwise.exp(x))
     assert same_bits(got["log"], pointwise.log(x.abs()))
     assert same_bits(got["sqrt"], pointwise.sqrt(x.abs())) and same_bits(got["pow_half"], got["sqrt"])
@@ -114,7 +120,9 @@ def test_record_mode_counts_native_ops_with_reason_and_first_site():
     seen = {s.op: s for s in census.seen()}
     assert seen["aten::tanh"].count == 3 and "test_census.py" in seen["aten::tanh"].first_site
     assert seen["aten::pow.Tensor_Scalar"].reason == "exponent=2.5"
-    assert "repeated destinations" in seen["aten::_index_put_impl_"].reason and seen["aten::_index_put_impl_"].count == 1
+    assert (
+        "repeated destinations" in seen["aten::_index_put_impl_"].reason and seen["aten::_index_put_impl_"].count == 1
+    )
     assert set(seen) == {"aten::tanh", "aten::pow.Tensor_Scalar", "aten::_index_put_impl_"}
     json.dumps(census.summary())  # what a manifest stores
 
@@ -132,14 +140,26 @@ def test_census_sees_other_threads_and_nothing_outside_bi_mode():
 def _train_config(preset_overrides: list[str]):
     from titan_audit.trainer.config import load_config
 
-    return load_config("tiny-dense", ["steps=1", "determinism.batch_invariant=true", 'determinism.census="strict"',
-                                      "data.global_batch_size=4", "data.microbatch_size=2", "data.seq_len=64",
-                                      "data.synthetic_records=64", "checkpoint.interval=0", *preset_overrides])  # fmt: skip
+    return load_config(
+        "tiny-dense",
+        [
+            "steps=1",
+            "determinism.batch_invariant=true",
+            'determinism.census="strict"',
+            "data.global_batch_size=4",
+            "data.microbatch_size=2",
+            "data.seq_len=64",
+            "data.synthetic_records=64",
+            "checkpoint.interval=0",
+            *preset_overrides,
+        ],
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [[], ['model.preset="tiny-moe"'], ['model.compute_dtype="bfloat16"']],
-                         ids=["dense", "moe", "bf16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides", [[], ['model.preset="tiny-moe"'], ['model.compute_dtype="bfloat16"']], ids=["dense", "moe", "bf16"]
+)
 def test_bi_train_step_runs_under_the_strict_census(tmp_path, overrides):
     """Forward, backward, fixed-tree reduction, clip and PortableAdamW of a BI step: nothing native."""
     from titan_audit.trainer.train import train

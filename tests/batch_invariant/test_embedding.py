@@ -50,7 +50,9 @@ def test_rows_are_added_in_ascending_position(padding_idx):
 
 def test_negative_control_another_order_gives_other_bits():
     grad, tokens = _inputs()
-    assert not torch.equal(bits(embedding_backward(grad, tokens, V)), bits(_sequential(grad, tokens, reversed(range(N)))))
+    assert not torch.equal(
+        bits(embedding_backward(grad, tokens, V)), bits(_sequential(grad, tokens, reversed(range(N))))
+    )
 
 
 def test_every_variant_and_thread_count_gives_the_same_bits(monkeypatch):

@@ -51,8 +51,12 @@ def test_gpu_negative_control_other_k_tile(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_gpu_row_ops_row_alone_equals_row_in_batch() -> None:
     x, w = randn(512, 5000, seed=7, dtype=torch.bfloat16), randn(5000, seed=8, dtype=torch.bfloat16)
-    ops = {"sum": lambda t: bi.sum(t, -1), "softmax": lambda t: bi.softmax(t, -1),
-           "log_softmax": lambda t: bi.log_softmax(t, -1), "rms_norm": lambda t: bi.rms_norm(t, w, 1e-6)}
+    ops = {
+        "sum": lambda t: bi.sum(t, -1),
+        "softmax": lambda t: bi.softmax(t, -1),
+        "log_softmax": lambda t: bi.log_softmax(t, -1),
+        "rms_norm": lambda t: bi.rms_norm(t, w, 1e-6),
+    }
     for name, op in ops.items():
         full = op(x)
         for i in (0, 300):

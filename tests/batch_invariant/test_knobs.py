@@ -35,7 +35,9 @@ KNOBS = [
 
 def _probe(env: dict[str, str]) -> dict:
     full = {k: v for k, v in os.environ.items() if k not in ("TITAN_AUDIT_CPU_ISA", "ATEN_CPU_CAPABILITY")}
-    proc = subprocess.run([sys.executable, str(PROBE)], env={**full, **env}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(PROBE)], env={**full, **env}, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 

@@ -22,16 +22,34 @@ BI = ["--set", "determinism.batch_invariant=true", "--set", "parallel.threads=1"
 
 def _train(out: Path, env: dict[str, str], *extra: str) -> Path:
     base = {k: v for k, v in os.environ.items() if k not in ("TITAN_AUDIT_CPU_ISA", "ATEN_CPU_CAPABILITY")}
-    cmd = [sys.executable, "-m", "titan_audit.cli", "train", "--config", "tiny-dense", "--out", str(out),
-           "--nproc", "2", "--steps", str(STEPS), *BI, *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_audit.cli",
+        "train",
+        "--config",
+        "tiny-dense",
+        "--out",
+        str(out),
+        "--nproc",
+        "2",
+        "--steps",
+        str(STEPS),
+        *BI,
+        *extra,
+    ]
     proc = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
 def _compare(a: Path, b: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "titan_audit.cli", "compare", str(a), str(b), "--json"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_audit.cli", "compare", str(a), str(b), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     return json.loads(proc.stdout)
 

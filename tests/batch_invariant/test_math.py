@@ -29,8 +29,31 @@ from titan_audit.batch_invariant.cpu import pointwise as P
 
 UNARY = {"exp": P.exp, "exp2": P.exp2, "log": P.log, "sigmoid": P.sigmoid, "silu": P.silu}
 INF, NAN = float("inf"), float("nan")
-SPECIAL = torch.tensor([0.0, -0.0, INF, -INF, NAN, 1.0, -1.0, 2.0**-149, 2.0**-130, -(2.0**-140), 1e30, -1e30,
-                        88.7, 88.8, -103.0, -104.0, 127.9, 128.5, -149.5, -150.5, 3.4e38])
+SPECIAL = torch.tensor(
+    [
+        0.0,
+        -0.0,
+        INF,
+        -INF,
+        NAN,
+        1.0,
+        -1.0,
+        2.0**-149,
+        2.0**-130,
+        -(2.0**-140),
+        1e30,
+        -1e30,
+        88.7,
+        88.8,
+        -103.0,
+        -104.0,
+        127.9,
+        128.5,
+        -149.5,
+        -150.5,
+        3.4e38,
+    ]
+)
 
 
 def _values(n: int, seed: int, lo: float = -110.0, hi: float = 110.0) -> torch.Tensor:
@@ -51,8 +74,12 @@ def ulp_error(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(UNARY))
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 3000), offset=st.integers(0, 40), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
-def test_bits_do_not_depend_on_position_length_or_threads(name: str, n: int, offset: int, threads: int, seed: int) -> None:
+@given(
+    n=st.integers(1, 3000), offset=st.integers(0, 40), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1)
+)
+def test_bits_do_not_depend_on_position_length_or_threads(
+    name: str, n: int, offset: int, threads: int, seed: int
+) -> None:
     f = UNARY[name]
     x = _input_for(name, _values(n + 40, seed))
     with num_threads(threads):
@@ -128,8 +155,12 @@ def test_accuracy_against_float64() -> None:
     assert ulp_error(P.exp(x), torch.exp(x.double())).max() <= 1.0
     x2 = torch.linspace(-149.0, 127.99, 1_000_001)
     assert ulp_error(P.exp2(x2), torch.exp2(x2.double())).max() <= 1.0
-    xl = torch.cat([torch.exp(torch.linspace(-103.0, 88.0, 1_000_001, dtype=torch.float64)).float(),
-                    torch.linspace(0.5, 2.0, 200_001)])
+    xl = torch.cat(
+        [
+            torch.exp(torch.linspace(-103.0, 88.0, 1_000_001, dtype=torch.float64)).float(),
+            torch.linspace(0.5, 2.0, 200_001),
+        ]
+    )
     assert ulp_error(P.log(xl), torch.log(xl.double())).max() <= 3.0
     xs = torch.linspace(-110.0, 90.0, 1_000_001)
     for f, ref in ((P.sigmoid, torch.sigmoid), (P.silu, F.silu)):

@@ -29,10 +29,36 @@ from titan_audit.batch_invariant.cpu import pointwise as P
 F64 = {"exp": P.exp, "log": P.log, "sqrt": P.sqrt}
 INF, NAN = float("inf"), float("nan")
 CANON_NAN = 0x7FF8000000000000
-SPECIAL = [0.0, -0.0, INF, -INF, NAN, -NAN, 1.0, -1.0, 5e-324, -5e-324, 2.2250738585072014e-308,
-           2.225073858507201e-308, 1.7976931348623157e308, -1.7976931348623157e308, 709.782712893384,
-           709.7827128933841, 710.0, -708.3964185322641, -745.1332191019411, -745.1332191019412, -746.0,
-           0.5, 2.0, math.sqrt(2.0), 1.0 + 2.0**-52, 1.0 - 2.0**-53, 1e-300, 1e300]  # fmt: skip
+SPECIAL = [
+    0.0,
+    -0.0,
+    INF,
+    -INF,
+    NAN,
+    -NAN,
+    1.0,
+    -1.0,
+    5e-324,
+    -5e-324,
+    2.2250738585072014e-308,
+    2.225073858507201e-308,
+    1.7976931348623157e308,
+    -1.7976931348623157e308,
+    709.782712893384,
+    709.7827128933841,
+    710.0,
+    -708.3964185322641,
+    -745.1332191019411,
+    -745.1332191019412,
+    -746.0,
+    0.5,
+    2.0,
+    math.sqrt(2.0),
+    1.0 + 2.0**-52,
+    1.0 - 2.0**-53,
+    1e-300,
+    1e300,
+]
 
 
 def _bits(n: int, seed: int) -> np.ndarray:
@@ -125,8 +151,9 @@ def test_special_values() -> None:
     assert _u64(s[:2]) == [0, 1 << 63] and s[2].item() == INF and s[3].item() == 2.0  # sqrt(-0) = -0
     assert s[4].item() == math.sqrt(5e-324)
     # every NaN result is the one canonical quiet NaN, whatever the input NaN's sign and payload
-    nans = _from_bits(np.array([0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001, 0xFFF4000000000123],
-                               dtype=np.uint64))  # fmt: skip
+    nans = _from_bits(
+        np.array([0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001, 0xFFF4000000000123], dtype=np.uint64)
+    )
     for name, f in F64.items():
         assert _u64(f(nans)) == [CANON_NAN] * 4, name
     assert _u64(lg[2:4]) == [CANON_NAN] * 2 and _u64(s[5:7]) == [CANON_NAN] * 2
@@ -153,11 +180,21 @@ def _reference(name: str, x: np.ndarray) -> np.ndarray:
 
 def test_accuracy_against_a_more_precise_reference() -> None:
     cases = {
-        "exp": torch.cat([_uniform(400_000, 7, -745.13, 709.78), _uniform(50_000, 8, -1e-5, 1e-5),
-                          _uniform(50_000, 9, -745.13, -708.0)]),  # fmt: skip
-        "log": torch.cat([_uniform(200_000, 10, 0.99, 1.01), _uniform(100_000, 11, 0.69, 1.43),
-                          _from_bits(_bits(200_000, 12) & np.uint64(0x7FEFFFFFFFFFFFFF)),
-                          _from_bits((_bits(50_000, 13) & np.uint64(0x000FFFFFFFFFFFFF)) | np.uint64(1))]),  # fmt: skip
+        "exp": torch.cat(
+            [
+                _uniform(400_000, 7, -745.13, 709.78),
+                _uniform(50_000, 8, -1e-5, 1e-5),
+                _uniform(50_000, 9, -745.13, -708.0),
+            ]
+        ),
+        "log": torch.cat(
+            [
+                _uniform(200_000, 10, 0.99, 1.01),
+                _uniform(100_000, 11, 0.69, 1.43),
+                _from_bits(_bits(200_000, 12) & np.uint64(0x7FEFFFFFFFFFFFFF)),
+                _from_bits((_bits(50_000, 13) & np.uint64(0x000FFFFFFFFFFFFF)) | np.uint64(1)),
+            ]
+        ),
     }
     bounds = {"exp": 1.0, "log": 3.0}
     for name, x in cases.items():

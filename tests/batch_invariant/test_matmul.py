@@ -87,7 +87,9 @@ def test_mm_matmul_addmm_rows_do_not_depend_on_the_batch(data: st.DataObject) ->
     with num_threads(threads):
         full = bi.mm(a, b)
         assert_bitwise_equal(bi.mm(a[rows], b), full[rows], "mm")
-        assert_bitwise_equal(bi.addmm(bias, a[rows], b, beta=0.5, alpha=2.0), bi.addmm(bias, a, b, beta=0.5, alpha=2.0)[rows], "addmm")
+        assert_bitwise_equal(
+            bi.addmm(bias, a[rows], b, beta=0.5, alpha=2.0), bi.addmm(bias, a, b, beta=0.5, alpha=2.0)[rows], "addmm"
+        )
         a3 = a.reshape(1, batch, k)
         assert_bitwise_equal(bi.matmul(a3[:, rows], b), bi.matmul(a3, b)[:, rows], "matmul 3-D @ 2-D")
         assert_bitwise_equal(bi.matmul(a[start], b), full[start], "matmul 1-D @ 2-D")
@@ -107,7 +109,11 @@ def test_bmm_rows_do_not_depend_on_batch_or_rows(data: st.DataObject) -> None:
     threads = data.draw(st.sampled_from([1, 2]), label="threads")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
     a = randn(nb, m, k, seed=seed, dtype=dtype)
-    b = randn(nb, n, k, seed=seed + 1, dtype=dtype).transpose(1, 2) if data.draw(st.booleans(), label="B^T") else randn(nb, k, n, seed=seed + 1, dtype=dtype)
+    b = (
+        randn(nb, n, k, seed=seed + 1, dtype=dtype).transpose(1, 2)
+        if data.draw(st.booleans(), label="B^T")
+        else randn(nb, k, n, seed=seed + 1, dtype=dtype)
+    )
     j = data.draw(st.integers(0, nb - 1), label="j")
     start, length = _slice(data, m)
     with num_threads(threads):
@@ -380,8 +386,10 @@ def test_inductor_keeps_the_custom_ops_opaque() -> None:
 def test_custom_ops_are_registered_with_fake_kernels() -> None:
     torch.library.opcheck(torch.ops.titan_audit.mm.default, (randn(4, 8, seed=34), randn(8, 3, seed=35)))
     torch.library.opcheck(torch.ops.titan_audit.bmm.default, (randn(2, 4, 8, seed=36), randn(2, 8, 3, seed=37)))
-    assert_bitwise_equal(torch.ops.titan_audit.mm(randn(4, 8, seed=34), randn(8, 3, seed=35)),
-                         bi.mm(randn(4, 8, seed=34), randn(8, 3, seed=35)))  # fmt: skip
+    assert_bitwise_equal(
+        torch.ops.titan_audit.mm(randn(4, 8, seed=34), randn(8, 3, seed=35)),
+        bi.mm(randn(4, 8, seed=34), randn(8, 3, seed=35)),
+    )
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
@@ -390,8 +398,11 @@ def test_accuracy_against_float64(dtype: torch.dtype) -> None:
     w = randn(70, 300, seed=8, dtype=dtype)
     b = randn(70, seed=9, dtype=dtype)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
-    tol = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=1e-2, atol=5e-2),
-           torch.float64: dict(rtol=1e-12, atol=1e-12)}[dtype]  # fmt: skip
+    tol = {
+        torch.float32: dict(rtol=1e-5, atol=1e-4),
+        torch.bfloat16: dict(rtol=1e-2, atol=5e-2),
+        torch.float64: dict(rtol=1e-12, atol=1e-12),
+    }[dtype]
     torch.testing.assert_close(bi.linear(x, w, b).double(), ref, **tol)
     a3 = randn(3, 17, 40, seed=10, dtype=dtype)
     b3 = randn(3, 40, 9, seed=11, dtype=dtype)

@@ -134,7 +134,9 @@ def test_module_samples_are_batch_invariant_in_mode(batch: int, t: int, j: st.Da
     i = j.draw(st.integers(0, batch - 1), label="sample")
     with torch.no_grad(), bi.enabled():
         assert_bitwise_equal(block(x[i : i + 1]), block(x)[i : i + 1])
-        assert_bitwise_equal(F.linear(x[i], block.up.weight, block.up.bias), F.linear(x, block.up.weight, block.up.bias)[i])
+        assert_bitwise_equal(
+            F.linear(x[i], block.up.weight, block.up.bias), F.linear(x, block.up.weight, block.up.bias)[i]
+        )
         assert_bitwise_equal(x[i : i + 1].sum(-1), x.sum(-1)[i : i + 1])
         assert_bitwise_equal(x[i : i + 1].mean(dim=(1, 2)), x.mean(dim=(1, 2))[i : i + 1])
 
@@ -174,6 +176,7 @@ def test_cuda_tensor_gets_the_triton_backend() -> None:
 def test_mode_claims_cuda_ops_so_they_cannot_fall_back() -> None:
     """No CUDA here, so check the registration itself: in the mode, the CUDA kernels of the
     overridden ops (and CUDA's SDPA kernels) are ours, and ours raise for CUDA tensors."""
+
     def cuda_kernel_is_ours(op: str) -> bool:
         dump = torch._C._dispatch_dump(op)
         return any(line.startswith("CUDA:") and "batch_invariant/mode.py" in line for line in dump.splitlines())

@@ -74,16 +74,29 @@ def _kernel_results(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> dict[s
     gx0, _ = R.rms_norm_backward(g, x, None, rstd)
     sm, lsm = R.softmax(x), R.log_softmax(x)
     return {
-        "sum": R.tree_sum(x), "sum_dims": R.sum_dims(x, [0], True), "softmax": sm, "log_softmax": lsm,
-        "softmax_backward": R.softmax_backward(g, sm), "log_softmax_backward": R.log_softmax_backward(g, lsm),
-        "rms_norm": y, "rstd": rstd, "rms_norm_unweighted": R.rms_norm(x, None, 1e-5)[0],
-        "rms_norm_grad_x": gx, "rms_norm_grad_w": gw, "rms_norm_grad_x_unweighted": gx0,
+        "sum": R.tree_sum(x),
+        "sum_dims": R.sum_dims(x, [0], True),
+        "softmax": sm,
+        "log_softmax": lsm,
+        "softmax_backward": R.softmax_backward(g, sm),
+        "log_softmax_backward": R.log_softmax_backward(g, lsm),
+        "rms_norm": y,
+        "rstd": rstd,
+        "rms_norm_unweighted": R.rms_norm(x, None, 1e-5)[0],
+        "rms_norm_grad_x": gx,
+        "rms_norm_grad_w": gw,
+        "rms_norm_grad_x_unweighted": gx0,
     }
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 512), n=st.integers(1, 200), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
-       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+@given(
+    m=st.integers(1, 512),
+    n=st.integers(1, 200),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_every_isa_variant_gives_the_same_bits(m: int, n: int, dtype: torch.dtype, threads: int, seed: int) -> None:
     x = randn(m, n, seed=seed, scale=4.0).to(dtype)
     g = randn(m, n, seed=seed + 1).to(dtype)
@@ -252,11 +265,16 @@ def test_custom_ops_pass_opcheck() -> None:
     x, g, w = randn(5, 37, seed=7), randn(5, 37, seed=8), randn(37, seed=9)
     ops = torch.ops.titan_audit
     cases = [
-        (ops.softmax, (x,)), (ops.log_softmax, (x,)), (ops.softmax_backward, (g, R.softmax(x))),
-        (ops.log_softmax_backward, (g, R.log_softmax(x))), (ops.rms_norm, (x, w, 1e-6)), (ops.rms_norm, (x, None, 1e-6)),
+        (ops.softmax, (x,)),
+        (ops.log_softmax, (x,)),
+        (ops.softmax_backward, (g, R.softmax(x))),
+        (ops.log_softmax_backward, (g, R.log_softmax(x))),
+        (ops.rms_norm, (x, w, 1e-6)),
+        (ops.rms_norm, (x, None, 1e-6)),
         (ops.rms_norm_backward, (g, x, w, R.rms_norm(x, w, 1e-6)[1])),
         (ops.rms_norm_backward, (g, x, None, R.rms_norm(x, None, 1e-6)[1])),
-        (ops.sum_dims, (x, [1], False)), (ops.sum_dims, (x.view(5, 37, 1), [0, 2], True)),
+        (ops.sum_dims, (x, [1], False)),
+        (ops.sum_dims, (x.view(5, 37, 1), [0, 2], True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -43,8 +43,11 @@ def reference(q, k, v, positions, doc_ids=None):  # noqa: ANN001, ANN201
 
 
 def _qkv(dtype: torch.dtype, seed: int = 0):  # noqa: ANN202
-    return (randn(B, HQ, T, D, seed=seed, dtype=dtype), randn(B, HKV, T, D, seed=seed + 1, dtype=dtype),
-            randn(B, HKV, T, D, seed=seed + 2, dtype=dtype))  # fmt: skip
+    return (
+        randn(B, HQ, T, D, seed=seed, dtype=dtype),
+        randn(B, HKV, T, D, seed=seed + 1, dtype=dtype),
+        randn(B, HKV, T, D, seed=seed + 2, dtype=dtype),
+    )
 
 
 class PagedCache:
@@ -79,8 +82,9 @@ def test_prefill_equals_chunked_prefill_equals_decode(dtype: torch.dtype) -> Non
         bounds = [0, 13, 37, T]  # chunks of 13, 24, 8 keys: off every split / tile / page boundary
         for lo, hi in zip(bounds, bounds[1:]):
             cache.append(k[:, :, lo:hi], v[:, :, lo:hi])
-            out, _ = be.paged_attention(q[:, :, lo:hi], cache.k, cache.v, cache.table, cache.lens,
-                                        positions[:, lo:hi], D**-0.5)
+            out, _ = be.paged_attention(
+                q[:, :, lo:hi], cache.k, cache.v, cache.table, cache.lens, positions[:, lo:hi], D**-0.5
+            )
             pieces.append(out.to(dtype))
         assert_bitwise_equal(torch.cat(pieces, dim=2), full)
         decode = PagedCache(dtype, pages_per_seq=-(-T // PAGE))
@@ -88,8 +92,9 @@ def test_prefill_equals_chunked_prefill_equals_decode(dtype: torch.dtype) -> Non
             if t == T - 2:
                 decode.append(k[:, :, :t], v[:, :, :t])
             decode.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
-            out, _ = be.paged_attention(q[:, :, t : t + 1], decode.k, decode.v, decode.table, decode.lens,
-                                        positions[:, t : t + 1], D**-0.5)
+            out, _ = be.paged_attention(
+                q[:, :, t : t + 1], decode.k, decode.v, decode.table, decode.lens, positions[:, t : t + 1], D**-0.5
+            )
             assert_bitwise_equal(out.to(dtype), full[:, :, t : t + 1])
     close(full, reference(q, k, v, positions), dtype)
 
@@ -105,14 +110,24 @@ def test_sequence_alone_equals_sequence_in_batch_and_docs() -> None:
         kn[0, :, 42:], vn[0, :, 42:] = float("nan"), float("nan")  # padding keys: never visible
         packed = bi.attention(q, kn, vn, doc_ids=doc_ids)
         second = bi.attention(q[:1, :, 20:42], k[:1, :, 20:42], v[:1, :, 20:42])  # doc 1 alone at 0
-        assert_bitwise_equal(packed[:1, :, 20:42], bi.attention(
-            q[:1, :, 20:42], k[:1, :, :42], v[:1, :, :42], q_positions=torch.arange(20, 42),
-            doc_ids=doc_ids[:1, :42]))  # fmt: skip
+        assert_bitwise_equal(
+            packed[:1, :, 20:42],
+            bi.attention(
+                q[:1, :, 20:42],
+                k[:1, :, :42],
+                v[:1, :, :42],
+                q_positions=torch.arange(20, 42),
+                doc_ids=doc_ids[:1, :42],
+            ),
+        )
         assert torch.isfinite(packed[:, :, :42]).all()
     positions = torch.arange(T).expand(B, T)
     close(packed[:, :, :42], reference(q, kn, vn, positions, doc_ids)[:, :, :42], torch.float32)
-    close(second, reference(q[:1, :, 20:42], k[:1, :, 20:42], v[:1, :, 20:42], torch.arange(22).expand(1, 22)),
-          torch.float32)
+    close(
+        second,
+        reference(q[:1, :, 20:42], k[:1, :, 20:42], v[:1, :, 20:42], torch.arange(22).expand(1, 22)),
+        torch.float32,
+    )
 
 
 def test_backward_row_invariant_and_deterministic() -> None:
@@ -149,8 +164,13 @@ def test_negative_control_other_split_size_changes_bits(monkeypatch: pytest.Monk
 
 
 @settings(max_examples=5)
-@given(t=st.integers(1, 40), group=st.sampled_from([1, 2]), d=st.sampled_from([8, 16]),
-       page=st.sampled_from([4, 8, 64]), cut=st.data())  # fmt: skip
+@given(
+    t=st.integers(1, 40),
+    group=st.sampled_from([1, 2]),
+    d=st.sampled_from([8, 16]),
+    page=st.sampled_from([4, 8, 64]),
+    cut=st.data(),
+)
 def test_property_chunked_paged_equals_prefill(t: int, group: int, d: int, page: int, cut: st.DataObject) -> None:
     c = cut.draw(st.integers(0, t - 1))
     hkv = 1

@@ -19,8 +19,14 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 triton = pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
 
 
-def _compile(kernel, ptr_types: dict[str, str], constexprs: dict[str, object], floats: tuple[str, ...] = (),
-             num_warps: int = 4, num_stages: int = 2):  # noqa: ANN001, ANN202
+def _compile(
+    kernel,
+    ptr_types: dict[str, str],
+    constexprs: dict[str, object],
+    floats: tuple[str, ...] = (),
+    num_warps: int = 4,
+    num_stages: int = 2,
+):  # noqa: ANN001, ANN202
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -36,8 +42,11 @@ def _compile(kernel, ptr_types: dict[str, str], constexprs: dict[str, object], f
         else:
             sig[name] = "i32"
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages,
-                                                                               "enable_fp_fusion": False})
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": False},
+    )
 
 
 def _no_atomics(compiled) -> None:  # noqa: ANN001
@@ -49,9 +58,13 @@ def test_matmul_compiles_for_sm90_with_wgmma_and_no_atomics() -> None:
 
     for dtype, ty in (("bf16", "*bf16"), ("fp32", "*fp32")):
         cfg = matmul.CONFIGS[{"bf16": matmul.torch.bfloat16, "fp32": matmul.torch.float32}[dtype]]
-        k = _compile(matmul._gemm_kernel, {n: ty for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")},
-                     dict(HAS_BIAS=True, DOT_F32=False, IEEE=dtype == "fp32", BM=cfg[0], BN=cfg[1], BK=cfg[2], GROUP_M=8),
-                     num_warps=cfg[3], num_stages=cfg[4])
+        k = _compile(
+            matmul._gemm_kernel,
+            {n: ty for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")},
+            dict(HAS_BIAS=True, DOT_F32=False, IEEE=dtype == "fp32", BM=cfg[0], BN=cfg[1], BK=cfg[2], GROUP_M=8),
+            num_warps=cfg[3],
+            num_stages=cfg[4],
+        )
         _no_atomics(k)
         if dtype == "bf16":
             assert "wgmma.mma_async" in k.asm["ptx"]
@@ -68,34 +81,97 @@ def test_row_and_attention_kernels_compile_for_sm90() -> None:
     compiled = [
         _compile(sum._row_sum_kernel, {"x_ptr": "*bf16", "out_ptr": f32}, dict(BLOCK=4096), num_warps=16),
         _compile(softmax._softmax_kernel, {"x_ptr": "*bf16", "y_ptr": f32}, dict(LOG=True, BLOCK=4096)),
-        _compile(softmax._softmax_backward_kernel, {"g_ptr": f32, "y_ptr": f32, "out_ptr": f32}, dict(LOG=False, BLOCK=1024)),
-        _compile(rms_norm._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": f32, "rstd_ptr": f32},
-                 dict(HAS_W=True, BLOCK=4096), floats=("eps",)),
-        _compile(rms_norm._rms_norm_backward_kernel, {"g_ptr": f32, "x_ptr": f32, "w_ptr": "*bf16", "rstd_ptr": f32,
-                                                      "gx_ptr": f32}, dict(HAS_W=True, BLOCK=4096)),
-        _compile(rms_norm._weight_grad_chunks_kernel, {"g_ptr": f32, "x_ptr": f32, "rstd_ptr": f32, "part_ptr": f32},
-                 dict(ROWS=64, BLOCK=128)),
+        _compile(
+            softmax._softmax_backward_kernel, {"g_ptr": f32, "y_ptr": f32, "out_ptr": f32}, dict(LOG=False, BLOCK=1024)
+        ),
+        _compile(
+            rms_norm._rms_norm_kernel,
+            {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": f32, "rstd_ptr": f32},
+            dict(HAS_W=True, BLOCK=4096),
+            floats=("eps",),
+        ),
+        _compile(
+            rms_norm._rms_norm_backward_kernel,
+            {"g_ptr": f32, "x_ptr": f32, "w_ptr": "*bf16", "rstd_ptr": f32, "gx_ptr": f32},
+            dict(HAS_W=True, BLOCK=4096),
+        ),
+        _compile(
+            rms_norm._weight_grad_chunks_kernel,
+            {"g_ptr": f32, "x_ptr": f32, "rstd_ptr": f32, "part_ptr": f32},
+            dict(ROWS=64, BLOCK=128),
+        ),
         _compile(rms_norm._chunk_sum_kernel, {"part_ptr": f32, "out_ptr": f32}, dict(BLOCK=128)),
     ]
     split, bm, bn, warps, stages = attention.CONFIG
-    att_ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_ptr": "*i32",
-                "pos_ptr": "*i64", "doc_ptr": "*i64", "mask_ptr": "*i1", "po_ptr": f32, "pm_ptr": f32, "pl_ptr": f32}
-    compiled.append(_compile(attention._split_kernel, att_ptrs,
-                             dict(G=4, CAUSAL=True, HAS_DOC=True, HAS_MASK=True, DOT_F32=False, IEEE=False,
-                                  SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128),
-                             floats=("qk_scale",), num_warps=warps, num_stages=stages))
-    compiled.append(_compile(attention._combine_kernel, {"po_ptr": f32, "pm_ptr": f32, "pl_ptr": f32, "out_ptr": f32,
-                                                         "lse_ptr": f32}, dict(G=4, BLOCK_R=bm, BLOCK_D=128)))
+    att_ptrs = {
+        "q_ptr": "*bf16",
+        "k_ptr": "*bf16",
+        "v_ptr": "*bf16",
+        "bt_ptr": "*i32",
+        "seq_ptr": "*i32",
+        "pos_ptr": "*i64",
+        "doc_ptr": "*i64",
+        "mask_ptr": "*i1",
+        "po_ptr": f32,
+        "pm_ptr": f32,
+        "pl_ptr": f32,
+    }
+    compiled.append(
+        _compile(
+            attention._split_kernel,
+            att_ptrs,
+            dict(
+                G=4,
+                CAUSAL=True,
+                HAS_DOC=True,
+                HAS_MASK=True,
+                DOT_F32=False,
+                IEEE=False,
+                SPLIT=split,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_D=128,
+            ),
+            floats=("qk_scale",),
+            num_warps=warps,
+            num_stages=stages,
+        )
+    )
+    compiled.append(
+        _compile(
+            attention._combine_kernel,
+            {"po_ptr": f32, "pm_ptr": f32, "pl_ptr": f32, "out_ptr": f32, "lse_ptr": f32},
+            dict(G=4, BLOCK_R=bm, BLOCK_D=128),
+        )
+    )
     bm, bn, warps, stages = attention_backward.CONFIG
-    bwd_ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "do_ptr": "*bf16", "lse_ptr": f32,
-                "delta_ptr": f32, "pos_ptr": "*i64", "doc_ptr": "*i64", "mask_ptr": "*i1", "dq_ptr": f32,
-                "dk_ptr": f32, "dv_ptr": f32}
-    common = dict(G=4, CAUSAL=True, HAS_DOC=False, HAS_MASK=False, DOT_F32=False, IEEE=False,
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128)
+    bwd_ptrs = {
+        "q_ptr": "*bf16",
+        "k_ptr": "*bf16",
+        "v_ptr": "*bf16",
+        "do_ptr": "*bf16",
+        "lse_ptr": f32,
+        "delta_ptr": f32,
+        "pos_ptr": "*i64",
+        "doc_ptr": "*i64",
+        "mask_ptr": "*i1",
+        "dq_ptr": f32,
+        "dk_ptr": f32,
+        "dv_ptr": f32,
+    }
+    common = dict(
+        G=4, CAUSAL=True, HAS_DOC=False, HAS_MASK=False, DOT_F32=False, IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128
+    )
     for kern in (attention_backward._dq_kernel, attention_backward._dkv_kernel):
-        compiled.append(_compile(kern, bwd_ptrs, common, floats=("qk_scale", "scale"), num_warps=warps,
-                                 num_stages=stages))
-    compiled.append(_compile(attention_backward._delta_kernel, {"o_ptr": f32, "do_ptr": f32, "delta_ptr": f32},
-                             dict(BLOCK_R=64, BLOCK_D=128)))
+        compiled.append(
+            _compile(kern, bwd_ptrs, common, floats=("qk_scale", "scale"), num_warps=warps, num_stages=stages)
+        )
+    compiled.append(
+        _compile(
+            attention_backward._delta_kernel,
+            {"o_ptr": f32, "do_ptr": f32, "delta_ptr": f32},
+            dict(BLOCK_R=64, BLOCK_D=128),
+        )
+    )
     for k in compiled:
         _no_atomics(k)

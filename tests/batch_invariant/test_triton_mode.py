@@ -31,13 +31,16 @@ def test_cuda_sdpa_overrides_on_the_triton_kernels() -> None:
     with triton_on_cpu():
         flash = mode._cuda_flash(q, k, v, 0.0, True)
         assert len(flash) == 9 and flash[4] == t and flash[5] == t
-        dq, dk, dv = mode._cuda_flash_backward(g, q, k, v, flash[0], flash[1], *flash[2:6], 0.0, True, flash[6], flash[7])
+        dq, dk, dv = mode._cuda_flash_backward(
+            g, q, k, v, flash[0], flash[1], *flash[2:6], 0.0, True, flash[6], flash[7]
+        )
         row, *_ = mode._cuda_flash(q[:, :, 7:8], k[:, :, :8], v[:, :, :8], 0.0, False)  # keys 0..7, as row 7 sees
         assert_bitwise_equal(row, flash[0][:, :, 7:8])
         eff = mode._cuda_efficient(q, k, v, bias, True, 0.0, False)
         assert len(eff) == 4
-        edq, edk, edv, _ = mode._cuda_efficient_backward(g, q, k, v, bias, eff[0], eff[1], eff[2], eff[3], 0.0,
-                                                         [True, True, True, False], False)
+        edq, edk, edv, _ = mode._cuda_efficient_backward(
+            g, q, k, v, bias, eff[0], eff[1], eff[2], eff[3], 0.0, [True, True, True, False], False
+        )
         cudnn = mode._cuda_cudnn(q, k, v, None, True, 0.0, True)
         assert_bitwise_equal(cudnn[0], flash[0])
     qq, kk, vv = (x.double().requires_grad_() for x in (q, k, v))

@@ -79,22 +79,30 @@ def test_row_ops_row_alone_equals_row_in_batch(dtype: torch.dtype) -> None:
     x64 = x.double()
     with triton_on_cpu():
         outs = {
-            "sum": bi.sum(x, -1), "mean": bi.mean(x, -1), "softmax": bi.softmax(x, -1),
-            "log_softmax": bi.log_softmax(x, -1), "rms_norm": bi.rms_norm(x, w, 1e-6),
-        }  # fmt: skip
+            "sum": bi.sum(x, -1),
+            "mean": bi.mean(x, -1),
+            "softmax": bi.softmax(x, -1),
+            "log_softmax": bi.log_softmax(x, -1),
+            "rms_norm": bi.rms_norm(x, w, 1e-6),
+        }
         for i in (0, 4):
             row = x[i : i + 1]
             alone = {
-                "sum": bi.sum(row, -1), "mean": bi.mean(row, -1), "softmax": bi.softmax(row, -1),
-                "log_softmax": bi.log_softmax(row, -1), "rms_norm": bi.rms_norm(row, w, 1e-6),
-            }  # fmt: skip
+                "sum": bi.sum(row, -1),
+                "mean": bi.mean(row, -1),
+                "softmax": bi.softmax(row, -1),
+                "log_softmax": bi.log_softmax(row, -1),
+                "rms_norm": bi.rms_norm(row, w, 1e-6),
+            }
             for name, got in alone.items():
                 assert_bitwise_equal(got, outs[name][i : i + 1])
     want = {
-        "sum": x64.sum(-1), "mean": x64.mean(-1), "softmax": torch.softmax(x64, -1),
+        "sum": x64.sum(-1),
+        "mean": x64.mean(-1),
+        "softmax": torch.softmax(x64, -1),
         "log_softmax": torch.log_softmax(x64, -1),
         "rms_norm": x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double(),
-    }  # fmt: skip
+    }
     for name, got in outs.items():
         tol_scale = 300 if name == "sum" else 1  # a sum of 300 terms: absolute error grows with N
         err = (got.double() - want[name]).abs().max().item()
@@ -120,8 +128,11 @@ def test_row_gradients_invariant_and_deterministic() -> None:
         assert_bitwise_equal(wr.grad, grads[0][1])  # the weight gradient: deterministic
     x64 = x.double().requires_grad_()
     w64 = w.double().requires_grad_()
-    out = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
-           + torch.softmax(x64, -1) + torch.log_softmax(x64, -1))  # fmt: skip
+    out = (
+        x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+        + torch.softmax(x64, -1)
+        + torch.log_softmax(x64, -1)
+    )
     out.backward(g.double())
     close(grads[0][0], x64.grad, torch.float32)
     close(grads[0][1], w64.grad, torch.float32)
@@ -172,9 +183,12 @@ def test_mode_routes_to_the_forced_backend() -> None:
 @pytest.mark.slow
 @settings(max_examples=12)
 @given(
-    m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 40),
-    dtype=st.sampled_from(MM_DTYPES), row=st.data(),
-)  # fmt: skip
+    m=st.integers(1, 40),
+    k=st.integers(1, 70),
+    n=st.integers(1, 40),
+    dtype=st.sampled_from(MM_DTYPES),
+    row=st.data(),
+)
 def test_property_mm_rows_any_shape(m: int, k: int, n: int, dtype: torch.dtype, row: st.DataObject) -> None:
     x, w = randn(m, k, seed=m * 131 + k, dtype=dtype), randn(n, k, seed=n, dtype=dtype)
     i = row.draw(st.integers(0, m - 1))

@@ -42,13 +42,32 @@ def test_prepare_inspect_and_plan(prepared):
     "args, message",
     [
         (["data", "prepare", "{tmp}/missing.parquet", "--out", "{tmp}/x.zarr"], "missing.parquet: no such file"),
-        (["data", "prepare", "{tmp}/t.parquet", "--out", "{tmp}/x.zarr", "--text-column", "body"], "no text column 'body'"),
+        (
+            ["data", "prepare", "{tmp}/t.parquet", "--out", "{tmp}/x.zarr", "--text-column", "body"],
+            "no text column 'body'",
+        ),
         (["data", "prepare", "{tmp}/t.parquet", "--out", "{tmp}/t.zarr"], "t.zarr already exists"),
         (["data", "inspect", "{tmp}/t.parquet"], "not a token store"),
-        (["data", "plan", "{tmp}/t.zarr", "--seq-len", "32", "--global-batch", "10", "--microbatch", "4"],
-         "global batch size 10 is not divisible by microbatch size 4"),
-        (["data", "plan", "{tmp}/t.zarr", "--seq-len", "32", "--global-batch", "8", "--microbatch", "2", "--world-size", "3"],
-         "world size 3 does not divide the 4 virtual microbatches"),
+        (
+            ["data", "plan", "{tmp}/t.zarr", "--seq-len", "32", "--global-batch", "10", "--microbatch", "4"],
+            "global batch size 10 is not divisible by microbatch size 4",
+        ),
+        (
+            [
+                "data",
+                "plan",
+                "{tmp}/t.zarr",
+                "--seq-len",
+                "32",
+                "--global-batch",
+                "8",
+                "--microbatch",
+                "2",
+                "--world-size",
+                "3",
+            ],
+            "world size 3 does not divide the 4 virtual microbatches",
+        ),
         (["data", "synth", "{tmp}/t.parquet"], "t.parquet already exists"),
     ],
 )

@@ -32,7 +32,9 @@ def _take(loader, count):
 
 
 def _assert_same(a, b, what):
-    assert [(m.epoch, m.step, m.index, m.global_loss_tokens) for m in a] == [(m.epoch, m.step, m.index, m.global_loss_tokens) for m in b]
+    assert [(m.epoch, m.step, m.index, m.global_loss_tokens) for m in a] == [
+        (m.epoch, m.step, m.index, m.global_loss_tokens) for m in b
+    ]
     for name, x in concat_microbatches(a).items():
         assert_bitwise_equal(x, concat_microbatches(b)[name], f"{what}: {name}")
 
@@ -43,7 +45,14 @@ def test_microbatch_fields_shapes_and_normaliser(store, packing):
         assert loader.num_microbatches == 4
         mbs = _take(loader, 8)  # two steps
     for mb in mbs:
-        assert mb.tokens.shape == mb.targets.shape == mb.positions.shape == mb.doc_ids.shape == mb.loss_mask.shape == (2, 48)
+        assert (
+            mb.tokens.shape
+            == mb.targets.shape
+            == mb.positions.shape
+            == mb.doc_ids.shape
+            == mb.loss_mask.shape
+            == (2, 48)
+        )
         assert mb.sequence_ids.shape == (2,)
         assert mb.tokens.dtype == mb.targets.dtype == mb.positions.dtype == mb.doc_ids.dtype == torch.int64
         assert mb.loss_mask.dtype == torch.bool
@@ -65,8 +74,13 @@ def test_prefetch_workers_and_depth_do_not_change_the_bytes(store):
     steps = 6
     with ElasticLoader(_config(store)) as loader:
         reference = _take(loader, steps * 4)
-    variants = [dict(workers=0, worker_type="process"), dict(workers=1, prefetch=1), dict(workers=4, prefetch=3), dict(workers=4, prefetch=1),
-                dict(workers=2, prefetch=2, worker_type="process")]  # fmt: skip
+    variants = [
+        dict(workers=0, worker_type="process"),
+        dict(workers=1, prefetch=1),
+        dict(workers=4, prefetch=3),
+        dict(workers=4, prefetch=1),
+        dict(workers=2, prefetch=2, worker_type="process"),
+    ]
     for variant in variants:
         with ElasticLoader(_config(store, **variant)) as loader:
             _assert_same(reference, _take(loader, steps * 4), f"workers {variant}")
@@ -189,7 +203,11 @@ def test_state_must_match_the_batch_spec(store):
 @pytest.mark.parametrize(
     "overrides, kwargs, match",
     [
-        (dict(global_batch_size=10, microbatch_size=4), {}, "global batch size 10 is not divisible by microbatch size 4"),
+        (
+            dict(global_batch_size=10, microbatch_size=4),
+            {},
+            "global batch size 10 is not divisible by microbatch size 4",
+        ),
         ({}, dict(rank=0, world_size=3), "world size 3 does not divide the 4 virtual microbatches"),
         ({}, dict(rank=2, world_size=2), r"rank 2 is outside \[0, 2\)"),
         (dict(seq_len=200_000), {}, r"cannot fill one sequence of length 200000"),

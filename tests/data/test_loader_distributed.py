@@ -27,7 +27,9 @@ def _config(store, workers=0):
 def _gathered_step(loader_iter, per_rank):
     """This rank's microbatches of one step, gathered to every rank in rank order (over gloo)."""
     mine = [next(loader_iter) for _ in range(per_rank)]
-    payload = [(m.epoch, m.step, m.index, m.global_loss_tokens, {k: getattr(m, k) for k in TENSOR_FIELDS}) for m in mine]
+    payload = [
+        (m.epoch, m.step, m.index, m.global_loss_tokens, {k: getattr(m, k) for k in TENSOR_FIELDS}) for m in mine
+    ]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, payload)
     return [item for rank_items in gathered for item in rank_items]
@@ -100,4 +102,6 @@ def test_global_batches_are_identical_at_every_world_size_and_across_resume(stor
     assert not bitwise_equal(_tensors(reference[0])["tokens"], _tensors(reference[1])["tokens"])
     other = LoaderConfig(store=store, seq_len=40, global_batch_size=8, microbatch_size=2, seed=12)
     with ElasticLoader(other) as loader:
-        assert not bitwise_equal(torch.cat([m.tokens for m in loader.global_batch(0, 0)]), _tensors(reference[0])["tokens"])
+        assert not bitwise_equal(
+            torch.cat([m.tokens for m in loader.global_batch(0, 0)]), _tensors(reference[0])["tokens"]
+        )

@@ -24,13 +24,44 @@ from titan_audit.models import get_preset
 
 pytestmark = pytest.mark.slow
 
-MODULES = ("argparse", "collections", "dataclasses", "datetime", "decimal", "doctest", "functools", "itertools",
-           "json", "logging", "os", "pathlib", "pickle", "re", "socket", "subprocess", "tarfile", "textwrap",
-           "threading", "typing", "unittest", "zipfile")  # fmt: skip
+MODULES = (
+    "argparse",
+    "collections",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "doctest",
+    "functools",
+    "itertools",
+    "json",
+    "logging",
+    "os",
+    "pathlib",
+    "pickle",
+    "re",
+    "socket",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "zipfile",
+)
 SEQ_LEN, STEPS = 128, 3
 CONTEXT = get_preset("tiny-dense").max_position_embeddings  # 2048
-TRAIN = ["--config", "tiny-dense", "--set", "data.packing=best_fit", "--set", f"data.seq_len={SEQ_LEN}",
-         "--set", "checkpoint.interval=0", "--steps", str(STEPS)]  # fmt: skip
+TRAIN = [
+    "--config",
+    "tiny-dense",
+    "--set",
+    "data.packing=best_fit",
+    "--set",
+    f"data.seq_len={SEQ_LEN}",
+    "--set",
+    "checkpoint.interval=0",
+    "--steps",
+    str(STEPS),
+]
 
 
 def _docstrings() -> list[str]:
@@ -39,8 +70,11 @@ def _docstrings() -> list[str]:
         warnings.simplefilter("ignore")
         for name in MODULES:
             module = importlib.import_module(name)
-            objects = [module] + [o for n, o in sorted(vars(module).items()) if not n.startswith("_")
-                                  and (inspect.isclass(o) or inspect.isfunction(o)) and o.__module__ == name]  # fmt: skip
+            objects = [module] + [
+                o
+                for n, o in sorted(vars(module).items())
+                if not n.startswith("_") and (inspect.isclass(o) or inspect.isfunction(o)) and o.__module__ == name
+            ]
             for obj in objects:
                 if isinstance(obj.__doc__, str) and obj.__doc__.strip():
                     docs.append(inspect.cleandoc(obj.__doc__))
@@ -65,7 +99,9 @@ def runs(tmp_path_factory):
     out = {}
     for w in (1, 4):
         out[w] = root / f"w{w}"
-        done = _run("train", *TRAIN, "--set", f"data.store={store}", "--out", out[w], *(["--nproc", w] if w > 1 else []))
+        done = _run(
+            "train", *TRAIN, "--set", f"data.store={store}", "--out", out[w], *(["--nproc", w] if w > 1 else [])
+        )
         assert done.exit_code == 0, (done.stderr, done.exception)
         assert f"step {STEPS}/{STEPS}" in done.stderr
     return store, out
@@ -73,8 +109,12 @@ def runs(tmp_path_factory):
 
 def test_the_trained_steps_hold_pieces_past_the_context(runs):
     store, _ = runs
-    batches = GlobalBatches(TokenStore(store), LoaderConfig(store=str(store), seq_len=SEQ_LEN, global_batch_size=8,
-                                                            microbatch_size=1, packing="best_fit").spec)  # fmt: skip
+    batches = GlobalBatches(
+        TokenStore(store),
+        LoaderConfig(
+            store=str(store), seq_len=SEQ_LEN, global_batch_size=8, microbatch_size=1, packing="best_fit"
+        ).spec,
+    )
     starts = []
     for step in range(STEPS):
         for mb in range(batches.num_microbatches):
@@ -104,12 +144,36 @@ def test_negative_control_another_seed_differs(runs, tmp_path):
 
 def test_data_checked_against_the_model_before_step_1(runs, tmp_path):
     store, _ = runs
-    too_long = _run("train", *TRAIN, "--set", f"data.store={store}", "--set", f"data.seq_len={2 * CONTEXT}",
-                    "--nproc", "2", "--out", tmp_path / "a")  # fmt: skip
-    assert too_long.exit_code == 2 and "data.seq_len" in too_long.stderr and "max_position_embeddings" in too_long.stderr
-    small_vocab = _run("train", *TRAIN, "--set", f"data.store={store}", "--set", "model.overrides.vocab_size=200",
-                       "--out", tmp_path / "b")  # fmt: skip
-    assert small_vocab.exit_code == 2 and "vocab_size 258" in small_vocab.stderr and "vocab_size = 200" in small_vocab.stderr
+    too_long = _run(
+        "train",
+        *TRAIN,
+        "--set",
+        f"data.store={store}",
+        "--set",
+        f"data.seq_len={2 * CONTEXT}",
+        "--nproc",
+        "2",
+        "--out",
+        tmp_path / "a",
+    )
+    assert (
+        too_long.exit_code == 2 and "data.seq_len" in too_long.stderr and "max_position_embeddings" in too_long.stderr
+    )
+    small_vocab = _run(
+        "train",
+        *TRAIN,
+        "--set",
+        f"data.store={store}",
+        "--set",
+        "model.overrides.vocab_size=200",
+        "--out",
+        tmp_path / "b",
+    )
+    assert (
+        small_vocab.exit_code == 2
+        and "vocab_size 258" in small_vocab.stderr
+        and "vocab_size = 200" in small_vocab.stderr
+    )
     missing = _run("train", *TRAIN, "--set", f"data.store={tmp_path / 'none.zarr'}", "--out", tmp_path / "c")
     assert missing.exit_code == 2 and "data.store" in missing.stderr
     assert not any((tmp_path / name).exists() for name in "abc")  # refused before anything was written

@@ -30,10 +30,14 @@ doc_lists = st.lists(st.integers(0, 90), min_size=1, max_size=60)
 def _check_rows(packer, seq):
     """Targets, positions, doc ids and the loss mask agree with each other and with loss_tokens."""
     L = packer.seq_len
-    assert seq.tokens.shape == seq.targets.shape == seq.positions.shape == seq.doc_ids.shape == seq.loss_mask.shape == (L,)
+    assert (
+        seq.tokens.shape == seq.targets.shape == seq.positions.shape == seq.doc_ids.shape == seq.loss_mask.shape == (L,)
+    )
     # the target of position i is the token at i + 1 whenever i + 1 is inside the row
     assert np.array_equal(seq.targets[:-1], seq.tokens[1:])
-    same = (seq.doc_ids[:-1] == seq.doc_ids[1:]) & (seq.positions[1:] == seq.positions[:-1] + 1) & (seq.doc_ids[:-1] >= 0)
+    same = (
+        (seq.doc_ids[:-1] == seq.doc_ids[1:]) & (seq.positions[1:] == seq.positions[:-1] + 1) & (seq.doc_ids[:-1] >= 0)
+    )
     assert np.array_equal(seq.loss_mask[:-1], same)
     assert not seq.loss_mask[seq.doc_ids < 0].any()
 

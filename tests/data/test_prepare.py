@@ -14,7 +14,7 @@ from titan_audit.data import (
     prepare,
     store_manifest,
     write_synthetic_parquet,
-)  # fmt: skip
+)
 from titan_audit.data import sources as sources_module
 from titan_audit.data.synthetic import make_record
 

@@ -64,10 +64,16 @@ def test_directory_sources_are_sorted_by_relative_path(tmp_path):
     "make, match",
     [
         (lambda d: d / "missing.parquet", r"missing\.parquet: no such file"),
-        (lambda d: _parquet(d / "w.parquet", ["a"], column="body"), r"w\.parquet: no text column 'text' \(columns: body, n\)"),
+        (
+            lambda d: _parquet(d / "w.parquet", ["a"], column="body"),
+            r"w\.parquet: no text column 'text' \(columns: body, n\)",
+        ),
         (lambda d: _bytes(d / "e.parquet", b""), r"e\.parquet: empty file"),
         (lambda d: _bytes(d / "c.parquet", b"PAR1 this is not parquet"), r"c\.parquet: not a readable Parquet"),
-        (lambda d: _bytes(d / "t.parquet", _parquet(d / "full.parquet", TEXTS).read_bytes()[:-30]), r"t\.parquet: not a readable Parquet"),
+        (
+            lambda d: _bytes(d / "t.parquet", _parquet(d / "full.parquet", TEXTS).read_bytes()[:-30]),
+            r"t\.parquet: not a readable Parquet",
+        ),
         (lambda d: _parquet(d / "z.parquet", pa.array([], pa.string())), r"z\.parquet: empty file \(0 rows\)"),
         (lambda d: _parquet(d / "i.parquet", [1, 2]), r"i\.parquet: column 'text' has type int64"),
         (lambda d: _bytes(d / "e.jsonl", b"\n\n"), r"e\.jsonl: empty file"),

@@ -52,7 +52,9 @@ def test_prepare_synthetic_builds_parquet_and_store(tmp_path):
     store = TokenStore(built.store)
     assert store.num_docs == 200 and store.origin.entries[0].name == "tasks.parquet"
     assert ByteTokenizer().decode(store.doc(17)) == make_record(5, 17).text
-    with ElasticLoader(LoaderConfig(store=str(built.store), seq_len=32, global_batch_size=4, microbatch_size=2)) as loader:
+    with ElasticLoader(
+        LoaderConfig(store=str(built.store), seq_len=32, global_batch_size=4, microbatch_size=2)
+    ) as loader:
         assert next(iter(loader)).tokens.shape == (2, 32)
     with pytest.raises(ValueError, match="already exists"):
         prepare_synthetic(tmp_path, SyntheticConfig(200, seed=5))

@@ -12,8 +12,12 @@ def make_hf_tokenizer(path, special=("<|endoftext|>",)):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(special),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=list(special),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([make_record(0, i).text for i in range(500)], trainer)
     tok.save(str(path))
     return path
@@ -35,8 +39,9 @@ def test_hf_tokenizer_from_tokenizer_json(tmp_path, corpus):
     (ids,) = tok.encode_batch([text])
     assert len(ids) < len(text.encode())  # merges learnt
     assert tok.decode(ids) == text
-    info = prepare(PrepareConfig(sources=(str(corpus),), out=str(tmp_path / "hf.zarr"),
-                                 tokenizer=TokenizerSpec(str(path))))  # fmt: skip
+    info = prepare(
+        PrepareConfig(sources=(str(corpus),), out=str(tmp_path / "hf.zarr"), tokenizer=TokenizerSpec(str(path)))
+    )
     store = TokenStore(tmp_path / "hf.zarr")
     assert info.tokenizer == tok.identity and info.eos_id == 0
     assert store.origin.extra["tokenizer"] == tok.identity

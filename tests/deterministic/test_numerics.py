@@ -31,8 +31,9 @@ def test_round_trip_through_dict_is_compatible_with_itself():
 
 def test_incompatibilities_name_each_differing_field():
     fp = deterministic.fingerprint("cpu")
-    other = dataclasses.replace(fp, torch_version="0.0.1", num_threads=fp.num_threads + 3,
-                                env={**fp.env, "MKL_CBWR": "COMPATIBLE"})  # fmt: skip
+    other = dataclasses.replace(
+        fp, torch_version="0.0.1", num_threads=fp.num_threads + 3, env={**fp.env, "MKL_CBWR": "COMPATIBLE"}
+    )
     reasons = incompatibilities(fp, other)
     assert len(reasons) == 3
     assert any(r.startswith("torch_version") for r in reasons)
@@ -84,13 +85,23 @@ def test_bi_mode_cpu_fingerprints_ignore_the_cpu_model_and_library_knobs():
         bi = deterministic.fingerprint("cpu")
     assert bi.batch_invariant and bi.bi_kernels and bi.arch
     other_cpu = dataclasses.replace(
-        bi, device_name="AMD EPYC 9654", cpu_capability="AVX2", cpu_isa_flags=("avx2", "fma"), blas="mkl 2025.0",
-        onednn="v3.7", env={**bi.env, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"},
-    )  # fmt: skip
+        bi,
+        device_name="AMD EPYC 9654",
+        cpu_capability="AVX2",
+        cpu_isa_flags=("avx2", "fma"),
+        blas="mkl 2025.0",
+        onednn="v3.7",
+        env={**bi.env, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"},
+    )
     assert incompatibilities(bi, other_cpu) == []
     # what can still change bits stays compared
-    for change in ({"torch_version": "9.9"}, {"bi_kernels": "titan-bi-cpu v0"}, {"arch": "aarch64"},
-                   {"num_threads": bi.num_threads + 1}, {"default_dtype": "float64"}):  # fmt: skip
+    for change in (
+        {"torch_version": "9.9"},
+        {"bi_kernels": "titan-bi-cpu v0"},
+        {"arch": "aarch64"},
+        {"num_threads": bi.num_threads + 1},
+        {"default_dtype": "float64"},
+    ):
         assert incompatibilities(bi, dataclasses.replace(other_cpu, **change)), change
     # negative control: outside BI mode the same CPU change is an incompatibility
     plain = deterministic.fingerprint("cpu")

@@ -78,7 +78,12 @@ def test_streams_are_identical_in_a_fresh_process():
 
 @pytest.mark.parametrize(
     "args, message",
-    [((-1, "p", 0, 0), "seed"), ((0, "p", 0, -1), "sample_id"), ((0, "p", 2**63, 0), "step"), ((2**64, "p", 0, 0), "seed")],
+    [
+        ((-1, "p", 0, 0), "seed"),
+        ((0, "p", 0, -1), "sample_id"),
+        ((0, "p", 2**63, 0), "step"),
+        ((2**64, "p", 0, 0), "seed"),
+    ],
 )
 def test_out_of_range_key_parts_are_value_errors(args, message):
     with pytest.raises(ValueError, match=message):

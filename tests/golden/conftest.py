@@ -66,15 +66,23 @@ def build_run(
         recorder.record_optimizer(optimizer)
         recorder.record_params()
         recorder.end_step()
-        rows.append({"step": step, "loss": total * loss_scale, "grad_norm": grad_norm, "lr": 0.1,
-                     "seconds": 0.01 * step})  # fmt: skip
+        rows.append(
+            {"step": step, "loss": total * loss_scale, "grad_norm": grad_norm, "lr": 0.1, "seconds": 0.01 * step}
+        )
     recorder.flush()
     recorder.close()
     pq.write_table(pa.Table.from_pylist(rows), path / "metrics.parquet")
     fp = deterministic.fingerprint("cpu").to_dict()
     fp.update(fingerprint_changes or {})
-    write_manifest(path, {"config": {"model": "linear-4-3", "steps": steps, "seed": 0}, "seed": 0,
-                          "fingerprint": fp, "world_size_history": [{"world_size": 1, "start_step": 0}]})  # fmt: skip
+    write_manifest(
+        path,
+        {
+            "config": {"model": "linear-4-3", "steps": steps, "seed": 0},
+            "seed": 0,
+            "fingerprint": fp,
+            "world_size_history": [{"world_size": 1, "start_step": 0}],
+        },
+    )
     return path
 
 

@@ -41,7 +41,9 @@ BI = ["determinism.batch_invariant=true"]
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_tiny_dense_bi_is_exact(golden_run, nproc):
-    result = golden_run("tiny-dense-bi", recipe="tiny-dense", steps=STEPS, nproc=nproc, overrides=BI, require_exact=True)
+    result = golden_run(
+        "tiny-dense-bi", recipe="tiny-dense", steps=STEPS, nproc=nproc, overrides=BI, require_exact=True
+    )
     assert result is None or (result.passed and result.mode == "exact")
 
 
@@ -50,8 +52,13 @@ def _as_if_on_another_cpu(run: Path, out: Path) -> Path:
     shutil.copytree(run, out)
     manifest = json.loads((out / "manifest.json").read_text())
     fp = manifest["fingerprint"]
-    fp.update(device_name="AMD EPYC 7B13 64-Core Processor", cpu_capability="AVX2", blas="mkl 2025.1",
-              cpu_isa_flags=["sse4_2", "avx", "avx2", "fma", "f16c"], onednn="v3.7.1")  # fmt: skip
+    fp.update(
+        device_name="AMD EPYC 7B13 64-Core Processor",
+        cpu_capability="AVX2",
+        blas="mkl 2025.1",
+        cpu_isa_flags=["sse4_2", "avx", "avx2", "fma", "f16c"],
+        onednn="v3.7.1",
+    )
     fp["env"].update(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="COMPATIBLE")
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
@@ -65,10 +72,14 @@ def test_bi_golden_is_exact_on_another_cpu_and_the_plain_one_is_not(tmp_path):
 
     golden = Path(__file__).parent
     train_recipe(tmp_path / "bi", "tiny-dense", steps=STEPS, overrides=BI)
-    bi = check_golden(_as_if_on_another_cpu(tmp_path / "bi", tmp_path / "bi-amd"), golden / "tiny-dense-bi", require_exact=True)
+    bi = check_golden(
+        _as_if_on_another_cpu(tmp_path / "bi", tmp_path / "bi-amd"), golden / "tiny-dense-bi", require_exact=True
+    )
     assert bi.passed and bi.mode == "exact", bi.to_dict()
     train_recipe(tmp_path / "plain", "tiny-dense", steps=STEPS)
-    plain = check_golden(_as_if_on_another_cpu(tmp_path / "plain", tmp_path / "plain-amd"), golden / "tiny-dense", require_exact=True)
+    plain = check_golden(
+        _as_if_on_another_cpu(tmp_path / "plain", tmp_path / "plain-amd"), golden / "tiny-dense", require_exact=True
+    )
     assert not plain.passed and plain.mode != "exact"
 
 
@@ -89,10 +100,29 @@ def _rl_tiny_run(out):
 
     warm = out.with_name(out.name + "-warmup")
     train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512", *BI])
-    settings = ['task.name="reversal"', "task.prompts_per_step=4", "task.samples_per_prompt=4",
-                "sampling.max_new_tokens=6", "rollout.lag=1", "optimizer.lr=1e-3"]  # fmt: skip
-    command = [sys.executable, "-m", "titan_audit.cli", "rl", "--config", "rl-tiny", "--init", str(warm), "--out", str(out),
-               "--steps", "3", *[a for s in settings for a in ("--set", s)]]  # fmt: skip
+    settings = [
+        'task.name="reversal"',
+        "task.prompts_per_step=4",
+        "task.samples_per_prompt=4",
+        "sampling.max_new_tokens=6",
+        "rollout.lag=1",
+        "optimizer.lr=1e-3",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "titan_audit.cli",
+        "rl",
+        "--config",
+        "rl-tiny",
+        "--init",
+        str(warm),
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        *[a for s in settings for a in ("--set", s)],
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -16,8 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from titan_audit.cli.main import cli
-from titan_audit.golden import GoldenCorrupt, check_golden, read_golden, record_golden, update_golden
-from titan_audit.golden import store
+from titan_audit.golden import GoldenCorrupt, check_golden, read_golden, record_golden, store, update_golden
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -93,6 +92,7 @@ def test_one_bit_change_in_any_recorded_hash_fails_and_names_it(base_run, golden
     pq.write_table(read_audit_log(base_run), original)
     assert len(records) >= 30
     for i, record in enumerate(records):
+
         def transform(table, record=record, i=i):
             table = pq.read_table(original)
             mask = None
@@ -107,7 +107,8 @@ def test_one_bit_change_in_any_recorded_hash_fails_and_names_it(base_run, golden
         assert not check.passed and check.mode == "exact"
         first = check.compare.first_divergence
         assert {k: first[k] for k in ("step", "phase", "microbatch", "name")} == {
-            k: record[k] for k in ("step", "phase", "microbatch", "name")}  # fmt: skip
+            k: record[k] for k in ("step", "phase", "microbatch", "name")
+        }
         assert check.compare.differing == 1
 
 
@@ -201,13 +202,29 @@ def test_tolerance_mode_ignores_hashes_but_checks_metrics(golden, tmp_path, make
 
 def test_failure_budget_and_stored_tolerances(base_run, tmp_path, make_run):
     path = tmp_path / "g"
-    result = run_cli("golden", "record", base_run, path, "--metrics", "loss", "--rtol", "loss=0.05",
-                     "--atol", "loss=0", "--max-failures", "3")  # fmt: skip
+    result = run_cli(
+        "golden",
+        "record",
+        base_run,
+        path,
+        "--metrics",
+        "loss",
+        "--rtol",
+        "loss=0.05",
+        "--atol",
+        "loss=0",
+        "--max-failures",
+        "3",
+    )
     assert result.exit_code == 0, result.output
     g = read_golden(path)
     assert g.tolerance.metrics == {"loss": {"rtol": 0.05, "atol": 0.0}} and g.tolerance.max_failures == 3
-    assert run_cli("golden", "check", make_run(tmp_path / "in", fingerprint_changes=OTHER_TORCH, loss_scale=1.04),
-                   path).exit_code == 0  # fmt: skip
+    assert (
+        run_cli(
+            "golden", "check", make_run(tmp_path / "in", fingerprint_changes=OTHER_TORCH, loss_scale=1.04), path
+        ).exit_code
+        == 0
+    )
     over = make_run(tmp_path / "over", fingerprint_changes=OTHER_TORCH, loss_scale=1.06)
     check = check_golden(over, path)
     assert check.passed and any("within the failure budget of 3" in n for n in check.notes)
@@ -242,7 +259,7 @@ def test_every_flipped_byte_of_golden_json_is_corruption(base_run, golden):
     raw = meta.read_bytes()
     for position in range(len(raw)):
         for mask in (0x01, 0x80):
-            meta.write_bytes(raw[:position] + bytes([raw[position] ^ mask]) + raw[position + 1:])
+            meta.write_bytes(raw[:position] + bytes([raw[position] ^ mask]) + raw[position + 1 :])
             with pytest.raises(GoldenCorrupt):
                 read_golden(golden)
     meta.write_bytes(raw)
@@ -254,7 +271,7 @@ def test_flipped_bytes_in_data_files_are_corruption(base_run, golden, name):
     file = golden / name
     raw = file.read_bytes()
     for position in list(range(0, len(raw), max(1, len(raw) // 40))) + [len(raw) - 1]:
-        file.write_bytes(raw[:position] + bytes([raw[position] ^ 0x04]) + raw[position + 1:])
+        file.write_bytes(raw[:position] + bytes([raw[position] ^ 0x04]) + raw[position + 1 :])
         with pytest.raises(GoldenCorrupt, match="sha256"):
             read_golden(golden)
     file.write_bytes(raw)
@@ -270,7 +287,9 @@ def test_corruption_exits_2_and_says_corrupt_not_mismatch(base_run, golden):
     assert "corrupt golden file" in result.output and "FAIL" not in result.output
 
 
-@pytest.mark.parametrize("name", ["golden.json", "manifest.json", "metrics.parquet", "audit/part-r00000-00000000.parquet"])
+@pytest.mark.parametrize(
+    "name", ["golden.json", "manifest.json", "metrics.parquet", "audit/part-r00000-00000000.parquet"]
+)
 @pytest.mark.parametrize("keep", ["half", "minus_one", "empty"])
 def test_truncated_file_is_corruption(base_run, golden, name, keep):
     file = golden / name

@@ -71,13 +71,21 @@ PROJECT_TEST = textwrap.dedent('''
 def test_plugin_in_another_project(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
-    (project / "pytest.ini").write_text("[pytest]\ngolden_dir = goldens\naddopts = --strict-markers -p no:cacheprovider\n")
+    (project / "pytest.ini").write_text(
+        "[pytest]\ngolden_dir = goldens\naddopts = --strict-markers -p no:cacheprovider\n"
+    )
     (project / "test_mine.py").write_text(PROJECT_TEST)
     outside = tmp_path / "elsewhere"
 
     def run(*args: str, **env: str):
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *args], cwd=project, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, **env})  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", *args],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **env},
+        )
         return proc.returncode, proc.stdout + proc.stderr
 
     # --golden-dir overrides the ini option; a missing golden fails and says how to create it

@@ -16,9 +16,7 @@ SMALL_DENSE = models.ModelConfig(
     max_position_embeddings=512,
     rope_theta=10_000.0,
 )
-SMALL_MOE = SMALL_DENSE.replace(
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
-)
+SMALL_MOE = SMALL_DENSE.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 # Mixed layers (layer 0 dense via mlp_only_layers), a shared expert, un-normalised top-k.
 SMALL_MOE_SHARED = SMALL_MOE.replace(
     num_hidden_layers=3,

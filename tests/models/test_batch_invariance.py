@@ -213,9 +213,17 @@ def test_bfloat16_moe_paged_decode(make_tokens, bi):
     they agree for these shapes, on an AVX-512 Xeon they do not; so the control compares with
     the BI bits, which differ from native ones on every CPU.)"""
     config = models.ModelConfig(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=100, max_position_embeddings=128,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=36,
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=100,
+        max_position_embeddings=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=36,
     )
     model = models.build(config, seed=4, dtype=torch.bfloat16).eval()
     tokens = make_tokens(8, 3, 40)

@@ -47,7 +47,10 @@ def _compare(hf_model, ours, tokens):
 
 def _qwen3(tie):
     cfg = transformers.Qwen3Config(
-        **COMMON, intermediate_size=96, tie_word_embeddings=tie, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        **COMMON,
+        intermediate_size=96,
+        tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return _hf_model(transformers.Qwen3ForCausalLM, cfg)
 

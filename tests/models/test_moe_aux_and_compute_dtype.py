@@ -12,10 +12,20 @@ from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.models import ModelConfig, build
 
 MOE = ModelConfig(
-    vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, intermediate_size=96, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-    mlp_only_layers=(1,), max_position_embeddings=256, initializer_range=0.2,
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    mlp_only_layers=(1,),
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
 
 
 def _tokens(seed, batch=2, seq=24, vocab=128):
@@ -25,8 +35,13 @@ def _tokens(seed, batch=2, seq=24, vocab=128):
 def _router_logits(model, tokens, doc_ids=None):
     """Each MoE layer's router logits [N, E], captured from the MoE input."""
     captured = []
-    hooks = [layer.mlp.register_forward_pre_hook(lambda m, args: captured.append(args[0].reshape(-1, args[0].shape[-1]) @ m.gate.weight.T))
-             for layer in model.layers if hasattr(layer.mlp, "gate")]  # fmt: skip
+    hooks = [
+        layer.mlp.register_forward_pre_hook(
+            lambda m, args: captured.append(args[0].reshape(-1, args[0].shape[-1]) @ m.gate.weight.T)
+        )
+        for layer in model.layers
+        if hasattr(layer.mlp, "gate")
+    ]
     with torch.no_grad():
         model(tokens, doc_ids=doc_ids)
     for hook in hooks:
@@ -104,8 +119,10 @@ def test_bf16_compute_keeps_fp32_masters_and_is_reproducible(tie):
     fp32_logits, fp32_grads = _step_grads(build(config, seed=3), tokens)
     assert fp32_logits.dtype == torch.float32
     assert not bitwise_equal(fp32_logits.bfloat16(), logits)
-    assert not bitwise_equal(fp32_grads["lm_head.weight" if not tie else "embed_tokens.weight"],
-                             grads["lm_head.weight" if not tie else "embed_tokens.weight"])  # fmt: skip
+    assert not bitwise_equal(
+        fp32_grads["lm_head.weight" if not tie else "embed_tokens.weight"],
+        grads["lm_head.weight" if not tie else "embed_tokens.weight"],
+    )
     # but close: bf16 rounding (and the odd routing flip it causes) moves logits by a few percent
     error = ((fp32_logits - logits.float()).abs().mean() / fp32_logits.abs().mean()).detach()
     assert 0 < float(error) < 0.1, float(error)

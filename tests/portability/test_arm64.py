@@ -26,7 +26,9 @@ def _need_toolchain() -> None:
 
 def test_the_arm64_battery_under_qemu_reproduces_the_x86_hashes() -> None:
     _need_toolchain()
-    build = subprocess.run(["make", "-s", "battery-aarch64"], cwd=battery.ROOT, capture_output=True, text=True, timeout=900)
+    build = subprocess.run(
+        ["make", "-s", "battery-aarch64"], cwd=battery.ROOT, capture_output=True, text=True, timeout=900
+    )
     assert build.returncode == 0, build.stdout + build.stderr
     elf = battery.HARNESS["aarch64"].read_bytes()[:20]
     assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183, "an AArch64 executable (EM_AARCH64)"

@@ -44,8 +44,19 @@ def test_check_passes_with_exit_0_and_json_has_stable_keys() -> None:
     assert out["passed"] is True and out["only"] == "sqrt_f64/"
     assert set(out["cpu"]) >= {"vendor", "model", "cpuid", "isa", "variants", "arch", "torch"}
     r = out["sections"]["kernels"]
-    assert list(r)[:11] == ["checked", "passed", "cases", "records", "variants", "threads", "mismatch_count",
-                            "mismatches", "missing", "unexpected", "seconds"]  # fmt: skip
+    assert list(r)[:11] == [
+        "checked",
+        "passed",
+        "cases",
+        "records",
+        "variants",
+        "threads",
+        "mismatch_count",
+        "mismatches",
+        "missing",
+        "unexpected",
+        "seconds",
+    ]
     assert r["cases"] == 10 and r["variants"] == list(_lib.available_isas())
     assert out["sections"]["torch_ops"] == {"checked": False}
 
@@ -61,14 +72,26 @@ def test_a_differing_hash_exits_1_naming_the_case(tmp_path: Path) -> None:
     assert "FAIL" in result.output and "gemm_f32/b1_m7_k15_n17_wt [scalar, threads 1]" in result.output
 
 
-@pytest.mark.parametrize("content, needle", [
-    (None, "no such file"),
-    ("{not json", "is corrupt"),
-    (json.dumps({"format": "something else"}), "is corrupt: not a"),
-    (json.dumps({"format": kernel_golden.FORMAT, "format_version": 99, "passed_on": []}), "format_version 99"),
-    (json.dumps({"format": kernel_golden.FORMAT, "format_version": 1, "passed_on": [],
-                 "kernels": {"cases": {"exp_f32/x": {"hash": "zz", "dtype": "f32", "count": 1}}}}), "32-hex-digit"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (None, "no such file"),
+        ("{not json", "is corrupt"),
+        (json.dumps({"format": "something else"}), "is corrupt: not a"),
+        (json.dumps({"format": kernel_golden.FORMAT, "format_version": 99, "passed_on": []}), "format_version 99"),
+        (
+            json.dumps(
+                {
+                    "format": kernel_golden.FORMAT,
+                    "format_version": 1,
+                    "passed_on": [],
+                    "kernels": {"cases": {"exp_f32/x": {"hash": "zz", "dtype": "f32", "count": 1}}},
+                }
+            ),
+            "32-hex-digit",
+        ),
+    ],
+)
 def test_a_missing_or_corrupt_golden_exits_2_naming_the_file(tmp_path: Path, content: str | None, needle: str) -> None:
     path = tmp_path / "kernels.json"
     if content is not None:
@@ -99,7 +122,9 @@ def test_mark_passed_appends_this_cpu_once(tmp_path: Path) -> None:
     golden["passed_on"] = []
     path = tmp_path / "kernels.json"
     path.write_text(json.dumps(golden))
-    _one_line_error(_run("--golden", str(path), "--section", "kernels", "--case", "exp_f64/", "--mark-passed"), "--case")
+    _one_line_error(
+        _run("--golden", str(path), "--section", "kernels", "--case", "exp_f64/", "--mark-passed"), "--case"
+    )
     for _ in range(2):
         result = _run("--golden", str(path), "--section", "kernels", "--mark-passed")
         assert result.exit_code == 0, result.output

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from titan_audit.batch_invariant import enabled
-from titan_audit.batch_invariant.cpu import _lib
-from titan_audit.batch_invariant.cpu import pointwise
+from titan_audit.batch_invariant.cpu import _lib, pointwise
 from titan_audit.portability import battery, kernel_golden, torch_ops
 
 GOLDEN = kernel_golden.DEFAULT_PATH
@@ -46,10 +45,30 @@ def test_the_kernel_section_passes_exact_on_every_variant_and_thread_count(kerne
     assert r["kernels_version"] == {"golden": _lib.KERNELS_VERSION, "here": _lib.KERNELS_VERSION}
     # every exported kernel family is in the battery
     kernels = {key.split("/")[0] for key in golden["kernels"]["cases"]}
-    for name in ("gemm_f32", "gemm_f64", "attention_fwd_f32", "attention_bwd_f64", "row_sum_f32", "softmax_f64",
-                 "log_softmax_backward_f32", "rms_norm_backward_f64", "exp_f32", "exp2_f32", "log_f32", "sqrt_f32",
-                 "sigmoid_f32", "silu_backward_f32", "exp_f64", "log_f64", "sqrt_f64", "normal_from_bits",
-                 "cos_sin_f32", "rope_inv_freq_f32", "embedding_backward_f32", "info"):  # fmt: skip
+    for name in (
+        "gemm_f32",
+        "gemm_f64",
+        "attention_fwd_f32",
+        "attention_bwd_f64",
+        "row_sum_f32",
+        "softmax_f64",
+        "log_softmax_backward_f32",
+        "rms_norm_backward_f64",
+        "exp_f32",
+        "exp2_f32",
+        "log_f32",
+        "sqrt_f32",
+        "sigmoid_f32",
+        "silu_backward_f32",
+        "exp_f64",
+        "log_f64",
+        "sqrt_f64",
+        "normal_from_bits",
+        "cos_sin_f32",
+        "rope_inv_freq_f32",
+        "embedding_backward_f32",
+        "info",
+    ):
         assert name in kernels, name
 
 
@@ -123,7 +142,12 @@ def test_a_differing_variant_is_named_with_its_first_differing_element(monkeypat
     monkeypatch.setattr(kernel_golden, "_cases", altered)
     result = kernel_golden.check(GOLDEN, section="kernels", only="exp_f32/range_4097")
     (m,) = result["sections"]["kernels"]["mismatches"]
-    assert (m["kernel"], m["case"], m["variant"], m["threads"]) == ("exp_f32", "range_4097", _lib.available_isas()[-1], 2)
+    assert (m["kernel"], m["case"], m["variant"], m["threads"]) == (
+        "exp_f32",
+        "range_4097",
+        _lib.available_isas()[-1],
+        2,
+    )
     d = m["first_difference"]
     assert d["index"] == 3 and d["got"] == "nan" and d["got_bits"] == "0x7fc00000" and d["expected"] != "nan"
     assert "scalar, threads 1" in m["note"]

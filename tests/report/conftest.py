@@ -29,8 +29,22 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     replay, _ = elastic_replay(base, 2, root / "base-replay", nproc=1, quiet=True)
     assert replay.identical
     rl = root / "rl"
-    rc = start_rl("rl-tiny", rl, init=str(base), nproc=None, steps=2, resume=False, overwrite=False, quiet=True,
-                  overrides=["verify=true", "task.prompts_per_step=2", "task.samples_per_prompt=2",
-                             "sampling.max_new_tokens=4", "checkpoint.interval=0"])  # fmt: skip
+    rc = start_rl(
+        "rl-tiny",
+        rl,
+        init=str(base),
+        nproc=None,
+        steps=2,
+        resume=False,
+        overwrite=False,
+        quiet=True,
+        overrides=[
+            "verify=true",
+            "task.prompts_per_step=2",
+            "task.samples_per_prompt=2",
+            "sampling.max_new_tokens=4",
+            "checkpoint.interval=0",
+        ],
+    )
     assert rc == 0
     return {"base": base, "seed1": seed1, "replay": root / "base-replay", "rl": rl}

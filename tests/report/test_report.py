@@ -25,8 +25,11 @@ def _images(page: str) -> list[bytes]:
 
 
 def _files(run):
-    return sorted((str(p.relative_to(run)), p.stat().st_mtime_ns) for p in run.rglob("*")
-                  if p.is_file() and "reports" not in p.relative_to(run).parts)  # fmt: skip
+    return sorted(
+        (str(p.relative_to(run)), p.stat().st_mtime_ns)
+        for p in run.rglob("*")
+        if p.is_file() and "reports" not in p.relative_to(run).parts
+    )
 
 
 def test_train_report_is_self_contained_and_counts_what_the_audit_log_holds(runs):
@@ -36,7 +39,11 @@ def test_train_report_is_self_contained_and_counts_what_the_audit_log_holds(runs
     assert _files(run) == before  # only reports/ is written
     page = open(paths["html"]).read()
     md = open(paths["md"]).read()
-    assert paths["kind"] == "train" and paths["html"].endswith("reports/report.html") and paths["md"].endswith("reports/report.md")
+    assert (
+        paths["kind"] == "train"
+        and paths["html"].endswith("reports/report.html")
+        and paths["md"].endswith("reports/report.md")
+    )
     assert "<script" not in page and not re.search(r"(src|href)=['\"]?(https?:|//)", page)  # no external resource
     images = _images(page)
     assert len(images) >= 2 and all(img.startswith(PNG) for img in images)  # loss curves, coverage
@@ -65,7 +72,11 @@ def test_against_gives_the_divergence_map_and_agrees_with_compare(runs):
     result = compare_runs(base, seed1)
     totals = grid.totals()
     assert (totals.compared, totals.differing, totals.only_a, totals.only_b) == (
-        result.compared, result.differing, result.only_in_a, result.only_in_b)
+        result.compared,
+        result.differing,
+        result.only_in_a,
+        result.only_in_b,
+    )
     assert grid.first_step() == 1 and not grid.identical
     rows = {(r["phase"], r["module"]): r for r in grid.row_summary()}
     assert rows[("data", "tokens")]["first_step"] == 1 and rows[("param", "embed_tokens")]["differing"] == 4
@@ -86,7 +97,9 @@ def test_divergence_map_of_identical_runs_is_empty_and_counts_one_side_records(r
 def test_rl_report_has_the_zero_gap_table_and_plot(runs):
     paths = write_report(runs["rl"])
     md = open(paths["md"]).read()
-    assert paths["kind"] == "rl" and "ZERO GAP" in md and "| step | reward_mean | gap_tokens | gap_tokens_differing" in md
+    assert (
+        paths["kind"] == "rl" and "ZERO GAP" in md and "| step | reward_mean | gap_tokens | gap_tokens_differing" in md
+    )
     assert re.search(r"^\| 2 \| [^|]+ \| \d+ \| 0 \|", md, re.M)
     assert len(_images(open(paths["html"]).read())) >= 3  # reward/loss, gap, coverage
     assert "batch-invariant op census (record): native ops seen: none" in md  # the RL run is in BI mode
@@ -97,8 +110,17 @@ def test_census_section_lists_the_native_ops_a_bi_run_saw():
     from titan_audit.report.render import Doc, _census
 
     doc = Doc("t")
-    _census(doc, {"bi_census": {"mode": "record", "native_ops_seen": {
-        "aten::tanh": {"count": 3, "reason": "native", "first_site": "model.py:10 (forward)"}}}})
+    _census(
+        doc,
+        {
+            "bi_census": {
+                "mode": "record",
+                "native_ops_seen": {
+                    "aten::tanh": {"count": 3, "reason": "native", "first_site": "model.py:10 (forward)"}
+                },
+            }
+        },
+    )
     md = "\n".join(doc.md)
     assert "native ops seen: 1" in md and "| aten::tanh | 3 | native | model.py:10 (forward) |" in md
     empty = Doc("t")
@@ -106,8 +128,16 @@ def test_census_section_lists_the_native_ops_a_bi_run_saw():
     assert empty.md == ["# t", ""]
 
 
-@pytest.mark.parametrize("module_name, group", [("layers.3.mlp.down_proj.weight", "layers.3"), ("embed_tokens.weight", "embed_tokens"),
-                                                ("<root>", "<root>"), ("layers.0@1", "layers.0"), ("tokens", "tokens")])  # fmt: skip
+@pytest.mark.parametrize(
+    "module_name, group",
+    [
+        ("layers.3.mlp.down_proj.weight", "layers.3"),
+        ("embed_tokens.weight", "embed_tokens"),
+        ("<root>", "<root>"),
+        ("layers.0@1", "layers.0"),
+        ("tokens", "tokens"),
+    ],
+)
 def test_module_group(module_name, group):
     assert module_group(module_name) == group
 
@@ -117,9 +147,11 @@ def test_cli_report_json_and_bad_input(runs, tmp_path):
     assert ok.exit_code == 0, ok.output
     assert '"html"' in ok.output and "report.html" in ok.output
     (tmp_path / "empty").mkdir()
-    for args, message in [([str(tmp_path / "missing")], "missing: no such run directory"),
-                          ([str(tmp_path / "empty")], "empty: not a run directory"),
-                          ([str(runs["base"]), "--against", str(tmp_path / "empty")], "empty: not a run directory")]:  # fmt: skip
+    for args, message in [
+        ([str(tmp_path / "missing")], "missing: no such run directory"),
+        ([str(tmp_path / "empty")], "empty: not a run directory"),
+        ([str(runs["base"]), "--against", str(tmp_path / "empty")], "empty: not a run directory"),
+    ]:
         result = CliRunner().invoke(cli, ["report", *args])
         assert result.exit_code == 2, result.output
         assert message in result.output and "Traceback" not in result.output

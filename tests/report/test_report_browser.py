@@ -41,9 +41,11 @@ def test_rl_report_renders_without_errors(runs, browser):
 
 def test_the_checks_catch_console_errors_and_broken_images(browser, tmp_path):
     bad = tmp_path / "bad.html"
-    bad.write_text("<!DOCTYPE html><html><head><title>titan-audit bad</title></head><body><table></table>"
-                   "<img alt='broken' src='data:image/png;base64,AAAA'>"
-                   "<script>console.error('boom'); notDefined();</script></body></html>")  # fmt: skip
+    bad.write_text(
+        "<!DOCTYPE html><html><head><title>titan-audit bad</title></head><body><table></table>"
+        "<img alt='broken' src='data:image/png;base64,AAAA'>"
+        "<script>console.error('boom'); notDefined();</script></body></html>"
+    )
     page = browser.load(bad)
     assert any("boom" in e for e in page.errors) and any("notDefined" in e for e in page.errors)
     assert page.images and page.images[0]["naturalWidth"] == 0

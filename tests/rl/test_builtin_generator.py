@@ -70,8 +70,13 @@ def _bits_equal(a, b):
 
 def _recompute(model, samples, batch_invariant=True, temperature=TEMPERATURE):
     with torch.no_grad():
-        return sequence_logprobs(model, [s.prompt_ids for s in samples], [s.tokens for s in samples],
-                                 temperature, batch_invariant=batch_invariant)
+        return sequence_logprobs(
+            model,
+            [s.prompt_ids for s in samples],
+            [s.tokens for s in samples],
+            temperature,
+            batch_invariant=batch_invariant,
+        )
 
 
 def test_the_builtin_generator_implements_the_interface(model):
@@ -138,18 +143,21 @@ def test_continuous_batching_schedule_and_prefix_sharing(model, requests):
     schedule = gen.last_schedule
     # one prefill per prompt, never per sample
     prefilled = [first for it in schedule for call in it.prefilled for first in call]
-    assert sorted(prefilled) == sorted({min(i for i, r in enumerate(requests) if r.key.prompt_id == p)
-                                        for p in {r.key.prompt_id for r in requests}})
+    assert sorted(prefilled) == sorted(
+        {min(i for i, r in enumerate(requests) if r.key.prompt_id == p) for p in {r.key.prompt_id for r in requests}}
+    )
     assert all(len(it.decoded) <= 3 for it in schedule)
     # prompts of different lengths share a (right-padded) prefill call
     lengths = {i: len(r.prompt_ids) for i, r in enumerate(requests)}
     assert any(len({lengths[i] for i in call}) > 1 for it in schedule for call in it.prefilled)
     # samples join a running batch and leave it while others keep decoding
     assert any(it.decoded and (it.prefilled or it.started) for it in schedule)
-    assert any(set(a.decoded) - set(b.decoded) and set(a.decoded) & set(b.decoded)
-               for a, b in zip(schedule, schedule[1:]))
-    assert any(set(b.decoded) - set(a.decoded) and set(a.decoded) & set(b.decoded)
-               for a, b in zip(schedule, schedule[1:]))
+    assert any(
+        set(a.decoded) - set(b.decoded) and set(a.decoded) & set(b.decoded) for a, b in zip(schedule, schedule[1:])
+    )
+    assert any(
+        set(b.decoded) - set(a.decoded) and set(a.decoded) & set(b.decoded) for a, b in zip(schedule, schedule[1:])
+    )
     assert sorted(i for it in schedule for i in it.finished) == list(range(len(requests)))
     cache = gen._cache
     assert not cache.lengths and cache.num_free_blocks == cache.num_blocks  # every block released
@@ -168,8 +176,9 @@ def test_continuous_batching_schedule_and_prefix_sharing(model, requests):
 
 
 def test_max_new_tokens_one_and_a_stop_at_the_first_token(model, requests):
-    gen, samples = _generate(model, requests, SamplingParams(temperature=TEMPERATURE, max_new_tokens=1),
-                             batch_invariant=True)
+    gen, samples = _generate(
+        model, requests, SamplingParams(temperature=TEMPERATURE, max_new_tokens=1), batch_invariant=True
+    )
     assert all(len(s.tokens) == 1 and s.finish_reason == "length" for s in samples)
     first = samples[0].tokens[0]
     params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=4, stop_token_ids=(first,))

@@ -18,8 +18,13 @@ TINY = ["--set", "task.prompts_per_step=2", "--set", "task.samples_per_prompt=2"
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real command line in a fresh process (runs that compute)."""
-    return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "titan_audit.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=900,
+    )
 
 
 def cli_here(*args: str):
@@ -51,14 +56,23 @@ def other_shape(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize(("extra", "pattern"), [
-    (["--set", "task.name=\"nope\""], r"task\.name: unknown task 'nope'"),
-    (["--set", "rollout.lag=3", "--set", "rollout.buffer=2"], r"rollout\.lag = 3 is larger than rollout\.buffer = 2"),
-    (["--set", "sampling.temperature=0"], r"sampling\.temperature must be a finite number > 0"),
-    (["--set", "sampling.temperature=-1.5"], r"sampling\.temperature"),
-    (["--set", "model.overrides.max_position_embeddings=24"], r"prompt \d+ .*exceed the model's context"),
-    (["--set", "task.prompts_per_step=3", "--nproc", "2"], r"world size 2 does not divide task\.prompts_per_step = 3"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "pattern"),
+    [
+        (["--set", 'task.name="nope"'], r"task\.name: unknown task 'nope'"),
+        (
+            ["--set", "rollout.lag=3", "--set", "rollout.buffer=2"],
+            r"rollout\.lag = 3 is larger than rollout\.buffer = 2",
+        ),
+        (["--set", "sampling.temperature=0"], r"sampling\.temperature must be a finite number > 0"),
+        (["--set", "sampling.temperature=-1.5"], r"sampling\.temperature"),
+        (["--set", "model.overrides.max_position_embeddings=24"], r"prompt \d+ .*exceed the model's context"),
+        (
+            ["--set", "task.prompts_per_step=3", "--nproc", "2"],
+            r"world size 2 does not divide task\.prompts_per_step = 3",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, extra, pattern):
     out = tmp_path / "run"
     one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), *extra), pattern)
@@ -67,11 +81,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, extra, patter
 
 def test_init_of_another_shape_is_refused(tmp_path, other_shape):
     out = tmp_path / "run"
-    one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(other_shape)),
-                   r"--init .*another shape.*num_hidden_layers: 2 vs 4")  # fmt: skip
+    one_line_error(
+        cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(other_shape)),
+        r"--init .*another shape.*num_hidden_layers: 2 vs 4",
+    )
     assert not out.exists()
-    one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(tmp_path)),
-                   r"neither a run directory .* nor an HF model directory")  # fmt: skip
+    one_line_error(
+        cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(tmp_path)),
+        r"neither a run directory .* nor an HF model directory",
+    )
 
 
 def test_an_existing_run_is_never_overwritten_and_resume_needs_a_run(tmp_path):
@@ -80,13 +98,25 @@ def test_an_existing_run_is_never_overwritten_and_resume_needs_a_run(tmp_path):
     (out / "keep.txt").write_text("precious")
     one_line_error(cli_here("rl", "--config", "rl-tiny", "--out", str(out), *TINY), r"is not empty; use --resume")
     assert (out / "keep.txt").read_text() == "precious" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    one_line_error(cli_here("rl", "--out", str(tmp_path / "none"), "--resume"), r"no such run directory|not a run directory")
+    one_line_error(
+        cli_here("rl", "--out", str(tmp_path / "none"), "--resume"), r"no such run directory|not a run directory"
+    )
 
 
 def test_verify_onpolicy_report_and_verdict(tmp_path):
     out = tmp_path / "v"
-    proc = cli("verify-onpolicy", "--config", "rl-tiny", "--steps", "2", "--out", str(out), "--compare-default",
-               "--json", *TINY)  # fmt: skip
+    proc = cli(
+        "verify-onpolicy",
+        "--config",
+        "rl-tiny",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--compare-default",
+        "--json",
+        *TINY,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     verdict = json.loads(proc.stdout)
     assert verdict["zero_gap"] is True and verdict["tokens_compared"] > 0 and verdict["tokens_differing"] == 0
@@ -101,8 +131,18 @@ def test_verify_onpolicy_report_and_verdict(tmp_path):
 
 def test_verify_onpolicy_exits_1_without_batch_invariant_mode(tmp_path):
     out = tmp_path / "n"
-    proc = cli("verify-onpolicy", "--config", "rl-tiny", "--steps", "2", "--out", str(out), *TINY,
-               "--set", "determinism.batch_invariant=false")  # fmt: skip
+    proc = cli(
+        "verify-onpolicy",
+        "--config",
+        "rl-tiny",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        *TINY,
+        "--set",
+        "determinism.batch_invariant=false",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "GAP:" in proc.stdout and (out / "reports" / "onpolicy.html").is_file()
 
@@ -119,10 +159,23 @@ def test_rl_runs_without_verification_figures(tmp_path):
 
 def _render_in_chromium(page: Path, tmp_path: Path) -> None:
     """Headless chromium renders the page (screenshot non-empty); skipped where none is installed."""
-    browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    browser = next(
+        (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None
+    )
     if browser is None:
         return  # no browser on this machine: the structural checks above stand alone
     shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
-                    "--window-size=1200,1600", page.as_uri()], capture_output=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--screenshot={shot}",
+            "--window-size=1200,1600",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+    )
     assert shot.is_file() and shot.stat().st_size > 10_000

@@ -25,21 +25,43 @@ from titan_audit.rl.loop import rl_train
 from titan_audit.rl.rollouts import DELAY_ENV, WeightSyncError, rollout_version
 from titan_audit.rl.tasks import RewardError, Task, register_task
 
-SMALL = ["task.name=\"reversal\"", "task.prompts_per_step=2", "task.samples_per_prompt=4", "sampling.max_new_tokens=6",
-         "optimizer.lr=1e-3", "checkpoint.interval=2"]  # fmt: skip
+SMALL = [
+    'task.name="reversal"',
+    "task.prompts_per_step=2",
+    "task.samples_per_prompt=4",
+    "sampling.max_new_tokens=6",
+    "optimizer.lr=1e-3",
+    "checkpoint.interval=2",
+]
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "titan_audit.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory) -> Path:
     """tiny-dense after 20 training steps on the synthetic tasks (knows the formats, barely)."""
     out = tmp_path_factory.mktemp("warm") / "run"
-    proc = cli("train", "--config", "tiny-dense", "--steps", "20", "--out", str(out), "--set", "checkpoint.interval=0",
-               "--set", "data.synthetic_records=512")  # fmt: skip
+    proc = cli(
+        "train",
+        "--config",
+        "tiny-dense",
+        "--steps",
+        "20",
+        "--out",
+        str(out),
+        "--set",
+        "checkpoint.interval=0",
+        "--set",
+        "data.synthetic_records=512",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -123,7 +145,7 @@ def test_a_failing_reward_stops_the_run_naming_task_and_sample(warm, tmp_path):
 
     register_task(Task("t-loop-raise", lambda rng: f"Reverse: {'abc'} ->", lambda p: "cba", reward))
     with pytest.raises(RewardError, match=r"task 't-loop-raise', step 1, prompt \d, sample \d .*ZeroDivisionError"):
-        rl_train(config("task.name=\"t-loop-raise\""), tmp_path / "r", init=warm, quiet=True)
+        rl_train(config('task.name="t-loop-raise"'), tmp_path / "r", init=warm, quiet=True)
     assert (tmp_path / "r" / "manifest.json").is_file()
 
 
@@ -134,8 +156,18 @@ def test_bad_weights_shape_for_init_is_a_value_error(warm, tmp_path):
 
 
 def _lag2_args(warm: Path) -> list[str]:
-    return ["rl", "--config", "rl-tiny", "--init", str(warm), "--steps", "6", *[a for s in SMALL for a in ("--set", s)],
-            "--set", "rollout.lag=2"]  # fmt: skip
+    return [
+        "rl",
+        "--config",
+        "rl-tiny",
+        "--init",
+        str(warm),
+        "--steps",
+        "6",
+        *[a for s in SMALL for a in ("--set", s)],
+        "--set",
+        "rollout.lag=2",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +197,22 @@ def test_kill_minus_nine_and_resume_is_the_uninterrupted_run(warm, whole_lag2, t
 
 @pytest.mark.slow
 def test_world_size_one_and_two_give_the_same_trajectory(warm, tmp_path):
-    args = ["rl", "--config", "rl-tiny", "--init", str(warm), "--steps", "3", *[a for s in SMALL for a in ("--set", s)],
-            "--set", "rollout.lag=1", "--set", "task.prompts_per_step=4", "--set", "task.samples_per_prompt=2"]  # fmt: skip
+    args = [
+        "rl",
+        "--config",
+        "rl-tiny",
+        "--init",
+        str(warm),
+        "--steps",
+        "3",
+        *[a for s in SMALL for a in ("--set", s)],
+        "--set",
+        "rollout.lag=1",
+        "--set",
+        "task.prompts_per_step=4",
+        "--set",
+        "task.samples_per_prompt=2",
+    ]
     one = cli(*args, "--out", str(tmp_path / "w1"))
     assert one.returncode == 0, one.stderr[-2000:]
     two = cli(*args, "--out", str(tmp_path / "w2"), "--nproc", "2")

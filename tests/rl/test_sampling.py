@@ -15,8 +15,9 @@ from titan_audit.rl.sampling import sample_rows, sample_uniform, scale_logits, s
 
 
 def _documented_uniform(seed, step, prompt_id, sample_index, position):
-    key = hashlib.blake2b(struct.pack("<QqQQ", seed, step, prompt_id, sample_index), digest_size=16,
-                          person=b"titan-audit/smp1").digest()
+    key = hashlib.blake2b(
+        struct.pack("<QqQQ", seed, step, prompt_id, sample_index), digest_size=16, person=b"titan-audit/smp1"
+    ).digest()
     word = hashlib.blake2b(struct.pack("<Q", position), digest_size=8, key=key).digest()
     return (int.from_bytes(word, "little") >> 11) / 2**53
 
@@ -41,8 +42,9 @@ def test_uniform_changes_with_every_key_field_and_the_position():
     assert sample_uniform(SampleKey(1, 2, 4, 3), 5) != u
 
 
-@pytest.mark.parametrize("bad", [SampleKey(-1, 0, 0, 0), SampleKey(0, 0, -1, 0), SampleKey(0, 0, 0, 2**64),
-                                 SampleKey(0, 2**63, 0, 0)])
+@pytest.mark.parametrize(
+    "bad", [SampleKey(-1, 0, 0, 0), SampleKey(0, 0, -1, 0), SampleKey(0, 0, 0, 2**64), SampleKey(0, 2**63, 0, 0)]
+)
 def test_bad_key_fields_are_value_errors(bad):
     with pytest.raises(ValueError, match="sample key"):
         stream_key(bad)

@@ -14,11 +14,14 @@ def no_vllm(monkeypatch):
     monkeypatch.setattr(rl_vllm, "available", lambda: False)
 
 
-@pytest.mark.parametrize("args", [
-    ["verify-onpolicy", "--config", "rl-tiny", "--steps", "1", "--generator", "vllm"],
-    ["rl", "--config", "rl-tiny", "--generator", "vllm"],
-    ["rl", "--config", "rl-tiny", "--set", "generator=vllm"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["verify-onpolicy", "--config", "rl-tiny", "--steps", "1", "--generator", "vllm"],
+        ["rl", "--config", "rl-tiny", "--generator", "vllm"],
+        ["rl", "--config", "rl-tiny", "--set", "generator=vllm"],
+    ],
+)
 def test_generator_vllm_without_vllm_says_how_to_install(no_vllm, tmp_path, args):
     proc = cli_here(*args, "--out", str(tmp_path / "run"))
     one_line_error(proc, r"needs the `vllm` extra: run `make setup`.*pip install -e '\.\[vllm\]'.*torchvision")

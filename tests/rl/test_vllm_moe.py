@@ -26,8 +26,9 @@ def model():
 def gen(model):
     from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig
 
-    config = VllmGeneratorConfig(batch_invariant=True, max_num_batched_tokens=48, max_num_seqs=6,
-                                 kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    config = VllmGeneratorConfig(
+        batch_invariant=True, max_num_batched_tokens=48, max_num_seqs=6, kv_cache_memory_bytes=64 << 20
+    )
     with one_thread():
         generator = VllmGenerator(model, config)
         yield generator
@@ -53,7 +54,9 @@ def test_moe_decode_equals_second_prefill(gen):
     with one_thread():
         samples = gen.generate(requests, params)
         cut = [(s, t) for s in samples for t in range(1, len(s.tokens))]
-        again = gen.continue_samples([s for s, _ in cut], dataclasses.replace(params, max_new_tokens=1),
-                                     [t for _, t in cut])  # fmt: skip
-    assert [(a.tokens, differing(a.logprobs, s.logprobs[t : t + 1])) for (s, t), a in zip(cut, again)] == \
-        [([s.tokens[t]], 0) for s, t in cut]  # fmt: skip
+        again = gen.continue_samples(
+            [s for s, _ in cut], dataclasses.replace(params, max_new_tokens=1), [t for _, t in cut]
+        )
+    assert [(a.tokens, differing(a.logprobs, s.logprobs[t : t + 1])) for (s, t), a in zip(cut, again)] == [
+        ([s.tokens[t]], 0) for s, t in cut
+    ]

@@ -25,8 +25,12 @@ def gen(model):
     from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig
 
     with one_thread():
-        generator = VllmGenerator(model, VllmGeneratorConfig(implementation="vllm", max_num_batched_tokens=64,
-                                                             max_num_seqs=8, kv_cache_memory_bytes=64 << 20))  # fmt: skip
+        generator = VllmGenerator(
+            model,
+            VllmGeneratorConfig(
+                implementation="vllm", max_num_batched_tokens=64, max_num_seqs=8, kv_cache_memory_bytes=64 << 20
+            ),
+        )
         yield generator
         generator.close()
 
@@ -39,11 +43,14 @@ def test_vllm_own_qwen3_has_a_nonzero_gap(gen, model):
     assert gen.llm.collective_rpc("titan_status")[0]["architecture"] == "Qwen3ForCausalLM"
     generated = torch.cat([s.logprobs for s in samples])
     with torch.no_grad():
-        trainer = torch.cat(sequence_logprobs(model, [s.prompt_ids for s in samples], [s.tokens for s in samples],
-                                              params.temperature))  # fmt: skip
+        trainer = torch.cat(
+            sequence_logprobs(model, [s.prompt_ids for s in samples], [s.tokens for s in samples], params.temperature)
+        )
     differing = int((bits(generated) != bits(trainer)).sum())
     max_abs = float((generated - trainer).abs().max())
-    print(f"vLLM's own Qwen3 vs the trainer: {differing}/{generated.numel()} log-probs differ, max |diff| {max_abs:.3g}")
+    print(
+        f"vLLM's own Qwen3 vs the trainer: {differing}/{generated.numel()} log-probs differ, max |diff| {max_abs:.3g}"
+    )
     assert differing > 0  # the gap is real
     assert max_abs < 1e-3  # and it is the same model: float rounding, not a wrong weight
 

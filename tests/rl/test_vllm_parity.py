@@ -32,8 +32,9 @@ def model():
 def gen(model):
     from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig
 
-    config = VllmGeneratorConfig(batch_invariant=True, max_num_batched_tokens=64, max_num_seqs=8,
-                                 kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    config = VllmGeneratorConfig(
+        batch_invariant=True, max_num_batched_tokens=64, max_num_seqs=8, kv_cache_memory_bytes=64 << 20
+    )
     with one_thread():
         generator = VllmGenerator(model, config)
         yield generator
@@ -50,8 +51,11 @@ def synced(gen, model):
 def gaps(model, samples, temperature=PARAMS.temperature) -> list[str]:
     """Samples whose log-probs are not bitwise the trainer's recomputation."""
     trainer = sequence_logprobs(model, [s.prompt_ids for s in samples], [s.tokens for s in samples], temperature)
-    return [f"{s.key}: {differing(s.logprobs, t)}/{len(s.tokens)} differ" for s, t in zip(samples, trainer)
-            if differing(s.logprobs, t)]  # fmt: skip
+    return [
+        f"{s.key}: {differing(s.logprobs, t)}/{len(s.tokens)} differ"
+        for s, t in zip(samples, trainer)
+        if differing(s.logprobs, t)
+    ]
 
 
 # ------------------------------------------------------------------------------------- the trio
@@ -86,11 +90,15 @@ def test_vllm_decode_equals_second_vllm_prefill(synced):
     with one_thread():
         samples = synced.generate(requests, params)
         cut = [(s, t) for s in samples for t in range(len(s.tokens))]
-        again = synced.continue_samples([s for s, _ in cut], dataclasses.replace(params, max_new_tokens=1),
-                                        [t for _, t in cut])  # fmt: skip
+        again = synced.continue_samples(
+            [s for s, _ in cut], dataclasses.replace(params, max_new_tokens=1), [t for _, t in cut]
+        )
     assert len(cut) == sum(len(s.tokens) for s in samples) > 40
-    bad = [(s.key, t) for (s, t), a in zip(cut, again)
-           if a.tokens != [s.tokens[t]] or differing(a.logprobs, s.logprobs[t : t + 1])]  # fmt: skip
+    bad = [
+        (s.key, t)
+        for (s, t), a in zip(cut, again)
+        if a.tokens != [s.tokens[t]] or differing(a.logprobs, s.logprobs[t : t + 1])
+    ]
     assert bad == []
 
 
@@ -165,8 +173,16 @@ def test_fingerprint_mismatch_stops_the_rollout_naming_the_tensor(synced, model)
     synced.llm.collective_rpc(corrupt)
     worker = RolloutWorker(synced, max_in_flight=1)
     try:
-        worker.submit(RolloutJob(3, 0, None, trainer_fingerprint(model.state_dict()),
-                                 random_requests(4, 512, prompts=1, max_len=8), PARAMS))  # fmt: skip
+        worker.submit(
+            RolloutJob(
+                3,
+                0,
+                None,
+                trainer_fingerprint(model.state_dict()),
+                random_requests(4, 512, prompts=1, max_len=8),
+                PARAMS,
+            )
+        )
         with pytest.raises(WeightSyncError, match=r"tensor 'layers\.1\.mlp\.up_proj\.weight' differs"):
             worker.take(3)
     finally:

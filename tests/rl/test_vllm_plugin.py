@@ -24,8 +24,13 @@ def test_multiprocess_engine_plugin_bi_zero_gap_and_sync():
     model = tiny("tiny-dense", seed=3)
     params = SamplingParams(temperature=1.0, max_new_tokens=6)
     requests = random_requests(50, 512, prompts=4, max_len=90)
-    config = VllmGeneratorConfig(batch_invariant=True, multiprocessing=True, max_num_batched_tokens=64,
-                                 max_num_seqs=4, kv_cache_memory_bytes=32 << 20)  # fmt: skip
+    config = VllmGeneratorConfig(
+        batch_invariant=True,
+        multiprocessing=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=32 << 20,
+    )
     with one_thread(), VllmGenerator(model, config) as gen:
         status = gen.llm.collective_rpc("titan_status")[0]
         assert status["pid"] != os.getpid()  # a worker process of vLLM's

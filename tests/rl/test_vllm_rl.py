@@ -12,8 +12,20 @@ import pytest
 from vllm_common import cli, cli_here, needs_vllm, one_line_error
 
 pytestmark = [*needs_vllm, pytest.mark.slow]
-SMALL = ["--set", "task.prompts_per_step=2", "--set", "task.samples_per_prompt=2", "--set", "sampling.max_new_tokens=6",
-         "--set", "parallel.threads=1", "--set", "model.overrides.num_hidden_layers=2", "--set", "checkpoint.interval=0"]  # fmt: skip
+SMALL = [
+    "--set",
+    "task.prompts_per_step=2",
+    "--set",
+    "task.samples_per_prompt=2",
+    "--set",
+    "sampling.max_new_tokens=6",
+    "--set",
+    "parallel.threads=1",
+    "--set",
+    "model.overrides.num_hidden_layers=2",
+    "--set",
+    "checkpoint.interval=0",
+]
 
 
 def audit_hashes(run) -> dict[tuple, str]:
@@ -29,8 +41,21 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm-rl")
     out = {}
     for generator in ("builtin", "vllm"):
-        proc = cli("verify-onpolicy", "--config", "rl-tiny", "--steps", "20", "--out", str(base / generator),
-                   "--generator", generator, "--json", *SMALL, "--set", "determinism.census=strict")  # fmt: skip
+        proc = cli(
+            "verify-onpolicy",
+            "--config",
+            "rl-tiny",
+            "--steps",
+            "20",
+            "--out",
+            str(base / generator),
+            "--generator",
+            generator,
+            "--json",
+            *SMALL,
+            "--set",
+            "determinism.census=strict",
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[generator] = (base / generator, json.loads(proc.stdout))
     return out

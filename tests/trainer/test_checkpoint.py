@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from titan_audit.audit import fingerprint_many
 from titan_audit.trainer.checkpoint import Checkpointer, CorruptCheckpointError
 
@@ -70,7 +70,9 @@ def test_flipped_byte_is_refused_and_fallback_uses_the_previous(tmp_path):
     _flip_a_weight_byte(ckpt.path(2), model[0].weight)
 
     fresh, fresh_opt = _model_and_optimizer()
-    with pytest.raises(CorruptCheckpointError, match=r"step_00000002.*do not match hashes.json, first model\.0\.weight"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"step_00000002.*do not match hashes.json, first model\.0\.weight"
+    ):
         ckpt.load(2, fresh, fresh_opt)
     assert ckpt.load_latest(fresh, fresh_opt, fallback=True)["step"] == 1
 

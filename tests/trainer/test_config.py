@@ -15,7 +15,9 @@ def test_recipes_build_round_trip_and_use_v8_with_checkpoints_every_4(recipe):
 
 def test_toml_file_with_base_recipe_and_overrides(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('recipe = "tiny-moe"\nseed = 3\n[model.overrides]\nnum_hidden_layers = 2\n[parallel]\nthreads = 2\n')
+    path.write_text(
+        'recipe = "tiny-moe"\nseed = 3\n[model.overrides]\nnum_hidden_layers = 2\n[parallel]\nthreads = 2\n'
+    )
     config = load_config(str(path), ["optimizer.lr=1e-3", "steps=5"])
     assert (config.seed, config.steps, config.optimizer.lr, config.parallel.threads) == (3, 5, 1e-3, 2)
     assert config.model.model_config().num_hidden_layers == 2 and config.model.preset == "tiny-moe"

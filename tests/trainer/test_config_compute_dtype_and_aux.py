@@ -18,7 +18,11 @@ def test_defaults_and_the_tiny_moe_recipe():
 @pytest.mark.parametrize(
     "recipe, overrides, message",
     [
-        ("tiny-dense", ["model.compute_dtype=float16"], "model.compute_dtype: 'float16' is not one of 'float32', 'bfloat16'"),
+        (
+            "tiny-dense",
+            ["model.compute_dtype=float16"],
+            "model.compute_dtype: 'float16' is not one of 'float32', 'bfloat16'",
+        ),
         ("tiny-dense", ["model.compute_dtype=1"], "model.compute_dtype"),
         ("tiny-dense", ["model.compute_dtypes=bfloat16"], "unknown key 'model.compute_dtypes'"),
         ("tiny-moe", ["model.router_aux_loss_coef=-0.1"], "model.router_aux_loss_coef must be a finite number >= 0"),

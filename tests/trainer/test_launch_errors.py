@@ -36,8 +36,11 @@ def _cli(*args):
 
 def _snapshot(run: Path) -> dict[str, str]:
     """Every file of the run (the lock file aside) -> xxh3 of its bytes."""
-    return {p.relative_to(run).as_posix(): xxhash.xxh3_64_hexdigest(p.read_bytes())
-            for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}  # fmt: skip
+    return {
+        p.relative_to(run).as_posix(): xxhash.xxh3_64_hexdigest(p.read_bytes())
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def _assert_one_line_exit_2(done, *needles):
@@ -91,7 +94,9 @@ def test_resume_of_a_finished_run(finished, nproc):
 @pytest.mark.parametrize("nproc", NPROCS)
 def test_incompatible_resume_names_the_key(finished, nproc):
     before = _snapshot(finished)
-    done = _cli("train", "--out", str(finished), "--resume", "--steps", "3", "--set", "optimizer.lr=0.5", "--nproc", nproc)
+    done = _cli(
+        "train", "--out", str(finished), "--resume", "--steps", "3", "--set", "optimizer.lr=0.5", "--nproc", nproc
+    )
     _assert_one_line_exit_2(done, "optimizer.lr")
     assert _snapshot(finished) == before
 
@@ -171,25 +176,38 @@ def _poll(condition, timeout: float, what: str) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
-@pytest.mark.parametrize("command", [
-    ["train", "--config", "tiny-dense", "--steps", "400", "--set", "checkpoint.interval=0"],
-    ["rl", "--config", "rl-tiny", "--steps", "400", "--set", "checkpoint.interval=0"],
-], ids=["train", "rl"])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--config", "tiny-dense", "--steps", "400", "--set", "checkpoint.interval=0"],
+        ["rl", "--config", "rl-tiny", "--steps", "400", "--set", "checkpoint.interval=0"],
+    ],
+    ids=["train", "rl"],
+)
 def test_second_writer_is_refused_and_ranks_die_with_the_launcher(tmp_path, command):
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "titan_audit.cli", *command, "--nproc", "2", "--out", str(out)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "titan_audit.cli", *command, "--nproc", "2", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         lock = out / ".lock"
-        _poll(lambda: lock.is_file() and lock.read_text().strip() == str(first.pid) and (out / "manifest.json").is_file(),
-              120, "the first run to start")  # fmt: skip
+        _poll(
+            lambda: lock.is_file() and lock.read_text().strip() == str(first.pid) and (out / "manifest.json").is_file(),
+            120,
+            "the first run to start",
+        )
         second = _cli(command[0], "--out", str(out), "--resume", "--nproc", "2")
         _assert_one_line_exit_2(second, str(out), f"process {first.pid}", "is writing this run")
         _poll(lambda: len(_children(first.pid)) >= 3, 120, "torchrun and both ranks")  # torchrun + 2 ranks
         descendants = _children(first.pid)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=10)
-        _poll(lambda: not any(_alive(p) for p in descendants), 20, f"torchrun and the ranks {sorted(descendants)} to die")
+        _poll(
+            lambda: not any(_alive(p) for p in descendants), 20, f"torchrun and the ranks {sorted(descendants)} to die"
+        )
     finally:
         if first.poll() is None:
             first.kill()

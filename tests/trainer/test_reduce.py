@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from distributed import run_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 
-from distributed import run_ranks
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.trainer import reduce as reduce_module
 from titan_audit.trainer.reduce import (
@@ -21,7 +21,10 @@ from titan_audit.trainer.reduce import (
 def _leaves(num_microbatches: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     # wide dynamic range so that the order of additions shows in the bits
-    return [torch.randn(numel, generator=g) * 10.0 ** torch.randint(-3, 4, (numel,), generator=g) for _ in range(num_microbatches)]
+    return [
+        torch.randn(numel, generator=g) * 10.0 ** torch.randint(-3, 4, (numel,), generator=g)
+        for _ in range(num_microbatches)
+    ]
 
 
 def _reference_tree_sum(leaves, lo, hi):

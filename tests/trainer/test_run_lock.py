@@ -27,7 +27,9 @@ def _run(tmp_path):
 
 def test_a_live_holder_is_refused_by_pid_and_released_by_its_death(tmp_path):
     out = _run(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / LOCK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out / LOCK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ValueError, match=rf"process {holder.pid} \(.*\) is writing this run"):

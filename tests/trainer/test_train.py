@@ -4,8 +4,8 @@ another W), G1, a real training signal, and the negative controls that show the 
 import json
 
 import pytest
-
 from distributed import run_ranks
+
 from titan_audit.audit import compare_runs, read_audit_log
 from titan_audit.trainer.config import from_dict, load_config, to_dict
 from titan_audit.trainer.replay import compare_replay, prepare_replay
@@ -77,8 +77,11 @@ def test_negative_control_another_seed_differs(dense, tmp_path):
 def test_w4_checkpoint_resumed_at_w2_matches_the_w4_run(dense, tmp_path):
     root, _ = dense
     replay = prepare_replay(root / "w4", 4, tmp_path / "w4to2")
-    losses = run_ranks(_train_rank, 2, args=(json.loads((replay / "manifest.json").read_text())["config"],
-                                              str(replay), {"resume": True}))[0]  # fmt: skip
+    losses = run_ranks(
+        _train_rank,
+        2,
+        args=(json.loads((replay / "manifest.json").read_text())["config"], str(replay), {"resume": True}),
+    )[0]
     assert losses == dense[1][4][4:]
     assert compare_replay(root / "w4", replay, 4, 8).identical
     assert _hashes(replay, 8) == _hashes(root / "w4", 8)
@@ -93,9 +96,18 @@ def test_tiny_moe_is_bitwise_identical_at_world_sizes_1_and_2(tmp_path):
         _run(tmp_path / f"w{w}", w, recipe="tiny-moe", overrides=["steps=4", "checkpoint.interval=0"])
     result = compare_runs(tmp_path / "w1", tmp_path / "w2")
     assert result.identical, result.first_divergence
-    assert any(n.endswith("experts.w1") or "experts" in n for n in read_audit_log(tmp_path / "w1", columns=["name"])["name"].to_pylist())
+    assert any(
+        n.endswith("experts.w1") or "experts" in n
+        for n in read_audit_log(tmp_path / "w1", columns=["name"])["name"].to_pylist()
+    )
     # negative control: a plain all_reduce at W=2 is caught on the MoE model too
-    _run(tmp_path / "plain", 2, recipe="tiny-moe", overrides=["steps=4", "checkpoint.interval=0", "determinism.enabled=false"], stop_at=1)
+    _run(
+        tmp_path / "plain",
+        2,
+        recipe="tiny-moe",
+        overrides=["steps=4", "checkpoint.interval=0", "determinism.enabled=false"],
+        stop_at=1,
+    )
     assert not compare_runs(tmp_path / "w1", tmp_path / "plain").identical
 
 
@@ -107,8 +119,15 @@ def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(den
     assert result.identical and result.compared == result.records_a, result.first_divergence
     assert _hashes(fsdp, 8) == _hashes(root / "w1", 8)  # checkpoint tensors too (DTensors hash as full)
     replay = prepare_replay(fsdp, 4, tmp_path / "fsdp-w2to4")
-    run_ranks(_train_rank, 4, args=(json.loads((replay / "manifest.json").read_text())["config"], str(replay),
-                                    {"resume": True, "stop_at": 6}))  # fmt: skip
+    run_ranks(
+        _train_rank,
+        4,
+        args=(
+            json.loads((replay / "manifest.json").read_text())["config"],
+            str(replay),
+            {"resume": True, "stop_at": 6},
+        ),
+    )
     assert compare_replay(root / "w1", replay, 4, 6).identical
     # the checkpoints are reshardable across parallel modes too: FSDP2 -> DP at W=1, DP -> FSDP2 at W=2
     for source, mode, world_size in ((fsdp, "dp", 1), (root / "w1", "fsdp", 2)):
@@ -117,8 +136,12 @@ def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(den
         run_ranks(_train_rank, world_size, args=(config, str(switched), {"resume": True, "stop_at": 6}))
         manifest = json.loads((switched / "manifest.json").read_text())
         assert manifest["config"]["parallel"]["mode"] == mode
-        assert manifest["world_size_history"][-1] | {"time": 0} == \
-               {"world_size": world_size, "start_step": 4, "parallel_mode": mode, "time": 0}  # fmt: skip
+        assert manifest["world_size_history"][-1] | {"time": 0} == {
+            "world_size": world_size,
+            "start_step": 4,
+            "parallel_mode": mode,
+            "time": 0,
+        }
         assert compare_replay(root / "w1", switched, 4, 6).identical, mode
     # negative control: FSDP2's own reduce-scatter (determinism off) gives other gradient bits
     native = tmp_path / "fsdp-native"

@@ -12,8 +12,8 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-
 from distributed import run_ranks
+
 from titan_audit.audit import compare_runs, read_audit_log
 from titan_audit.trainer.config import from_dict, load_config, to_dict
 from titan_audit.trainer.replay import compare_replay, prepare_replay
@@ -49,12 +49,18 @@ def runs(tmp_path_factory):
     losses = {"w4": run_ranks(_train_jobs, 4, args=([_job(root / "w4")],))[0][0]}
     prepare_replay(root / "w4", 1, root / "w4to2")
     replay_config = json.loads((root / "w4to2" / "manifest.json").read_text())["config"]
-    jobs = {"w2": _job(root / "w2"), "w4to2": (replay_config, str(root / "w4to2"), {"resume": True}),
-            "fsdp": _job(root / "fsdp", ["parallel.mode=fsdp", "checkpoint.interval=0"])}  # fmt: skip
+    jobs = {
+        "w2": _job(root / "w2"),
+        "w4to2": (replay_config, str(root / "w4to2"), {"resume": True}),
+        "fsdp": _job(root / "fsdp", ["parallel.mode=fsdp", "checkpoint.interval=0"]),
+    }
     losses.update(zip(jobs, run_ranks(_train_jobs, 2, args=(list(jobs.values()),))[0]))
-    jobs = {"w1": _job(root / "w1"), "again": _job(root / "again"),
-            "fp32": _job(root / "fp32", ["model.compute_dtype=float32", "checkpoint.interval=0"], stop_at=1),
-            "coef0": _job(root / "coef0", ["model.router_aux_loss_coef=0", "checkpoint.interval=0"], stop_at=1)}  # fmt: skip
+    jobs = {
+        "w1": _job(root / "w1"),
+        "again": _job(root / "again"),
+        "fp32": _job(root / "fp32", ["model.compute_dtype=float32", "checkpoint.interval=0"], stop_at=1),
+        "coef0": _job(root / "coef0", ["model.router_aux_loss_coef=0", "checkpoint.interval=0"], stop_at=1),
+    }
     losses.update(zip(jobs, run_ranks(_train_jobs, 1, args=(list(jobs.values()),))[0]))
     return root, losses
 
@@ -73,10 +79,13 @@ def test_bf16_moe_is_bitwise_identical_at_world_sizes_1_2_4(runs):
         _assert_identical(root / "w1", root / w)
         assert _hashes(root / "w1", 2) == _hashes(root / w, 2)
         assert losses[w] == losses["w1"]
-        assert [(m["loss"], m["aux_loss"]) for m in _metrics(root / w)] == \
-               [(m["loss"], m["aux_loss"]) for m in _metrics(root / "w1")]  # fmt: skip
+        assert [(m["loss"], m["aux_loss"]) for m in _metrics(root / w)] == [
+            (m["loss"], m["aux_loss"]) for m in _metrics(root / "w1")
+        ]
     # fp32 masters: parameters, the reduced gradients and AdamW state are float32; the loss too
-    dtypes = {r["phase"]: r["dtype"] for r in log if r["phase"] in ("param", "grad", "loss") or r["name"].endswith("exp_avg")}
+    dtypes = {
+        r["phase"]: r["dtype"] for r in log if r["phase"] in ("param", "grad", "loss") or r["name"].endswith("exp_avg")
+    }
     assert dtypes == {"param": "float32", "grad": "float32", "loss": "float32", "optim": "float32"}, dtypes
     assert losses["w1"][1] < losses["w1"][0]  # it trains
     assert all(0.5 < m["aux_loss"] < 8 for m in _metrics(root / "w1"))  # top-2 of 8: 2 when balanced
@@ -116,10 +125,13 @@ def test_negative_control_aux_coefficient_zero_changes_the_gradient_not_the_loss
     assert (first["step"], first["phase"], first["kind"]) == (1, "grad", "hash"), first
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.compute_dtype=float32", "model.compute_dtype: 'bfloat16' -> 'float32'"),
-    ("model.router_aux_loss_coef=0.02", "model.router_aux_loss_coef: 0.01 -> 0.02"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.compute_dtype=float32", "model.compute_dtype: 'bfloat16' -> 'float32'"),
+        ("model.router_aux_loss_coef=0.02", "model.router_aux_loss_coef: 0.01 -> 0.02"),
+    ],
+)
 def test_resume_refuses_a_changed_compute_dtype_or_aux_coefficient(runs, override, message):
     root, _ = runs
     run = root / "w1"

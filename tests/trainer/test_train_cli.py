@@ -15,8 +15,13 @@ from titan_audit.cli.main import cli
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "titan_audit.cli", *args], env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "titan_audit.cli", *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _hashes(run, step):
@@ -40,8 +45,17 @@ def reference(tmp_path_factory):
 def test_sigkill_then_resume_gives_the_uninterrupted_trajectory(reference, tmp_path, crash, nproc):
     out = tmp_path / "run"
     launch = ["--nproc", nproc] if nproc else []
-    killed = _cli("train", "--config", "tiny-dense", "--out", str(out), "--steps", "8", *launch,
-                  env={"TITAN_AUDIT_CRASH_AT": crash})  # fmt: skip
+    killed = _cli(
+        "train",
+        "--config",
+        "tiny-dense",
+        "--out",
+        str(out),
+        "--steps",
+        "8",
+        *launch,
+        env={"TITAN_AUDIT_CRASH_AT": crash},
+    )
     assert killed.returncode != 0
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     if crash.startswith("checkpoint"):
@@ -59,15 +73,37 @@ def test_sigkill_then_resume_gives_the_uninterrupted_trajectory(reference, tmp_p
 
 
 def test_replay_cli_verdicts(reference, tmp_path):
-    same = _cli("replay", str(reference), "--from-step", "4", "--nproc", "2", "--out", str(tmp_path / "r2"),
-                "--verify-to", "6", "--json")  # fmt: skip
+    same = _cli(
+        "replay",
+        str(reference),
+        "--from-step",
+        "4",
+        "--nproc",
+        "2",
+        "--out",
+        str(tmp_path / "r2"),
+        "--verify-to",
+        "6",
+        "--json",
+    )
     assert same.returncode == 0, same.stderr
     verdict = json.loads(same.stdout)
     assert verdict["verdict"] == "identical" and verdict["to_step"] == 6 and verdict["comparison"]["compared"] > 0
     # negative control: a conventional run (plain all_reduce at W=2) replayed at W=1 is found different
     plain = tmp_path / "plain"
-    done = _cli("train", "--config", "tiny-dense", "--out", str(plain), "--steps", "5", "--nproc", "2",
-                "--set", "determinism.enabled=false")  # fmt: skip
+    done = _cli(
+        "train",
+        "--config",
+        "tiny-dense",
+        "--out",
+        str(plain),
+        "--steps",
+        "5",
+        "--nproc",
+        "2",
+        "--set",
+        "determinism.enabled=false",
+    )
     assert done.returncode == 0, done.stderr
     differ = _cli("replay", str(plain), "--from-step", "4", "--out", str(tmp_path / "p1"), "--verify-to", "5")
     assert differ.returncode == 1, differ.stderr

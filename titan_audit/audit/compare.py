@@ -43,7 +43,7 @@ import pyarrow.dataset as ds
 from titan_audit.audit.dumps import has_dump, read_dump
 from titan_audit.audit.log import read_audit_log
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest
-from titan_audit.audit.schema import KEY, PHASE_RANK, PHASES, check_phase
+from titan_audit.audit.schema import KEY, PHASES, check_phase
 from titan_audit.audit.tensor_diff import tensor_diff
 
 Key = tuple[int, str, int, str]
@@ -79,27 +79,29 @@ class CompareResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Stable keys; non-finite floats as the strings "nan"/"inf"/"-inf" (JSON has none)."""
-        return _json_safe({
-            "identical": self.identical,
-            "run_a": self.run_a,
-            "run_b": self.run_b,
-            "filters": self.filters,
-            "records_a": self.records_a,
-            "records_b": self.records_b,
-            "compared": self.compared,
-            "differing": self.differing,
-            "only_in_a": self.only_in_a,
-            "only_in_b": self.only_in_b,
-            "conflicts_a": self.conflicts_a,
-            "conflicts_b": self.conflicts_b,
-            "first_divergence": self.first_divergence,
-            "spread": self.spread,
-            "only_in_a_examples": self.only_in_a_examples,
-            "only_in_b_examples": self.only_in_b_examples,
-            "fingerprint_warnings": self.fingerprint_warnings,
-            "fingerprint_note": self.fingerprint_note,
-            "phase_order": list(PHASES),
-        })
+        return _json_safe(
+            {
+                "identical": self.identical,
+                "run_a": self.run_a,
+                "run_b": self.run_b,
+                "filters": self.filters,
+                "records_a": self.records_a,
+                "records_b": self.records_b,
+                "compared": self.compared,
+                "differing": self.differing,
+                "only_in_a": self.only_in_a,
+                "only_in_b": self.only_in_b,
+                "conflicts_a": self.conflicts_a,
+                "conflicts_b": self.conflicts_b,
+                "first_divergence": self.first_divergence,
+                "spread": self.spread,
+                "only_in_a_examples": self.only_in_a_examples,
+                "only_in_b_examples": self.only_in_b_examples,
+                "fingerprint_warnings": self.fingerprint_warnings,
+                "fingerprint_note": self.fingerprint_note,
+                "phase_order": list(PHASES),
+            }
+        )
 
 
 def _json_safe(obj: Any) -> Any:
@@ -185,8 +187,14 @@ def _sorted(table: pa.Table) -> pa.Table:
     rank = pc.fill_null(pc.index_in(table["phase"], value_set=pa.array(PHASES)), len(PHASES))
     seq = pc.coalesce(table["seq_a"], table["seq_b"])
     table = table.append_column("_phase_rank", rank).append_column("_seq", seq)
-    order = [("step", "ascending"), ("_phase_rank", "ascending"), ("phase", "ascending"),
-             ("microbatch", "ascending"), ("_seq", "ascending"), ("name", "ascending")]  # fmt: skip
+    order = [
+        ("step", "ascending"),
+        ("_phase_rank", "ascending"),
+        ("phase", "ascending"),
+        ("microbatch", "ascending"),
+        ("_seq", "ascending"),
+        ("name", "ascending"),
+    ]
     return table.sort_by(order)
 
 
@@ -297,10 +305,9 @@ def compare_runs(
         counted = ("compared", "differing", "only_in_a", "only_in_b")
         per_step = later.group_by("step").aggregate([(f"_{n}", "sum") for n in counted])
         spread = sorted(
-            ({"step": r["step"], **{n: r[f"_{n}_sum"] for n in counted}}
-             for r in per_step.to_pylist()),
+            ({"step": r["step"], **{n: r[f"_{n}_sum"] for n in counted}} for r in per_step.to_pylist()),
             key=lambda r: r["step"],
-        )  # fmt: skip
+        )
     examples = {}
     for side, flag in (("a", only_a), ("b", only_b)):
         rows = _sorted(joined.filter(flag)).slice(0, EXAMPLES).select(list(KEY)).to_pylist()

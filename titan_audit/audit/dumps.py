@@ -31,8 +31,17 @@ DUMPS_DIR = "dumps.zarr"
 CHUNK_BYTES = 1 << 20
 
 _NUMPY_NATIVE = {
-    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 }
 _UINT_OF_WIDTH = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
@@ -93,8 +102,13 @@ class DumpWriter:
             chunks=_chunks(values.shape, values.dtype.itemsize) if values.ndim else "auto",
             compressors=zarr.codecs.ZstdCodec(level=3),
             attributes={
-                "step": step, "phase": phase, "microbatch": microbatch, "name": name,
-                "torch_dtype": dtype_name(plain.dtype), "shape": list(plain.shape), "hash": digest,
+                "step": step,
+                "phase": phase,
+                "microbatch": microbatch,
+                "name": name,
+                "torch_dtype": dtype_name(plain.dtype),
+                "shape": list(plain.shape),
+                "hash": digest,
                 "complete": False,
             },
         )

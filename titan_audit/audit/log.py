@@ -54,7 +54,9 @@ class AuditLogWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         numbers = [
-            int(m.group(2)) for p in self.directory.iterdir() if (m := _PART_RE.match(p.name)) and int(m.group(1)) == rank
+            int(m.group(2))
+            for p in self.directory.iterdir()
+            if (m := _PART_RE.match(p.name)) and int(m.group(1)) == rank
         ]
         self.next_part = max(numbers, default=-1) + 1
 

@@ -134,8 +134,10 @@ def op_log(run_dir: str | os.PathLike, label: str) -> Iterator[Path]:
         innermost = max(parents, key=lambda p: (p.count("."), len(p)), default="")
         return {"module": innermost, "phase": "backward" if tracker.is_bw else "forward"}
 
-    with mode, DebugMode.dispatch_hooks(record_hook=where), DebugMode.log_tensor_hashes(
-        hash_fn=_hash, hash_inputs=True
+    with (
+        mode,
+        DebugMode.dispatch_hooks(record_hook=where),
+        DebugMode.log_tensor_hashes(hash_fn=_hash, hash_inputs=True),
     ):
         yield path
 
@@ -220,33 +222,66 @@ def compare_op_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> OpL
     for i, (ra, rb) in enumerate(zip(a, b)):
         if ra["op"] != rb["op"] or ra["module"] != rb["module"] or ra["output_paths"] != rb["output_paths"]:
             return OpLogComparison(
-                **base, identical=False, kind="structure", index=i, op=f"{ra['op']} vs {rb['op']}",
+                **base,
+                identical=False,
+                kind="structure",
+                index=i,
+                op=f"{ra['op']} vs {rb['op']}",
                 module=ra["module"] if ra["module"] == rb["module"] else f"{ra['module']} vs {rb['module']}",
-                phase=ra["phase"], inputs_identical=None, differing_outputs=[], call_a=ra["call"],
-                call_b=rb["call"], differing_ops=differing,
+                phase=ra["phase"],
+                inputs_identical=None,
+                differing_outputs=[],
+                call_a=ra["call"],
+                call_b=rb["call"],
+                differing_ops=differing,
             )
         if ra["output_hashes"] != rb["output_hashes"]:
             differing += 1
             if first is None:
-                outs = [p for p, ha, hb in zip(ra["output_paths"], ra["output_hashes"], rb["output_hashes"]) if ha != hb]
+                outs = [
+                    p for p, ha, hb in zip(ra["output_paths"], ra["output_hashes"], rb["output_hashes"]) if ha != hb
+                ]
                 first = dict(
-                    kind="output", index=i, op=ra["op"], module=ra["module"], phase=ra["phase"],
-                    inputs_identical=ra["input_hashes"] == rb["input_hashes"], differing_outputs=outs,
-                    call_a=ra["call"], call_b=rb["call"],
+                    kind="output",
+                    index=i,
+                    op=ra["op"],
+                    module=ra["module"],
+                    phase=ra["phase"],
+                    inputs_identical=ra["input_hashes"] == rb["input_hashes"],
+                    differing_outputs=outs,
+                    call_a=ra["call"],
+                    call_b=rb["call"],
                 )
     if first is None and len(a) != len(b):
         i = min(len(a), len(b))
         longer = a if len(a) > len(b) else b
         return OpLogComparison(
-            **base, identical=False, kind="structure", index=i,
+            **base,
+            identical=False,
+            kind="structure",
+            index=i,
             op=f"{'A' if len(a) > len(b) else 'B'} continues with {longer[i]['op']}; the other log ends",
-            module=longer[i]["module"], phase=longer[i]["phase"], inputs_identical=None, differing_outputs=[],
-            call_a=a[i]["call"] if i < len(a) else None, call_b=b[i]["call"] if i < len(b) else None,
+            module=longer[i]["module"],
+            phase=longer[i]["phase"],
+            inputs_identical=None,
+            differing_outputs=[],
+            call_a=a[i]["call"] if i < len(a) else None,
+            call_b=b[i]["call"] if i < len(b) else None,
             differing_ops=differing,
         )
     if first is None:
         return OpLogComparison(
-            **base, identical=True, kind=None, index=None, op=None, module=None, phase=None,
-            inputs_identical=None, differing_outputs=[], call_a=None, call_b=None, differing_ops=0,
+            **base,
+            identical=True,
+            kind=None,
+            index=None,
+            op=None,
+            module=None,
+            phase=None,
+            inputs_identical=None,
+            differing_outputs=[],
+            call_a=None,
+            call_b=None,
+            differing_ops=0,
         )
     return OpLogComparison(**base, identical=False, differing_ops=differing, **first)

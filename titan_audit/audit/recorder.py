@@ -375,4 +375,3 @@ def _flatten(tree: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, torch.
             yield from _flatten(value, name + ".")
         elif isinstance(value, (list, tuple)):
             yield from _flatten({str(i): v for i, v in enumerate(value)}, name + ".")
-

@@ -20,8 +20,14 @@ def compare_report(data: dict) -> list[str]:
     if data["fingerprint_note"]:
         lines.append(f"note: {data['fingerprint_note']}")
     steps = (data.get("filters") or {}).get("steps")
-    only = "" if steps is None else f" (steps {steps[0] if steps[0] is not None else 'first'}..{steps[1] if steps[1] is not None else 'last'} only)"
-    lines.append(f"A {data['run_a']}: {data['records_a']} records; B {data['run_b']}: {data['records_b']} records{only}")
+    only = (
+        ""
+        if steps is None
+        else f" (steps {steps[0] if steps[0] is not None else 'first'}..{steps[1] if steps[1] is not None else 'last'} only)"
+    )
+    lines.append(
+        f"A {data['run_a']}: {data['records_a']} records; B {data['run_b']}: {data['records_b']} records{only}"
+    )
     if data["identical"]:
         lines.append(f"identical: {data['compared']} records compared, all hashes equal")
         return lines

@@ -22,14 +22,34 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-PHASES: tuple[str, ...] = ("rollout", "data", "forward", "logprob", "loss", "backward", "grad", "optim", "param", "ckpt")
+PHASES: tuple[str, ...] = (
+    "rollout",
+    "data",
+    "forward",
+    "logprob",
+    "loss",
+    "backward",
+    "grad",
+    "optim",
+    "param",
+    "ckpt",
+)
 PHASE_RANK: dict[str, int] = {phase: i for i, phase in enumerate(PHASES)}
 
 KEY: tuple[str, ...] = ("step", "phase", "microbatch", "name")
 
 # DESIGN.md's columns, exactly; then the extra execution-order column.
 DESIGN_COLUMNS: tuple[str, ...] = (
-    "step", "phase", "microbatch", "name", "dtype", "shape", "hash", "absmax", "mean", "rank",
+    "step",
+    "phase",
+    "microbatch",
+    "name",
+    "dtype",
+    "shape",
+    "hash",
+    "absmax",
+    "mean",
+    "rank",
 )
 EXTRA_COLUMNS: tuple[str, ...] = ("seq",)
 

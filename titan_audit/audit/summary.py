@@ -27,7 +27,10 @@ from titan_audit.audit.fingerprint import fingerprint
 
 _NUMPY_MINMAX = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
 _FLOAT_SUM_DTYPE = {
-    torch.float64: torch.float64, torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: torch.float32,
+    torch.float64: torch.float64,
+    torch.float32: torch.float32,
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
 }
 
 

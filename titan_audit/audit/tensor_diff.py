@@ -56,9 +56,7 @@ def _ordered_u64(raw: np.ndarray, width_bits: int) -> np.ndarray:
 def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
     """Element-wise distance of two tensors with the same dtype and shape (ValueError otherwise)."""
     if a.dtype != b.dtype or a.shape != b.shape:
-        raise ValueError(
-            f"cannot diff tensors of dtype/shape {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}"
-        )
+        raise ValueError(f"cannot diff tensors of dtype/shape {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
     a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
     bits_a, bits_b = bits(a).reshape(-1), bits(b).reshape(-1)
     differ = bits_a != bits_b

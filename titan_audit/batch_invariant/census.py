@@ -50,7 +50,8 @@ class NativeOpError(RuntimeError):
 # functional, in-place `name_` and `.out` forms). What "exact" means here: each output element is
 # a correctly rounded IEEE operation of its inputs (+ - * /, casts), a selection or comparison of
 # input values, a copy, or bookkeeping with no floating arithmetic at all.
-EXACT = frozenset("""
+EXACT = frozenset(
+    """
     mul div neg abs sign sgn reciprocal copysign fmod floor ceil trunc round frac
     maximum minimum fmax fmin clamp clamp_min clamp_max where masked_fill masked_scatter masked_select
     eq ne lt le gt ge isnan isinf isfinite isposinf isneginf signbit nan_to_num logical_and logical_or
@@ -68,7 +69,8 @@ EXACT = frozenset("""
     embedding
     lift_fresh lift _has_compatible_shallow_copy_type
     count_nonzero any all
-""".split())
+""".split()
+)
 EXACT = frozenset(name[:-1] if name.endswith("_") and not name.endswith("__") else name for name in EXACT)
 # cumsum: ATen's CPU kernel is one sequential scan per slice, accumulating in double for float
 # (aten/src/ATen/native/cpu/ReduceOpsKernel.cpp, cpu_cum_base_kernel); the order is the index.
@@ -160,6 +162,8 @@ JUDGED: dict[str, Callable[[tuple, dict], str | None]] = {
     "scatter_add": _single_source,
     "topk": _no_candidates,
 }
+
+
 def _no_decimals(args: tuple, kwargs: dict) -> str | None:
     decimals = kwargs.get("decimals", args[1] if len(args) > 1 else 0)
     return None if decimals == 0 else f"decimals={decimals!r} (a scaling by 10**decimals)"
@@ -168,8 +172,11 @@ def _no_decimals(args: tuple, kwargs: dict) -> str | None:
 # Overloads of EXACT names that are judged all the same (division with a rounding mode, rounding
 # to decimals).
 JUDGED_OVERLOADS: dict[str, Callable[[tuple, dict], str | None]] = {
-    **{f"div{form}.{overload}": _rounding_mode
-       for form in ("", "_") for overload in ("Tensor_mode", "Scalar_mode", "out_mode", "Scalar_mode_out")},
+    **{
+        f"div{form}.{overload}": _rounding_mode
+        for form in ("", "_")
+        for overload in ("Tensor_mode", "Scalar_mode", "out_mode", "Scalar_mode_out")
+    },
     **{f"round{form}.{overload}": _no_decimals for form in ("", "_") for overload in ("decimals", "decimals_out")},
 }
 
@@ -239,8 +246,14 @@ def seen() -> list[Sighting]:
 
 def summary() -> dict[str, dict[str, Any]]:
     """`seen()` as JSON-ready data: {op: {count, reason, first_site}} (what a manifest stores)."""
-    return {s.op if s.reason == "native" else f"{s.op} [{s.reason}]": {"count": s.count, "reason": s.reason,
-            "first_site": s.first_site} for s in seen()}  # fmt: skip
+    return {
+        s.op if s.reason == "native" else f"{s.op} [{s.reason}]": {
+            "count": s.count,
+            "reason": s.reason,
+            "first_site": s.first_site,
+        }
+        for s in seen()
+    }
 
 
 def reset() -> None:
@@ -265,6 +278,7 @@ def note(op: str, reason: str) -> None:
 
 def _guard(op: str, kernel: Any, judge: Callable[[tuple, dict], str | None] | None) -> Callable[..., Any]:
     if judge is not None:
+
         def judged(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             reason = judge(args, kwargs)
             if reason is not None and (floating(args) or floating(tuple(kwargs.values()))):
@@ -350,7 +364,7 @@ def guarded_ops(ours: set[str]) -> list[str]:
     for op in torch._C._dispatch_get_all_op_names():
         if not op.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"):
             continue
-        short = op[len("aten::"):]
+        short = op[len("aten::") :]
         name = base_name(op)
         if short in ours or (short.endswith(".default") and short[:-8] in ours):
             continue
@@ -372,7 +386,7 @@ def install(library: torch.library.Library, ours: set[str]) -> int:
         ops = guarded_ops(ours)
         prefetch(ops)
         for op in ops:
-            short = op[len("aten::"):]
+            short = op[len("aten::") :]
             judge = JUDGED_OVERLOADS.get(short) or JUDGED.get(base_name(op))
             _GUARDS[short] = _guard(op, _ORIGINALS[op], judge)
     for short, guard in _GUARDS.items():

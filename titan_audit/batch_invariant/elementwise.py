@@ -59,8 +59,13 @@ def _write_out(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return out.copy_(value)
 
 
-def _three_forms(functional: str, inplace: str, out_form: str | None, compute: Callable[..., torch.Tensor | None],
-                 reason: Callable[..., str]) -> dict[str, Callable[..., Any]]:  # fmt: skip
+def _three_forms(
+    functional: str,
+    inplace: str,
+    out_form: str | None,
+    compute: Callable[..., torch.Tensor | None],
+    reason: Callable[..., str],
+) -> dict[str, Callable[..., Any]]:
     """Routes for an op's functional, in-place and (if named) `.out` overloads: `compute(x, *scalars)`
     gives the result, or None to run the native kernel, counted by the census (a floating or
     complex input) with `reason(x, *scalars)`."""
@@ -147,8 +152,16 @@ def _alpha_routes(name: str) -> dict[str, Callable[..., Any]]:
         op = f"aten::{overload}"
         out_form = overload.endswith(".out")
 
-        def route(keyset: Any, a: torch.Tensor, b: Any, *, alpha: Any = 1, out: torch.Tensor | None = None,
-                  _op: str = op, _out_form: bool = out_form) -> torch.Tensor:  # fmt: skip
+        def route(
+            keyset: Any,
+            a: torch.Tensor,
+            b: Any,
+            *,
+            alpha: Any = 1,
+            out: torch.Tensor | None = None,
+            _op: str = op,
+            _out_form: bool = out_form,
+        ) -> torch.Tensor:
             kernel = census.original(_op)
             if alpha != 1 and (census.floating(a) or census.floating(b)):
                 b = torch.mul(b, alpha)  # exact op; then the add/sub with alpha 1
@@ -166,8 +179,9 @@ def routes() -> dict[str, Callable[..., Any]]:
     for name in ("exp", "log", "sqrt", "sigmoid", "silu"):
         table.update(_three_forms(name, f"{name}_", f"{name}.out", functools.partial(_apply, name), _dtype_reason))
     table.update(_three_forms("rsqrt", "rsqrt_", None, _rsqrt, _dtype_reason))
-    table.update(_three_forms("pow.Tensor_Scalar", "pow_.Scalar", "pow.Tensor_Scalar_out", _pow_scalar,
-                              _exponent_reason))  # fmt: skip
+    table.update(
+        _three_forms("pow.Tensor_Scalar", "pow_.Scalar", "pow.Tensor_Scalar_out", _pow_scalar, _exponent_reason)
+    )
     table["sigmoid_backward"] = _backward_route("sigmoid_backward")
     table["silu_backward"] = _backward_route("silu_backward")
     table.update(_alpha_routes("add"))

@@ -56,7 +56,9 @@ def _bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     return backend_for(self, mat2).bmm(self, mat2)
 
 
-def _addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+def _addmm(
+    self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+) -> torch.Tensor:
     out = backend_for(mat1, mat2).mm(mat1, mat2)
     if alpha != 1:
         out = out * alpha
@@ -98,7 +100,9 @@ def _dims(self: torch.Tensor, dim: list[int] | None) -> list[int]:
 def _sum_impl(mean: bool) -> Callable[..., torch.Tensor]:
     native = torch.ops.aten.mean.out if mean else torch.ops.aten.sum.IntList_out
 
-    def impl(self: torch.Tensor, dim: list[int] | None = None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def impl(
+        self: torch.Tensor, dim: list[int] | None = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         x = self if dtype is None else self.to(dtype)
         if x.is_floating_point() and self.dim() == 0:
             return x.clone()  # a sum or mean of one element is that element, exactly
@@ -129,7 +133,11 @@ def _mean_all(self: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.
 
 
 def _vector_norm(
-    self: torch.Tensor, ord: Any = 2, dim: list[int] | None = None, keepdim: bool = False, *,
+    self: torch.Tensor,
+    ord: Any = 2,
+    dim: list[int] | None = None,
+    keepdim: bool = False,
+    *,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """aten::linalg_vector_norm for ord 2 (sqrt of the fixed-tree sum of squares: x * x and sqrt
@@ -162,8 +170,14 @@ def _sdpa_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
 
 
 def _sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
-    is_causal: bool = False, *, attn_mask: torch.Tensor | None = None, scale: float | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if dropout_p != 0.0:
         raise NotImplementedError("batch_invariant: scaled_dot_product_attention with dropout is not supported")
@@ -177,15 +191,32 @@ def _sdpa(
 
 
 def _sdpa_backward(
-    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-    logsumexp: torch.Tensor, dropout_p: float, is_causal: bool, *,
-    attn_mask: torch.Tensor | None = None, scale: float | None = None,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, _, tq, dim = query.shape
     positions = torch.arange(tq, device=query.device).expand(batch, tq)
     scale = dim**-0.5 if scale is None else scale
     dq, dk, dv = backend_for(query, key, value).attention_backward(
-        grad_out, query, key, value, out, logsumexp, scale, is_causal, positions, None,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        scale,
+        is_causal,
+        positions,
+        None,
         _sdpa_mask(attn_mask, query, key),
     )
     return _cast(dq, query.dtype), _cast(dk, key.dtype), _cast(dv, value.dtype)
@@ -199,7 +230,9 @@ def _rms_norm(
 
     n = len(normalized_shape)
     if tuple(input.shape[input.dim() - n :]) != tuple(normalized_shape):
-        raise ValueError(f"rms_norm: normalized_shape {list(normalized_shape)} does not match input {tuple(input.shape)}")
+        raise ValueError(
+            f"rms_norm: normalized_shape {list(normalized_shape)} does not match input {tuple(input.shape)}"
+        )
     flat = input.reshape(*input.shape[: input.dim() - n], -1)
     w = None if weight is None else weight.reshape(-1)
     eps = torch.finfo(input.dtype).eps if eps is None else eps
@@ -217,8 +250,14 @@ def _no_tensor(like: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Te
 
 
 def _cuda_flash(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0, is_causal: bool = False,
-    return_debug_mask: bool = False, *, scale: float | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    return_debug_mask: bool = False,
+    *,
+    scale: float | None = None,
 ) -> tuple[Any, ...]:
     """CUDA flash SDPA: our attention; the varlen / RNG outputs are empty (no dropout)."""
     out, lse = _sdpa(query, key, value, dropout_p, is_causal, scale=scale)
@@ -227,16 +266,36 @@ def _cuda_flash(
 
 
 def _cuda_flash_backward(
-    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-    logsumexp: torch.Tensor, cum_seq_q: Any, cum_seq_k: Any, max_q: Any, max_k: Any, dropout_p: float,
-    is_causal: bool, philox_seed: Any, philox_offset: Any, *, scale: float | None = None,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    cum_seq_q: Any,
+    cum_seq_k: Any,
+    max_q: Any,
+    max_k: Any,
+    dropout_p: float,
+    is_causal: bool,
+    philox_seed: Any,
+    philox_offset: Any,
+    *,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
 
 
 def _cuda_efficient(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
-    compute_log_sumexp: bool, dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """CUDA memory-efficient SDPA (float32, masks): our attention, attn_bias as a 0/-inf mask."""
     out, lse = _sdpa(query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale)
@@ -244,23 +303,49 @@ def _cuda_efficient(
 
 
 def _cuda_efficient_backward(
-    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attn_bias: torch.Tensor | None, out: torch.Tensor, logsumexp: torch.Tensor, philox_seed: Any,
-    philox_offset: Any, dropout_p: float, grad_input_mask: list[bool], is_causal: bool = False, *,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    philox_seed: Any,
+    philox_offset: Any,
+    dropout_p: float,
+    grad_input_mask: list[bool],
+    is_causal: bool = False,
+    *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     if attn_bias is not None and attn_bias.numel() and len(grad_input_mask) > 3 and grad_input_mask[3]:
         raise NotImplementedError("batch_invariant: a gradient for SDPA's attn_mask is not supported")
-    dq, dk, dv = _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
-                                attn_mask=attn_bias if attn_bias is not None and attn_bias.numel() else None,
-                                scale=scale)
+    dq, dk, dv = _sdpa_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        dropout_p,
+        is_causal,
+        attn_mask=attn_bias if attn_bias is not None and attn_bias.numel() else None,
+        scale=scale,
+    )
     return dq, dk, dv, _no_tensor(query, query.dtype)
 
 
 def _cuda_cudnn(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
-    compute_log_sumexp: bool, dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False,
-    *, scale: float | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    return_debug_mask: bool = False,
+    *,
+    scale: float | None = None,
 ) -> tuple[Any, ...]:
     out, lse = _sdpa(query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale)
     e = _no_tensor(query)
@@ -268,13 +353,36 @@ def _cuda_cudnn(
 
 
 def _cuda_cudnn_backward(
-    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-    logsumexp: torch.Tensor, philox_seed: Any, philox_offset: Any, attn_bias: torch.Tensor | None,
-    cum_seq_q: Any, cum_seq_k: Any, max_q: Any, max_k: Any, dropout_p: float, is_causal: bool, *,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    philox_seed: Any,
+    philox_offset: Any,
+    attn_bias: torch.Tensor | None,
+    cum_seq_q: Any,
+    cum_seq_k: Any,
+    max_q: Any,
+    max_k: Any,
+    dropout_p: float,
+    is_causal: bool,
+    *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
-                          attn_mask=attn_bias if attn_bias is not None and attn_bias.numel() else None, scale=scale)
+    return _sdpa_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        dropout_p,
+        is_causal,
+        attn_mask=attn_bias if attn_bias is not None and attn_bias.numel() else None,
+        scale=scale,
+    )
 
 
 # CUDA's SDPA kernels (the CPU one is overridden in OVERRIDES), each with its backward, so that

@@ -122,9 +122,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.squeeze(-2) if a.dim() == 1 else out
 
 
-def addmm(
-    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
-) -> torch.Tensor:
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
     """beta * bias + alpha * (a @ b), the product by `mm`, the rest element-wise (per row)."""
     _check_float("bias", bias)
     out = mm(a, b)
@@ -143,7 +141,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weight[N, K].T (+ bias [N]); every row of x independently."""
     _check_float("x", x), _check_float("weight", weight), _check_same_dtype(x=x, weight=weight, bias=bias)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear: expected x [..., K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"linear: expected x [..., K] and weight [N, K], got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     if x.dim() == 2:
@@ -265,7 +265,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     if weight is not None:
         _check_float("weight", weight)
         if tuple(weight.shape) != (x.shape[-1],):
-            raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
+            raise ValueError(
+                f"rms_norm: weight must have shape ({x.shape[-1]},) for x {tuple(x.shape)}, got {tuple(weight.shape)}"
+            )
     if not eps >= 0:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
     if not _needs_autograd(x, weight):  # the same forward kernel without the Function's bookkeeping

@@ -70,9 +70,15 @@ def _forever(make: Callable[[], Iterator]) -> Iterator:
 
 
 def _plain_iter(loader_cls, dataset: _Windows, workers: int) -> Iterator:
-    loader = loader_cls(dataset, batch_size=MICROBATCH, sampler=torch.utils.data.RandomSampler(
-        dataset, generator=torch.Generator().manual_seed(0)), num_workers=workers, drop_last=True,
-        persistent_workers=workers > 0, prefetch_factor=4 if workers else None)  # fmt: skip
+    loader = loader_cls(
+        dataset,
+        batch_size=MICROBATCH,
+        sampler=torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(0)),
+        num_workers=workers,
+        drop_last=True,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,
+    )
 
     def consume() -> Iterator:
         for window in loader:
@@ -92,8 +98,14 @@ def _timer(it: Iterator, count: int) -> Callable[[], float]:
 
 
 def _throughput_case(store: str, workers: int, count: int, options: BenchOptions) -> Case:
-    config = LoaderConfig(store=store, seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, microbatch_size=MICROBATCH,
-                          workers=workers, prefetch=max(4, 2 * workers))  # fmt: skip
+    config = LoaderConfig(
+        store=store,
+        seq_len=SEQ_LEN,
+        global_batch_size=GLOBAL_BATCH,
+        microbatch_size=MICROBATCH,
+        workers=workers,
+        prefetch=max(4, 2 * workers),
+    )
     elastic = ElasticLoader(config, rank=0, world_size=1)
     sides: dict[str, Callable[[], float]] = {
         "plain": _timer(_plain_iter(torch.utils.data.DataLoader, _Windows(store), workers), count),
@@ -115,8 +127,11 @@ def _throughput_case(store: str, workers: int, count: int, options: BenchOptions
     finally:
         elastic.close()
     tokens = MICROBATCH * SEQ_LEN
-    extra: dict = {"workers": workers, "plain_tokens_per_s": tokens / best["plain"],
-                   "elastic_tokens_per_s": tokens / best["elastic"]}  # fmt: skip
+    extra: dict = {
+        "workers": workers,
+        "plain_tokens_per_s": tokens / best["plain"],
+        "elastic_tokens_per_s": tokens / best["elastic"],
+    }
     if "stateful" in best:
         extra["stateful_dataloader_s"] = best["stateful"]
         extra["stateful_tokens_per_s"] = tokens / best["stateful"]
@@ -124,8 +139,16 @@ def _throughput_case(store: str, workers: int, count: int, options: BenchOptions
     else:
         extra["stateful_dataloader_s"] = None
         extra["note"] = "torchdata not installed: StatefulDataLoader not measured"
-    return Case(f"tokens/s workers={workers} (M={MICROBATCH}, L={SEQ_LEN})", "torch DataLoader",
-                "ElasticLoader", best["plain"], best["elastic"], best["elastic"] / best["plain"], THROUGHPUT_TARGET, extra)  # fmt: skip
+    return Case(
+        f"tokens/s workers={workers} (M={MICROBATCH}, L={SEQ_LEN})",
+        "torch DataLoader",
+        "ElasticLoader",
+        best["plain"],
+        best["elastic"],
+        best["elastic"] / best["plain"],
+        THROUGHPUT_TARGET,
+        extra,
+    )
 
 
 def _resume_case(store: str, options: BenchOptions) -> Case:
@@ -147,9 +170,16 @@ def _resume_case(store: str, options: BenchOptions) -> Case:
     for _ in range(max(3, options.repeats)):
         for step in best:
             best[step] = min(best[step], first_batch(step))
-    return Case(f"resume: time to first batch at step {FAR_STEP:.0e} vs {NEAR_STEP}", f"resume at step {NEAR_STEP}",
-                f"resume at step {FAR_STEP}", best[NEAR_STEP], best[FAR_STEP], best[FAR_STEP] / best[NEAR_STEP],
-                RESUME_TARGET, {"epoch_at_far_step": states[FAR_STEP].epoch})  # fmt: skip
+    return Case(
+        f"resume: time to first batch at step {FAR_STEP:.0e} vs {NEAR_STEP}",
+        f"resume at step {NEAR_STEP}",
+        f"resume at step {FAR_STEP}",
+        best[NEAR_STEP],
+        best[FAR_STEP],
+        best[FAR_STEP] / best[NEAR_STEP],
+        RESUME_TARGET,
+        {"epoch_at_far_step": states[FAR_STEP].epoch},
+    )
 
 
 def data_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
@@ -166,7 +196,7 @@ def _data_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[
         _make_store(store, num_tokens)
         progress("store")
         cases = []
-        for workers in ((0,) if options.quick else (0, 2)):
+        for workers in (0,) if options.quick else (0, 2):
             cases.append(_throughput_case(store, workers, count, options))
             progress(cases[-1].case)
         cases.append(_resume_case(store, options))

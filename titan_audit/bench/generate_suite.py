@@ -55,10 +55,18 @@ def _hf_generate(
     def run() -> object:
         with torch.inference_mode():
             return hf_model.generate(
-                input_ids=prompts_BT, attention_mask=attention_mask, do_sample=True, temperature=1.0,
-                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                pad_token_id=0, eos_token_id=None, use_cache=True,
-            )  # fmt: skip
+                input_ids=prompts_BT,
+                attention_mask=attention_mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+                eos_token_id=None,
+                use_cache=True,
+            )
 
     return run
 
@@ -114,12 +122,19 @@ def _case(
     name: str, baseline: str, candidate: str, seconds: dict[str, float], tokens: int, target: float | None
 ) -> Case:
     return Case(
-        case=name, baseline=baseline, candidate=candidate,
-        baseline_s=seconds[baseline], candidate_s=seconds[candidate],
-        ratio=seconds[candidate] / seconds[baseline], target=target,
-        extra={"new_tokens": tokens, "baseline_tokens_per_s": tokens / seconds[baseline],
-               "candidate_tokens_per_s": tokens / seconds[candidate]},
-    )  # fmt: skip
+        case=name,
+        baseline=baseline,
+        candidate=candidate,
+        baseline_s=seconds[baseline],
+        candidate_s=seconds[candidate],
+        ratio=seconds[candidate] / seconds[baseline],
+        target=target,
+        extra={
+            "new_tokens": tokens,
+            "baseline_tokens_per_s": tokens / seconds[baseline],
+            "candidate_tokens_per_s": tokens / seconds[candidate],
+        },
+    )
 
 
 # ------------------------------------------------------------------------- --generator vllm
@@ -148,12 +163,22 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
     builtin = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=max(batches)))
     try:
         with _environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), _keep_process_state():
-            baseline = vllm.LLM(model=candidate._dir.name, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                                seed=0, max_model_len=model.config.max_position_embeddings, block_size=32,
-                                max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
-                                kv_cache_memory_bytes=engine["kv_cache_memory_bytes"], async_scheduling=False)  # fmt: skip
-        default_params = vllm.SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0,
-                                             detokenize=False)  # fmt: skip
+            baseline = vllm.LLM(
+                model=candidate._dir.name,
+                skip_tokenizer_init=True,
+                dtype="float32",
+                enforce_eager=True,
+                seed=0,
+                max_model_len=model.config.max_position_embeddings,
+                block_size=32,
+                max_num_seqs=engine["max_num_seqs"],
+                max_num_batched_tokens=engine["max_num_batched_tokens"],
+                kv_cache_memory_bytes=engine["kv_cache_memory_bytes"],
+                async_scheduling=False,
+            )
+        default_params = vllm.SamplingParams(
+            temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0, detokenize=False
+        )
         g = torch.Generator().manual_seed(0)
         cases: list[Case] = []
         for batch in batches:
@@ -172,7 +197,11 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
                 candidate.llm.reset_prefix_cache()
                 return samples
 
-            sides = {VLLM_DEFAULT: run_default, VLLM_BI: run_bi, BI: lambda requests=requests: builtin.generate(requests, params)}
+            sides = {
+                VLLM_DEFAULT: run_default,
+                VLLM_BI: run_bi,
+                BI: lambda requests=requests: builtin.generate(requests, params),
+            }
             seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing)))
             tokens = batch * new_tokens
             case = _case(f"generate B={batch} vLLM", VLLM_DEFAULT, VLLM_BI, seconds, tokens, VLLM_TARGET_RATIO)

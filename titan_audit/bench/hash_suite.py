@@ -70,7 +70,6 @@ def _cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]
         case.extra["fingerprint_gb_per_s"] = nbytes / case.candidate_s / 1e9
         cases.append(case)
         progress(name)
-        del src, dst
 
     count = 64 if options.quick else 2048
     state = _state_dict(count)

@@ -59,8 +59,16 @@ QUICK_ROWS = [(8, 512)]
 def _aggregate(name: str, cases: list[Case], target: float) -> Case:
     base = math.exp(sum(math.log(c.baseline_s) for c in cases) / len(cases))
     cand = math.exp(sum(math.log(c.candidate_s) for c in cases) / len(cases))
-    return Case(name, "geomean of group baselines", "geomean of group candidates", base, cand, cand / base, target,
-                extra={"aggregate": True, "cases_in_group": len(cases)})
+    return Case(
+        name,
+        "geomean of group baselines",
+        "geomean of group candidates",
+        base,
+        cand,
+        cand / base,
+        target,
+        extra={"aggregate": True, "cases_in_group": len(cases)},
+    )
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable[[], object]:
@@ -89,8 +97,10 @@ def ops_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Ca
                 (big_m if m >= 16 else small_m if m <= 4 else []).append(case)
                 progress(name)
     attention: list[Case] = []
-    for kind, shapes in (("prefill", QUICK_PREFILL if options.quick else PREFILL),
-                         ("decode", QUICK_DECODE if options.quick else DECODE)):
+    for kind, shapes in (
+        ("prefill", QUICK_PREFILL if options.quick else PREFILL),
+        ("decode", QUICK_DECODE if options.quick else DECODE),
+    ):
         for b, hq, hkv, t, d in shapes:
             tq = t if kind == "prefill" else 1
             q = torch.randn(b, hq, tq, d, generator=g)
@@ -100,9 +110,13 @@ def ops_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Ca
             rows = tq * hq // hkv  # query rows per KV head
             name = f"attention {kind} B={b} Hq={hq} Hkv={hkv} Tq={tq} Tk={t} D={d}"
             decode_mha = kind == "decode" and hq == hkv
-            case = compare(name, ("F.scaled_dot_product_attention", _sdpa(q, kk, vv, causal)),
-                           ("bi.attention", lambda q=q, kk=kk, vv=vv: bi.attention(q, kk, vv)), options,
-                           target=TARGET_DECODE_MHA if decode_mha else None)
+            case = compare(
+                name,
+                ("F.scaled_dot_product_attention", _sdpa(q, kk, vv, causal)),
+                ("bi.attention", lambda q=q, kk=kk, vv=vv: bi.attention(q, kk, vv)),
+                options,
+                target=TARGET_DECODE_MHA if decode_mha else None,
+            )
             case.extra["rows_per_kv_head"] = rows
             cases.append(case)
             attention.append(case)
@@ -137,15 +151,28 @@ CUDA_PREFILL = [(1, 32, 8, 4096, 128)]
 CUDA_ROWS = [(4096, 4096)]
 
 
-def _cuda_compare(name: str, baseline: tuple[str, Callable[[], object]], candidate: tuple[str, Callable[[], object]],
-                  options: BenchOptions, target: float | None) -> Case:
+def _cuda_compare(
+    name: str,
+    baseline: tuple[str, Callable[[], object]],
+    candidate: tuple[str, Callable[[], object]],
+    options: BenchOptions,
+    target: float | None,
+) -> Case:
     from triton.testing import do_bench
 
     rep = 20 if options.quick else 100
     base_ms = do_bench(baseline[1], warmup=10, rep=rep)
     cand_ms = do_bench(candidate[1], warmup=10, rep=rep)
-    return Case(name, baseline[0], candidate[0], base_ms / 1e3, cand_ms / 1e3, cand_ms / base_ms, target,
-                extra={"device": torch.cuda.get_device_name()})
+    return Case(
+        name,
+        baseline[0],
+        candidate[0],
+        base_ms / 1e3,
+        cand_ms / 1e3,
+        cand_ms / base_ms,
+        target,
+        extra={"device": torch.cuda.get_device_name()},
+    )
 
 
 def cuda_cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
@@ -161,20 +188,33 @@ def cuda_cases(options: BenchOptions, progress: Callable[[str], None]) -> list[C
             for m in CUDA_MS[1:3] if options.quick else CUDA_MS:
                 x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
                 name = f"cuda matmul bf16 M={m} K={k} N={n}"
-                case = _cuda_compare(name, ("cuBLAS F.linear", lambda x=x, w=w: F.linear(x, w)),
-                                     ("bi.linear (triton)", lambda x=x, w=w: bi.linear(x, w)), options,
-                                     TARGET_CUDA_MATMUL_LARGE_M if m >= 256 else None)
+                case = _cuda_compare(
+                    name,
+                    ("cuBLAS F.linear", lambda x=x, w=w: F.linear(x, w)),
+                    ("bi.linear (triton)", lambda x=x, w=w: bi.linear(x, w)),
+                    options,
+                    TARGET_CUDA_MATMUL_LARGE_M if m >= 256 else None,
+                )
                 case.extra["tflops"] = 2 * m * k * n / case.candidate_s / 1e12
                 cases.append(case)
                 progress(name)
         x = torch.randn(1024, 4096, device=dev, generator=g)
         w = torch.randn(4096, 4096, device=dev, generator=g)
         name = "cuda matmul fp32 M=1024 K=4096 N=4096"
-        cases.append(_cuda_compare(name, ("cuBLAS F.linear", lambda: F.linear(x, w)),
-                                   ("bi.linear (triton)", lambda: bi.linear(x, w)), options, None))
+        cases.append(
+            _cuda_compare(
+                name,
+                ("cuBLAS F.linear", lambda: F.linear(x, w)),
+                ("bi.linear (triton)", lambda: bi.linear(x, w)),
+                options,
+                None,
+            )
+        )
         progress(name)
-        for kind, shapes in (("decode", CUDA_DECODE[:1] if options.quick else CUDA_DECODE),
-                             ("prefill", [] if options.quick else CUDA_PREFILL)):
+        for kind, shapes in (
+            ("decode", CUDA_DECODE[:1] if options.quick else CUDA_DECODE),
+            ("prefill", [] if options.quick else CUDA_PREFILL),
+        ):
             for b, hq, hkv, t, d in shapes:
                 tq = 1 if kind == "decode" else t
                 q = torch.randn(b, hq, tq, d, device=dev, generator=g, dtype=torch.bfloat16)
@@ -182,10 +222,15 @@ def cuda_cases(options: BenchOptions, progress: Callable[[str], None]) -> list[C
                 vv = torch.randn(b, hkv, t, d, device=dev, generator=g, dtype=torch.bfloat16)
                 causal = kind == "prefill"
                 name = f"cuda attention {kind} bf16 B={b} Hq={hq} Hkv={hkv} Tq={tq} Tk={t} D={d}"
-                cases.append(_cuda_compare(
-                    name, ("F.scaled_dot_product_attention", _sdpa(q, kk, vv, causal)),
-                    ("bi.attention (triton)", lambda q=q, kk=kk, vv=vv: bi.attention(q, kk, vv)), options,
-                    TARGET_CUDA_DECODE if kind == "decode" else None))
+                cases.append(
+                    _cuda_compare(
+                        name,
+                        ("F.scaled_dot_product_attention", _sdpa(q, kk, vv, causal)),
+                        ("bi.attention (triton)", lambda q=q, kk=kk, vv=vv: bi.attention(q, kk, vv)),
+                        options,
+                        TARGET_CUDA_DECODE if kind == "decode" else None,
+                    )
+                )
                 progress(name)
         for m, n in CUDA_ROWS:
             x = torch.randn(m, n, device=dev, generator=g, dtype=torch.bfloat16)

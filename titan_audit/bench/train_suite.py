@@ -65,17 +65,30 @@ def train_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[
             for i, (side, overrides) in enumerate(SIDES.items()):
                 seconds, tokens = _step_seconds(overrides, steps, Path(tmp), f"r{repeat}-s{i}")
                 best[side] = min(best[side], seconds)
-    baseline, deterministic, bi, bi_no_census = SIDES
+    native, deterministic, bi, bi_no_census = SIDES
     cases = []
-    for baseline, candidate, target in ((baseline, deterministic, TARGET_RATIO), (deterministic, bi, TARGET_BI_RATIO),
-                                        (bi_no_census, bi, TARGET_CENSUS_RATIO)):  # fmt: skip
+    for baseline, candidate, target in (
+        (native, deterministic, TARGET_RATIO),
+        (deterministic, bi, TARGET_BI_RATIO),
+        (bi_no_census, bi, TARGET_CENSUS_RATIO),
+    ):
         name = f"train tiny-dense W={WORLD_SIZE} V=8: {candidate}"
-        cases.append(Case(
-            case=name, baseline=baseline, candidate=candidate,
-            baseline_s=best[baseline], candidate_s=best[candidate], ratio=best[candidate] / best[baseline],
-            target=target,
-            extra={"baseline_tokens_per_s": tokens / best[baseline], "candidate_tokens_per_s": tokens / best[candidate],
-                   "throughput_ratio": best[baseline] / best[candidate], "tokens_per_step": tokens},
-        ))  # fmt: skip
+        cases.append(
+            Case(
+                case=name,
+                baseline=baseline,
+                candidate=candidate,
+                baseline_s=best[baseline],
+                candidate_s=best[candidate],
+                ratio=best[candidate] / best[baseline],
+                target=target,
+                extra={
+                    "baseline_tokens_per_s": tokens / best[baseline],
+                    "candidate_tokens_per_s": tokens / best[candidate],
+                    "throughput_ratio": best[baseline] / best[candidate],
+                    "tokens_per_step": tokens,
+                },
+            )
+        )
         progress(name)
     return cases

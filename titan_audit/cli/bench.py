@@ -15,10 +15,19 @@ from titan_audit.cli.output import print_json
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--quick", is_flag=True, help="Small sizes, for a smoke run (figures not meaningful).")
 @click.option("--repeats", default=5, show_default=True, help="Timed batches per side; the minimum counts.")
-@click.option("--threads", type=int, default=None,
-              help="Intra-op threads for both sides (default: torch's; suites that pin their own keep them).")
-@click.option("--generator", type=click.Choice(["builtin", "vllm"]), default="builtin", show_default=True,
-              help="Suite generate: the built-in generator, or our model inside vLLM against vLLM's default mode.")
+@click.option(
+    "--threads",
+    type=int,
+    default=None,
+    help="Intra-op threads for both sides (default: torch's; suites that pin their own keep them).",
+)
+@click.option(
+    "--generator",
+    type=click.Choice(["builtin", "vllm"]),
+    default="builtin",
+    show_default=True,
+    help="Suite generate: the built-in generator, or our model inside vLLM against vLLM's default mode.",
+)
 def bench(suite: str, as_json: bool, quick: bool, repeats: int, threads: int | None, generator: str) -> None:
     """Time a suite; ratio = candidate time / baseline time (lower is better)."""
     if generator != "builtin":

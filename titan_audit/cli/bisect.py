@@ -22,8 +22,12 @@ from titan_audit.cli.output import print_json
 @click.command(short_help="First aten op at which two DebugMode op logs differ.")
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
-@click.option("--step", type=int, default=None,
-              help="Step N: the runs' oplogs/step_N.parquet, else step N re-run from their checkpoints.")
+@click.option(
+    "--step",
+    type=int,
+    default=None,
+    help="Step N: the runs' oplogs/step_N.parquet, else step N re-run from their checkpoints.",
+)
 @click.option("--log", "label", default=None, metavar="NAME", help="Use oplogs/NAME.parquet of each run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def bisect(a: Path, b: Path, step: int | None, label: str | None, as_json: bool) -> None:

@@ -16,13 +16,16 @@ from titan_audit.audit.schema import PHASES
 from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 
+
 @click.command(short_help="Compare two runs' audit logs; name the first divergence.")
 @click.argument("run_a", type=click.Path(path_type=Path))
 @click.argument("run_b", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--phase", type=click.Choice(PHASES), default=None, help="Compare only this phase.")
 @click.option("--names", default=None, metavar="GLOB", help="Compare only records whose name matches GLOB.")
-@click.option("--steps", default=None, metavar="FIRST:LAST", help="Compare only these steps (5:8, 5: or :8), e.g. a replay's.")
+@click.option(
+    "--steps", default=None, metavar="FIRST:LAST", help="Compare only these steps (5:8, 5: or :8), e.g. a replay's."
+)
 def compare(run_a: Path, run_b: Path, as_json: bool, phase: str | None, names: str | None, steps: str | None) -> None:
     """Join RUN_A's and RUN_B's audit records on (step, phase, microbatch, name); exit 1 if any differ."""
     result = compare_runs(run_a, run_b, phase=phase, names=names, steps=steps)

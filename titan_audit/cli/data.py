@@ -20,21 +20,39 @@ def data() -> None:
 @click.argument("sources", nargs=-1, required=True, type=click.Path())
 @click.option("--out", required=True, type=click.Path(), help="Token store directory to create.")
 @click.option("--text-column", default="text", show_default=True, help="Parquet column / JSONL key holding the text.")
-@click.option("--tokenizer", "tokenizer_path", type=click.Path(), default=None, help="HF tokenizer.json (default: byte-level).")
+@click.option(
+    "--tokenizer", "tokenizer_path", type=click.Path(), default=None, help="HF tokenizer.json (default: byte-level)."
+)
 @click.option("--eos-token", default=None, help="End-of-text token of the HF tokenizer (default: detected).")
-@click.option("--workers", default=0, show_default=True, help="Tokenizer processes (0 = this process); bytes do not depend on it.")
+@click.option(
+    "--workers", default=0, show_default=True, help="Tokenizer processes (0 = this process); bytes do not depend on it."
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def prepare(sources: tuple[str, ...], out: str, text_column: str, tokenizer_path: str | None, eos_token: str | None,
-            workers: int, overwrite: bool, as_json: bool) -> None:  # fmt: skip
+def prepare(
+    sources: tuple[str, ...],
+    out: str,
+    text_column: str,
+    tokenizer_path: str | None,
+    eos_token: str | None,
+    workers: int,
+    overwrite: bool,
+    as_json: bool,
+) -> None:
     """Tokenize SOURCES (files or directories) once into the token store OUT."""
     from dataclasses import asdict
 
     from titan_audit.data import PrepareConfig, TokenizerSpec, TokenStore
     from titan_audit.data import prepare as run_prepare
 
-    config = PrepareConfig(sources=sources, out=out, text_column=text_column,
-                           tokenizer=TokenizerSpec(tokenizer_path, eos_token), workers=workers, overwrite=overwrite)  # fmt: skip
+    config = PrepareConfig(
+        sources=sources,
+        out=out,
+        text_column=text_column,
+        tokenizer=TokenizerSpec(tokenizer_path, eos_token),
+        workers=workers,
+        overwrite=overwrite,
+    )
     info = asdict(run_prepare(config, progress=not as_json))
     info["manifest_digest"] = TokenStore(out).manifest().digest()
     print_json(info) if as_json else print_mapping(f"token store {out}", info)
@@ -69,9 +87,15 @@ def inspect(store: str, as_json: bool) -> None:
     opened = TokenStore(store)
     manifest = opened.manifest()
     lengths = opened.doc_lengths()
-    info = {**asdict(opened.info), "manifest_digest": manifest.digest(), "files": len(manifest.entries),
-            "doc_len_min": int(lengths.min()), "doc_len_mean": float(lengths.mean()), "doc_len_max": int(lengths.max()),
-            "origin": [e.to_dict() for e in manifest.origin.entries] if manifest.origin else None}  # fmt: skip
+    info = {
+        **asdict(opened.info),
+        "manifest_digest": manifest.digest(),
+        "files": len(manifest.entries),
+        "doc_len_min": int(lengths.min()),
+        "doc_len_mean": float(lengths.mean()),
+        "doc_len_max": int(lengths.max()),
+        "origin": [e.to_dict() for e in manifest.origin.entries] if manifest.origin else None,
+    }
     if as_json:
         print_json(info)
         return
@@ -91,8 +115,17 @@ def inspect(store: str, as_json: bool) -> None:
 @click.option("--world-size", default=1, show_default=True, help="Checked to divide V; shows each rank's block.")
 @click.option("--step", "global_step", default=0, show_default=True, help="Global step whose microbatches are hashed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def plan(store: str, seq_len: int, global_batch: int, microbatch: int, seed: int, packing: str, world_size: int,
-         global_step: int, as_json: bool) -> None:  # fmt: skip
+def plan(
+    store: str,
+    seq_len: int,
+    global_batch: int,
+    microbatch: int,
+    seed: int,
+    packing: str,
+    world_size: int,
+    global_step: int,
+    as_json: bool,
+) -> None:
     """Print V, steps per epoch, each rank's microbatches and the fingerprints of a step."""
     from titan_audit.data import BatchSpec, GlobalBatches, Microbatch, TokenStore
 
@@ -101,14 +134,20 @@ def plan(store: str, seq_len: int, global_batch: int, microbatch: int, seed: int
     total = batches.step_loss_tokens(epoch, step)
     hashes = []
     for index in range(batches.num_microbatches):
-        mb = Microbatch.from_arrays(epoch, step, index, batches.num_microbatches, total, batches.microbatch_arrays(epoch, step, index))
+        mb = Microbatch.from_arrays(
+            epoch, step, index, batches.num_microbatches, total, batches.microbatch_arrays(epoch, step, index)
+        )
         hashes.append(mb.fingerprints())
     out = {
-        "num_sequences": batches.num_sequences, "steps_per_epoch": batches.steps_per_epoch,
-        "num_microbatches": batches.num_microbatches, "epoch": epoch, "step": step, "global_loss_tokens": total,
+        "num_sequences": batches.num_sequences,
+        "steps_per_epoch": batches.steps_per_epoch,
+        "num_microbatches": batches.num_microbatches,
+        "epoch": epoch,
+        "step": step,
+        "global_loss_tokens": total,
         "ranks": {r: list(batches.plan.rank_microbatches(r, world_size)) for r in range(world_size)},
         "microbatch_token_hashes": [h["tokens"] for h in hashes],
-    }  # fmt: skip
+    }
     if as_json:
         out["microbatch_hashes"] = hashes
         print_json(out)

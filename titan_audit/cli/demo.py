@@ -10,8 +10,12 @@ from titan_audit.cli.errors import EXIT_DIFFERENT
 
 
 @click.command(short_help="The main job: every guarantee proven here; a report.")
-@click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Where the demo's runs go (new directory; default runs/demo-<UTC time>).")  # fmt: skip
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where the demo's runs go (new directory; default runs/demo-<UTC time>).",
+)
 @click.option("--quick", is_flag=True, help="Fewer steps and smaller checks (under a minute); still every guarantee.")
 @click.pass_context
 def demo(ctx: click.Context, out: Path | None, quick: bool) -> None:

@@ -36,16 +36,28 @@ def _bounds(values: tuple[str, ...], option: str) -> dict[str, float]:
 def _selection_options(fn):
     options = [
         click.option("--steps", default=None, metavar="SPEC", help="Steps to keep, e.g. 1-4,8 (default: all)."),
-        click.option("--phases", default=None, metavar="LIST",
-                     help="Comma-separated audit phases to keep (default: rollout,data,logprob,loss,grad,optim,param)."),
-        click.option("--metrics", default=None, metavar="LIST",
-                     help="Comma-separated metrics.parquet columns to keep and check (default: loss,grad_norm,lr,aux_loss where present)."),
+        click.option(
+            "--phases",
+            default=None,
+            metavar="LIST",
+            help="Comma-separated audit phases to keep (default: rollout,data,logprob,loss,grad,optim,param).",
+        ),
+        click.option(
+            "--metrics",
+            default=None,
+            metavar="LIST",
+            help="Comma-separated metrics.parquet columns to keep and check (default: loss,grad_norm,lr,aux_loss where present).",
+        ),
         click.option("--rtol", multiple=True, metavar="METRIC=X", help="Tolerance-mode relative bound (repeatable)."),
         click.option("--atol", multiple=True, metavar="METRIC=X", help="Tolerance-mode absolute bound (repeatable)."),
-        click.option("--max-failures", type=int, default=None,
-                     help="Tolerance-mode failure budget: (metric, step) points allowed outside bounds (default 0)."),
+        click.option(
+            "--max-failures",
+            type=int,
+            default=None,
+            help="Tolerance-mode failure budget: (metric, step) points allowed outside bounds (default 0).",
+        ),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -72,8 +84,9 @@ def golden() -> None:
 @_selection_options
 def record(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool) -> None:
     """Write GOLDEN_DIR from RUN; refuses an existing GOLDEN_DIR (use `golden update`)."""
-    summary = record_golden(run, golden_dir, **_selection(steps, phases, metrics, rtol, atol),
-                            max_failures=max_failures or 0)  # fmt: skip
+    summary = record_golden(
+        run, golden_dir, **_selection(steps, phases, metrics, rtol, atol), max_failures=max_failures or 0
+    )
     if as_json:
         print_json(summary)
         return
@@ -96,16 +109,18 @@ def check(run: Path, golden_dir: Path, require_exact: bool, as_json: bool) -> No
         raise SystemExit(EXIT_DIFFERENT)
 
 
-
 @golden.command(short_help="Replace a golden by a new run, deliberately; print what changed.")
 @click.argument("run", type=click.Path(path_type=Path))
 @click.argument("golden_dir", type=click.Path(path_type=Path))
 @_selection_options
 @click.option("--force", is_flag=True, help="Rewrite even when nothing compared would change (refreshes the manifest).")
-def update(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool, force: bool) -> None:
+def update(
+    run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool, force: bool
+) -> None:
     """Rewrite GOLDEN_DIR from RUN (keeping its steps, phases and tolerances unless given)."""
-    changes = update_golden(run, golden_dir, **_selection(steps, phases, metrics, rtol, atol),
-                            max_failures=max_failures, force=force)  # fmt: skip
+    changes = update_golden(
+        run, golden_dir, **_selection(steps, phases, metrics, rtol, atol), max_failures=max_failures, force=force
+    )
     if as_json:
         print_json(changes)
         return

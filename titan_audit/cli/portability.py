@@ -19,19 +19,45 @@ from titan_audit.portability import kernel_golden
 
 
 @click.command("kernels", short_help="Check this CPU against the kernel golden (every kernel, variant, thread count).")
-@click.option("--golden", "golden_path", type=click.Path(path_type=Path), default=kernel_golden.DEFAULT_PATH,
-              show_default=True, help="The kernel golden file.")
+@click.option(
+    "--golden",
+    "golden_path",
+    type=click.Path(path_type=Path),
+    default=kernel_golden.DEFAULT_PATH,
+    show_default=True,
+    help="The kernel golden file.",
+)
 @click.option("--record", "do_record", is_flag=True, help="Write the hashes of this machine instead of checking.")
 @click.option("--force", is_flag=True, help="With --record: replace an existing golden (or its section).")
 @click.option("--mark-passed", is_flag=True, help="After a passing check, add this CPU to the golden's passed_on list.")
-@click.option("--arch", type=click.Choice(["native", "aarch64"]), default="native", show_default=True,
-              help="aarch64: the arm64 battery under qemu-user (make battery-aarch64; kernels section only).")
-@click.option("--section", type=click.Choice(["all", "kernels", "torch-ops"]), default="all", show_default=True,
-              help="kernels: the C++ battery (no torch); torch-ops: the BI-mode torch ops.")
-@click.option("--case", "only", default=None, metavar="PREFIX", help="Check only cases whose kernel/case starts with PREFIX.")
+@click.option(
+    "--arch",
+    type=click.Choice(["native", "aarch64"]),
+    default="native",
+    show_default=True,
+    help="aarch64: the arm64 battery under qemu-user (make battery-aarch64; kernels section only).",
+)
+@click.option(
+    "--section",
+    type=click.Choice(["all", "kernels", "torch-ops"]),
+    default="all",
+    show_default=True,
+    help="kernels: the C++ battery (no torch); torch-ops: the BI-mode torch ops.",
+)
+@click.option(
+    "--case", "only", default=None, metavar="PREFIX", help="Check only cases whose kernel/case starts with PREFIX."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def kernels(golden_path: Path, do_record: bool, force: bool, mark_passed: bool, arch: str, section: str,
-            only: str | None, as_json: bool) -> None:  # fmt: skip
+def kernels(
+    golden_path: Path,
+    do_record: bool,
+    force: bool,
+    mark_passed: bool,
+    arch: str,
+    section: str,
+    only: str | None,
+    as_json: bool,
+) -> None:
     """Run the kernel battery (and the BI torch ops) and require the golden's hash for every case."""
     if do_record:
         if mark_passed or only:

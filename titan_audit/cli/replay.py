@@ -18,7 +18,9 @@ from titan_audit.cli.output import print_json
 @click.option("--verify-to", "verify_to", type=int, default=None, help="Stop (and compare) at this step.")
 @click.option("--overwrite", is_flag=True, help="Move a run already in --out aside.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def replay(run: Path, from_step: int, nproc: int, out: Path, verify_to: int | None, overwrite: bool, as_json: bool) -> None:
+def replay(
+    run: Path, from_step: int, nproc: int, out: Path, verify_to: int | None, overwrite: bool, as_json: bool
+) -> None:
     """Exit 0: identical from the checkpoint on; 1: a difference (first divergence shown); 2: bad input."""
     from titan_audit.trainer.replay import elastic_replay
 
@@ -28,15 +30,26 @@ def replay(run: Path, from_step: int, nproc: int, out: Path, verify_to: int | No
         raise click.ClickException(str(error)) from None
     verdict = "identical" if result.identical else "different"
     if as_json:
-        print_json({"verdict": verdict, "from_step": from_step, "to_step": to_step, "world_size": nproc,
-                    "comparison": result.to_dict()})  # fmt: skip
+        print_json(
+            {
+                "verdict": verdict,
+                "from_step": from_step,
+                "to_step": to_step,
+                "world_size": nproc,
+                "comparison": result.to_dict(),
+            }
+        )
     else:
-        click.echo(f"elastic replay of {run} from step {from_step} to {to_step} on W={nproc}: {verdict.upper()} "
-                   f"({result.compared} records compared, {result.differing} differ, "
-                   f"{result.only_in_a + result.only_in_b} in one run only)")  # fmt: skip
+        click.echo(
+            f"elastic replay of {run} from step {from_step} to {to_step} on W={nproc}: {verdict.upper()} "
+            f"({result.compared} records compared, {result.differing} differ, "
+            f"{result.only_in_a + result.only_in_b} in one run only)"
+        )
         if result.first_divergence is not None:
             fd = result.first_divergence
-            click.echo(f"first divergence: step {fd['step']} phase {fd['phase']} microbatch {fd['microbatch']} "
-                       f"name {fd['name']} ({fd['kind']})")  # fmt: skip
+            click.echo(
+                f"first divergence: step {fd['step']} phase {fd['phase']} microbatch {fd['microbatch']} "
+                f"name {fd['name']} ({fd['kind']})"
+            )
     if not result.identical:
         raise SystemExit(EXIT_DIFFERENT)

@@ -11,8 +11,13 @@ from titan_audit.cli.output import print_json
 
 @click.command(short_help="The run report: one HTML file (plots embedded) + Markdown.")
 @click.argument("run", type=click.Path(path_type=Path))
-@click.option("--against", "against", type=click.Path(path_type=Path), default=None,
-              help="Also compare with this run: the divergence map (steps x modules/phases that differ).")  # fmt: skip
+@click.option(
+    "--against",
+    "against",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also compare with this run: the divergence map (steps x modules/phases that differ).",
+)
 @click.option("--open", "open_", is_flag=True, help="Open the HTML report in the default web browser.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report paths as one JSON object.")
 def report(run: Path, against: Path | None, open_: bool, as_json: bool) -> None:

@@ -12,7 +12,9 @@ from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
 _INIT_HELP = "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; default: the deterministic init."
 
 
-_GENERATOR_HELP = "Rollout generator: builtin, or vllm (our model inside vLLM; needs the vllm extra); default: the config's."
+_GENERATOR_HELP = (
+    "Rollout generator: builtin, or vllm (our model inside vLLM; needs the vllm extra); default: the config's."
+)
 
 
 def _generator_override(generator: str | None) -> list[str]:
@@ -49,8 +51,11 @@ def rl(source, out, init, nproc, steps, resume, overwrite, overrides, generator)
     from titan_audit.rl.launch import start_rl
 
     overrides = [*overrides, *_generator_override(generator)]
-    rc = _guard(lambda: start_rl(source, out, init=init, nproc=nproc, steps=steps, resume=resume,
-                                 overwrite=overwrite, overrides=overrides))  # fmt: skip
+    rc = _guard(
+        lambda: start_rl(
+            source, out, init=init, nproc=nproc, steps=steps, resume=resume, overwrite=overwrite, overrides=overrides
+        )
+    )
     if rc:
         sys.exit(rc)
 
@@ -58,7 +63,9 @@ def rl(source, out, init, nproc, steps, resume, overwrite, overrides, generator)
 @click.command("verify-onpolicy", short_help="RL with the zero-gap check and report; exit 0 iff gap 0.")
 @click.option("--config", "source", required=True, help="An RL recipe (rl-tiny) or a TOML file.")
 @click.option("--steps", type=int, required=True, help="RL steps to run and verify.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory (reports in RUN/reports/).")
+@click.option(
+    "--out", required=True, type=click.Path(path_type=Path), help="The run directory (reports in RUN/reports/)."
+)
 @click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
 @click.option("--compare-default", is_flag=True, help="Also run with native ops (RUN/compare-default) and plot both.")
 @click.option("--init", "init", default=None, help=_INIT_HELP)
@@ -78,26 +85,61 @@ def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc,
         raise UserError(f"--steps must be >= 1, got {steps}")
     common = [*overrides, *_generator_override(generator), "verify=true"]
     quiet = as_json
-    rc = _guard(lambda: start_rl(source, out, init=init, nproc=nproc, steps=steps, resume=False, overwrite=overwrite,
-                                 overrides=common, quiet=quiet))  # fmt: skip
+    rc = _guard(
+        lambda: start_rl(
+            source,
+            out,
+            init=init,
+            nproc=nproc,
+            steps=steps,
+            resume=False,
+            overwrite=overwrite,
+            overrides=common,
+            quiet=quiet,
+        )
+    )
     if rc:
         sys.exit(rc)
     default_run = None
     if compare_default:
         default_run = Path(out) / "compare-default"
-        rc = _guard(lambda: start_rl(source, default_run, init=init, nproc=nproc, steps=steps, resume=False,
-                                     overwrite=False, overrides=[*common, "determinism.batch_invariant=false"],
-                                     quiet=quiet))  # fmt: skip
+        rc = _guard(
+            lambda: start_rl(
+                source,
+                default_run,
+                init=init,
+                nproc=nproc,
+                steps=steps,
+                resume=False,
+                overwrite=False,
+                overrides=[*common, "determinism.batch_invariant=false"],
+                quiet=quiet,
+            )
+        )
         if rc:
             sys.exit(rc)
     report = write_onpolicy_report(out, default_run)
     bi = report["summary"]
-    verdict = {key: bi[key] for key in ("zero_gap", "steps", "tokens_compared", "tokens_differing", "steps_with_gap",
-                                        "first_step_with_gap", "max_abs_diff", "reward_first10", "reward_last10")}  # fmt: skip
+    verdict = {
+        key: bi[key]
+        for key in (
+            "zero_gap",
+            "steps",
+            "tokens_compared",
+            "tokens_differing",
+            "steps_with_gap",
+            "first_step_with_gap",
+            "max_abs_diff",
+            "reward_first10",
+            "reward_last10",
+        )
+    }
     verdict.update({"run": str(out), "report_md": report["md"], "report_html": report["html"]})
     if report["default"] is not None:
         d = report["default"]
-        verdict["default"] = {k: d[k] for k in ("tokens_compared", "tokens_differing", "steps_with_gap", "max_abs_diff")}
+        verdict["default"] = {
+            k: d[k] for k in ("tokens_compared", "tokens_differing", "steps_with_gap", "max_abs_diff")
+        }
     if as_json:
         from titan_audit.cli.output import print_json
 
@@ -109,5 +151,3 @@ def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc,
         click.echo(f"report: {report['md']}, {report['html']}")
     if not bi["zero_gap"]:
         sys.exit(EXIT_DIFFERENT)
-
-

@@ -8,17 +8,25 @@ from pathlib import Path
 import click
 
 
-
 @click.command(short_help="Train; the same trajectory at every world size.")
-@click.option("--config", "source", help="A recipe (tiny-dense, tiny-moe) or a TOML file; default on --resume: the run's own.")
+@click.option(
+    "--config", "source", help="A recipe (tiny-dense, tiny-moe) or a TOML file; default on --resume: the run's own."
+)
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory.")
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Move a run already in --out aside and start anew.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. optimizer.lr=1e-3.")
-def train(source: str | None, out: Path, nproc: int | None, steps: int | None, resume: bool, overwrite: bool,
-          overrides: tuple[str, ...]) -> None:  # fmt: skip
+def train(
+    source: str | None,
+    out: Path,
+    nproc: int | None,
+    steps: int | None,
+    resume: bool,
+    overwrite: bool,
+    overrides: tuple[str, ...],
+) -> None:
     """Train (tiny recipes run in seconds on a CPU); see docs in titan_audit/trainer/train.py."""
     from titan_audit.trainer.launch import start_run
 

@@ -71,8 +71,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # static tools see the real imports
-    from titan_audit.data.builtin import BuiltinData, prepare_synthetic
     from titan_audit.data.batches import BatchSpec, GlobalBatches
+    from titan_audit.data.builtin import BuiltinData, prepare_synthetic
     from titan_audit.data.loader import ElasticLoader, LoaderConfig
     from titan_audit.data.manifest import FileEntry, SourceManifest, check_unchanged
     from titan_audit.data.microbatch import Microbatch, concat
@@ -82,7 +82,14 @@ if TYPE_CHECKING:  # static tools see the real imports
     from titan_audit.data.prepare import PrepareConfig, prepare
     from titan_audit.data.sources import open_text_source
     from titan_audit.data.state import LoaderState
-    from titan_audit.data.synthetic import SyntheticConfig, TaskRecord, is_correct, make_record, solve, write_synthetic_parquet
+    from titan_audit.data.synthetic import (
+        SyntheticConfig,
+        TaskRecord,
+        is_correct,
+        make_record,
+        solve,
+        write_synthetic_parquet,
+    )
     from titan_audit.data.token_store import TokenStore, store_manifest, write_token_store
     from titan_audit.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerSpec
 

@@ -31,8 +31,13 @@ class BatchSpec:
     packing: str = "concat"
 
     def to_dict(self) -> dict:
-        return {"seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
-                "microbatch_size": self.microbatch_size, "seed": self.seed, "packing": self.packing}  # fmt: skip
+        return {
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "microbatch_size": self.microbatch_size,
+            "seed": self.seed,
+            "packing": self.packing,
+        }
 
 
 class GlobalBatches:
@@ -62,7 +67,9 @@ class GlobalBatches:
 
     def _check(self, epoch: int, step: int) -> None:
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
-            raise ValueError(f"(epoch {epoch}, step {step}) is outside the plan: an epoch has {self.steps_per_epoch} steps")
+            raise ValueError(
+                f"(epoch {epoch}, step {step}) is outside the plan: an epoch has {self.steps_per_epoch} steps"
+            )
 
     def sequence_ids(self, epoch: int, step: int, microbatch: int) -> np.ndarray:
         self._check(epoch, step)

@@ -22,8 +22,9 @@ class BuiltinData:
     store: Path
 
 
-def prepare_synthetic(out_dir: str | os.PathLike, config: SyntheticConfig, *, workers: int = 0,
-                      overwrite: bool = False) -> BuiltinData:  # fmt: skip
+def prepare_synthetic(
+    out_dir: str | os.PathLike, config: SyntheticConfig, *, workers: int = 0, overwrite: bool = False
+) -> BuiltinData:
     out_dir = Path(out_dir)
     parquet = write_synthetic_parquet(out_dir / "tasks.parquet", config, overwrite=overwrite)
     store = out_dir / "tasks.zarr"

@@ -91,8 +91,15 @@ def _default_rank_world() -> tuple[int, int]:
 
 
 class ElasticLoader:
-    def __init__(self, config: LoaderConfig, *, rank: int | None = None, world_size: int | None = None,
-                 state: LoaderState | None = None, allow_source_change: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: LoaderConfig,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        state: LoaderState | None = None,
+        allow_source_change: bool = False,
+    ) -> None:
         if (rank is None) != (world_size is None):
             raise ValueError("give both rank and world_size, or neither")
         if rank is None:
@@ -112,8 +119,14 @@ class ElasticLoader:
         if config.num_epochs is not None and self.epoch >= config.num_epochs:
             raise ValueError(f"state epoch {self.epoch} is past num_epochs={config.num_epochs}")
         if config.worker_type == "process" and config.workers > 0:
-            self._prefetcher = Prefetcher(_worker_compute, workers=config.workers, depth=config.prefetch, kind="process",
-                                          initializer=_worker_init, initargs=(os.fspath(config.store), spec))  # fmt: skip
+            self._prefetcher = Prefetcher(
+                _worker_compute,
+                workers=config.workers,
+                depth=config.prefetch,
+                kind="process",
+                initializer=_worker_init,
+                initargs=(os.fspath(config.store), spec),
+            )
         else:
             self._prefetcher = Prefetcher(self._compute, workers=config.workers, depth=config.prefetch, kind="thread")
 
@@ -129,8 +142,10 @@ class ElasticLoader:
         for line in diffs:
             log.warning("data source changed (allowed by allow_source_change): %s", line)
         if not 0 <= state.step < self.batches.steps_per_epoch or state.epoch < 0:
-            raise ValueError(f"loader state (epoch {state.epoch}, step {state.step}) is outside the plan: an epoch has "
-                             f"{self.batches.steps_per_epoch} steps")  # fmt: skip
+            raise ValueError(
+                f"loader state (epoch {state.epoch}, step {state.step}) is outside the plan: an epoch has "
+                f"{self.batches.steps_per_epoch} steps"
+            )
         self.epoch, self.step = state.epoch, state.step
 
     # -- positions ---------------------------------------------------------------------------------
@@ -191,8 +206,12 @@ class ElasticLoader:
     def global_batch(self, epoch: int, step: int) -> list[Microbatch]:
         """Every microbatch of (epoch, step), computed here (a reference for checks and audits)."""
         total = self.batches.step_loss_tokens(epoch, step)
-        return [Microbatch.from_arrays(epoch, step, i, self.num_microbatches, total, self.batches.microbatch_arrays(epoch, step, i))
-                for i in range(self.num_microbatches)]  # fmt: skip
+        return [
+            Microbatch.from_arrays(
+                epoch, step, i, self.num_microbatches, total, self.batches.microbatch_arrays(epoch, step, i)
+            )
+            for i in range(self.num_microbatches)
+        ]
 
     def close(self) -> None:
         self._prefetcher.close()
@@ -202,4 +221,3 @@ class ElasticLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

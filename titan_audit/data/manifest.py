@@ -100,8 +100,10 @@ def differences(saved: SourceManifest, current: SourceManifest, where: str = "")
     out: list[str] = []
     if saved.origin is not None or current.origin is not None:
         if saved.origin is None or current.origin is None:
-            out.append(f"{where}origin: {'absent' if saved.origin is None else 'present'} in the saved manifest, "
-                       f"{'absent' if current.origin is None else 'present'} now")
+            out.append(
+                f"{where}origin: {'absent' if saved.origin is None else 'present'} in the saved manifest, "
+                f"{'absent' if current.origin is None else 'present'} now"
+            )
         else:
             out.extend(differences(saved.origin, current.origin, where="source file "))
     if saved.kind != current.kind:
@@ -120,12 +122,18 @@ def differences(saved: SourceManifest, current: SourceManifest, where: str = "")
         elif b is None:
             out.append(f"{label}{name}: removed")
         elif a != b:
-            what = [f"{k} {getattr(a, k)} -> {getattr(b, k)}" for k in ("size", "rows", "hash") if getattr(a, k) != getattr(b, k)]
+            what = [
+                f"{k} {getattr(a, k)} -> {getattr(b, k)}"
+                for k in ("size", "rows", "hash")
+                if getattr(a, k) != getattr(b, k)
+            ]
             out.append(f"{label}{name}: changed ({', '.join(what)})")
     return out
 
 
-def check_unchanged(saved_digest: str, saved: SourceManifest | None, current: SourceManifest, *, allow_change: bool = False) -> list[str]:
+def check_unchanged(
+    saved_digest: str, saved: SourceManifest | None, current: SourceManifest, *, allow_change: bool = False
+) -> list[str]:
     """Raise ValueError when the current source is not the one the state was saved with.
 
     Returns the list of differences (empty when unchanged); with `allow_change=True` a change is

@@ -42,10 +42,23 @@ class Microbatch:
     loss_mask: torch.Tensor
 
     @classmethod
-    def from_arrays(cls, epoch: int, step: int, index: int, num_microbatches: int, global_loss_tokens: int,
-                    arrays: dict[str, np.ndarray]) -> Microbatch:  # fmt: skip
-        return cls(epoch, step, index, num_microbatches, global_loss_tokens,
-                   **{name: torch.from_numpy(arrays[name]) for name in TENSOR_FIELDS})  # fmt: skip
+    def from_arrays(
+        cls,
+        epoch: int,
+        step: int,
+        index: int,
+        num_microbatches: int,
+        global_loss_tokens: int,
+        arrays: dict[str, np.ndarray],
+    ) -> Microbatch:
+        return cls(
+            epoch,
+            step,
+            index,
+            num_microbatches,
+            global_loss_tokens,
+            **{name: torch.from_numpy(arrays[name]) for name in TENSOR_FIELDS},
+        )
 
     @property
     def num_loss_tokens(self) -> int:

@@ -68,7 +68,9 @@ class ConcatPacker:
         slots = store.num_tokens + store.num_docs
         self.num_sequences = (slots - 1) // seq_len
         if self.num_sequences < 1:
-            raise ValueError(f"{store.path}: {slots} token slots cannot fill one sequence of length {seq_len} (+1 target)")
+            raise ValueError(
+                f"{store.path}: {slots} token slots cannot fill one sequence of length {seq_len} (+1 target)"
+            )
         self.eos_id = store.info.eos_id
 
     def sequence(self, j: int) -> SequenceArrays:
@@ -139,7 +141,9 @@ class BestFitPacker:
                     room[left] = []
                     bisect.insort(rooms, left)
                 room[left].append(b)
-        counts = np.concatenate([np.ones(len(full_doc), dtype=np.int64), np.array([len(b) for b in bins], dtype=np.int64)])
+        counts = np.concatenate(
+            [np.ones(len(full_doc), dtype=np.int64), np.array([len(b) for b in bins], dtype=np.int64)]
+        )
         bin_docs = np.fromiter((d for b in bins for d in b), dtype=np.int64, count=int(sum(len(b) for b in bins)))
         self.piece_doc = np.concatenate([full_doc, bin_docs])
         self.piece_start = np.concatenate([full_start, full[bin_docs] * L])

@@ -22,8 +22,16 @@ WORKER_TYPES = ("thread", "process")
 
 
 class Prefetcher:
-    def __init__(self, compute: Callable[[Any], Any], *, workers: int = 0, depth: int = 2, kind: str = "thread",
-                 initializer: Callable[..., None] | None = None, initargs: tuple = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        compute: Callable[[Any], Any],
+        *,
+        workers: int = 0,
+        depth: int = 2,
+        kind: str = "thread",
+        initializer: Callable[..., None] | None = None,
+        initargs: tuple = (),
+    ) -> None:
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
         if depth < 1:
@@ -39,8 +47,12 @@ class Prefetcher:
             if self.kind == "thread":
                 self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="titan-data")
             else:
-                self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                     initializer=self._initializer, initargs=self._initargs)  # fmt: skip
+                self._executor = ProcessPoolExecutor(
+                    self.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=self._initializer,
+                    initargs=self._initargs,
+                )
         return self._executor
 
     def run(self, tasks: Iterable[T]) -> Iterator[tuple[T, Any]]:

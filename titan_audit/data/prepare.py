@@ -62,8 +62,9 @@ def _results(source: TextSource, units: list[WorkUnit], config: PrepareConfig) -
             yield _tokenize_unit(unit, source.text_column)
         return
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
-    with ProcessPoolExecutor(config.workers, mp_context=context, initializer=_init_worker,
-                             initargs=(config.tokenizer,)) as pool:  # fmt: skip
+    with ProcessPoolExecutor(
+        config.workers, mp_context=context, initializer=_init_worker, initargs=(config.tokenizer,)
+    ) as pool:
         window = config.workers * 2
         pending = []
         index = 0
@@ -82,11 +83,19 @@ def prepare(config: PrepareConfig, *, progress: bool = False) -> StoreInfo:
     source = open_text_source(list(config.sources), config.text_column)
     tokenizer = config.tokenizer.build()
     manifest = source.manifest()
-    manifest = type(manifest)(manifest.kind, manifest.entries, extra={**manifest.extra, "tokenizer": tokenizer.identity})
+    manifest = type(manifest)(
+        manifest.kind, manifest.entries, extra={**manifest.extra, "tokenizer": tokenizer.identity}
+    )
     units = source.units()
     with atomic_output_dir(out, overwrite=config.overwrite) as tmp:
-        writer = TokenStoreWriter(tmp, tokenizer=tokenizer.identity, vocab_size=tokenizer.vocab_size,
-                                  eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, origin=manifest)  # fmt: skip
+        writer = TokenStoreWriter(
+            tmp,
+            tokenizer=tokenizer.identity,
+            vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            origin=manifest,
+        )
         # No tqdm at all when quiet: even a disabled bar creates tqdm's process-shared lock, a
         # semaphore that rank processes (which leave by os._exit) would leak.
         bar = tqdm(total=manifest.total_rows, unit="doc", desc=f"prepare {out.name}") if progress else None
@@ -97,5 +106,7 @@ def prepare(config: PrepareConfig, *, progress: bool = False) -> StoreInfo:
                     bar.update(len(docs))
         writer.close()
         if writer.num_docs != manifest.total_rows:
-            raise ValueError(f"read {writer.num_docs} documents but the source manifest counts {manifest.total_rows} rows")
+            raise ValueError(
+                f"read {writer.num_docs} documents but the source manifest counts {manifest.total_rows} rows"
+            )
     return TokenStore(out).info

@@ -42,7 +42,11 @@ class WorkUnit:
     stop: int = 0
 
     def describe(self) -> str:
-        return f"{self.path} row group {self.index}" if self.kind == "parquet" else f"{self.path} bytes {self.start}-{self.stop}"
+        return (
+            f"{self.path} row group {self.index}"
+            if self.kind == "parquet"
+            else f"{self.path} bytes {self.start}-{self.stop}"
+        )
 
 
 def _kind_of(path: Path) -> str | None:
@@ -98,7 +102,9 @@ def open_text_source(paths: str | os.PathLike | list[str | os.PathLike], text_co
             files.extend((str(p.relative_to(path)), p) for p in found)
         else:
             if _kind_of(path) is None:
-                raise ValueError(f"{path}: unknown source type (expected {', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)})")
+                raise ValueError(
+                    f"{path}: unknown source type (expected {', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)})"
+                )
             files.append((path.name, path))
     kinds = {_kind_of(p) for _, p in files}
     if len(kinds) != 1:

@@ -30,21 +30,31 @@ class LoaderState:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": STATE_FORMAT, "epoch": self.epoch, "step": self.step, "spec": self.spec,
+            "format": STATE_FORMAT,
+            "epoch": self.epoch,
+            "step": self.step,
+            "spec": self.spec,
             "manifest_digest": self.manifest_digest,
             "manifest": self.manifest.to_dict() if self.manifest is not None else None,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "loader state") -> LoaderState:
         if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
-            raise ValueError(f"{source}: not a loader state (format {data.get('format') if isinstance(data, dict) else None!r})")
+            raise ValueError(
+                f"{source}: not a loader state (format {data.get('format') if isinstance(data, dict) else None!r})"
+            )
         for key in ("epoch", "step", "spec", "manifest_digest"):
             if key not in data:
                 raise ValueError(f"{source}: missing key {key!r}")
         manifest = data.get("manifest")
-        return cls(int(data["epoch"]), int(data["step"]), dict(data["spec"]), str(data["manifest_digest"]),
-                   SourceManifest.from_dict(manifest, source=source) if manifest else None)  # fmt: skip
+        return cls(
+            int(data["epoch"]),
+            int(data["step"]),
+            dict(data["spec"]),
+            str(data["manifest_digest"]),
+            SourceManifest.from_dict(manifest, source=source) if manifest else None,
+        )
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         write_bytes_atomic(path, json.dumps(self.to_dict(), sort_keys=True).encode(), overwrite=overwrite)

@@ -101,8 +101,9 @@ def is_correct(task: str, prompt: str, completion: str) -> bool:
     return completion.strip() == solve(task, prompt)
 
 
-SCHEMA = pa.schema([("id", pa.int64()), ("task", pa.string()), ("prompt", pa.string()),
-                    ("answer", pa.string()), ("text", pa.string())])  # fmt: skip
+SCHEMA = pa.schema(
+    [("id", pa.int64()), ("task", pa.string()), ("prompt", pa.string()), ("answer", pa.string()), ("text", pa.string())]
+)
 
 
 def write_synthetic_parquet(path: str | os.PathLike, config: SyntheticConfig, *, overwrite: bool = False) -> Path:
@@ -111,12 +112,19 @@ def write_synthetic_parquet(path: str | os.PathLike, config: SyntheticConfig, *,
     with atomic_output_file(path, overwrite=overwrite) as tmp:
         with pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer:
             for start in range(0, config.num_records, config.row_group_size):
-                records = [make_record(config.seed, i, config.tasks)
-                           for i in range(start, min(start + config.row_group_size, config.num_records))]  # fmt: skip
-                table = pa.table({
-                    "id": [r.id for r in records], "task": [r.task for r in records],
-                    "prompt": [r.prompt for r in records], "answer": [r.answer for r in records],
-                    "text": [r.text for r in records],
-                }, schema=SCHEMA)  # fmt: skip
+                records = [
+                    make_record(config.seed, i, config.tasks)
+                    for i in range(start, min(start + config.row_group_size, config.num_records))
+                ]
+                table = pa.table(
+                    {
+                        "id": [r.id for r in records],
+                        "task": [r.task for r in records],
+                        "prompt": [r.prompt for r in records],
+                        "answer": [r.answer for r in records],
+                        "text": [r.text for r in records],
+                    },
+                    schema=SCHEMA,
+                )
                 writer.write_table(table, row_group_size=config.row_group_size)
     return path

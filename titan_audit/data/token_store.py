@@ -71,17 +71,33 @@ class _Appender:
 class TokenStoreWriter:
     """Writes a token store into `path` (a fresh directory; callers make it atomic)."""
 
-    def __init__(self, path: str | os.PathLike, *, tokenizer: str, vocab_size: int, eos_id: int, pad_id: int,
-                 origin: SourceManifest | None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        tokenizer: str,
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int,
+        origin: SourceManifest | None,
+    ) -> None:
         self.path = Path(path)
         self.group = zarr.open_group(store=str(self.path), mode="w", zarr_format=3)
         self.attrs: dict[str, Any] = {
-            "format": FORMAT, "tokenizer": tokenizer, "vocab_size": int(vocab_size), "eos_id": int(eos_id),
-            "pad_id": int(pad_id), "origin": origin.to_dict() if origin is not None else None,
-        }  # fmt: skip
+            "format": FORMAT,
+            "tokenizer": tokenizer,
+            "vocab_size": int(vocab_size),
+            "eos_id": int(eos_id),
+            "pad_id": int(pad_id),
+            "origin": origin.to_dict() if origin is not None else None,
+        }
         dtype = token_dtype(vocab_size)
-        tokens = self.group.create_array("tokens", shape=(0,), chunks=(CHUNK_TOKENS,), dtype=dtype, compressors=_CODEC, fill_value=0)
-        offsets = self.group.create_array("offsets", shape=(0,), chunks=(CHUNK_OFFSETS,), dtype=np.int64, compressors=_CODEC, fill_value=0)
+        tokens = self.group.create_array(
+            "tokens", shape=(0,), chunks=(CHUNK_TOKENS,), dtype=dtype, compressors=_CODEC, fill_value=0
+        )
+        offsets = self.group.create_array(
+            "offsets", shape=(0,), chunks=(CHUNK_OFFSETS,), dtype=np.int64, compressors=_CODEC, fill_value=0
+        )
         self._tokens = _Appender(tokens, CHUNK_TOKENS)
         self._offsets = _Appender(offsets, CHUNK_OFFSETS)
         self._offsets.append(np.zeros(1, dtype=np.int64))
@@ -108,13 +124,24 @@ class TokenStoreWriter:
         self.group.attrs.update({**self.attrs, "num_docs": self.num_docs, "num_tokens": self.num_tokens})
 
 
-def write_token_store(path: str | os.PathLike, docs: list[np.ndarray], *, vocab_size: int, eos_id: int, pad_id: int,
-                      tokenizer: str = "custom", origin: SourceManifest | None = None, overwrite: bool = False) -> Path:
+def write_token_store(
+    path: str | os.PathLike,
+    docs: list[np.ndarray],
+    *,
+    vocab_size: int,
+    eos_id: int,
+    pad_id: int,
+    tokenizer: str = "custom",
+    origin: SourceManifest | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write already-tokenized documents as a token store, atomically (tests, small tools)."""
     from titan_audit.atomic import atomic_output_dir
 
     with atomic_output_dir(path, overwrite=overwrite) as tmp:
-        writer = TokenStoreWriter(tmp, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, origin=origin)
+        writer = TokenStoreWriter(
+            tmp, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, origin=origin
+        )
         writer.append([np.asarray(d, dtype=np.uint32) for d in docs])
         writer.close()
     return Path(path)
@@ -161,9 +188,13 @@ class TokenStore:
         self.tokens_array: zarr.Array = arrays["tokens"]
         num_docs, num_tokens = int(attrs["num_docs"]), int(attrs["num_tokens"])
         if self.tokens_array.shape[0] != num_tokens:
-            raise ValueError(f"{where}: 'tokens' has {self.tokens_array.shape[0]} entries, attribute num_tokens says {num_tokens}")
+            raise ValueError(
+                f"{where}: 'tokens' has {self.tokens_array.shape[0]} entries, attribute num_tokens says {num_tokens}"
+            )
         if arrays["offsets"].shape[0] != num_docs + 1:
-            raise ValueError(f"{where}: 'offsets' has {arrays['offsets'].shape[0]} entries, expected num_docs + 1 = {num_docs + 1}")
+            raise ValueError(
+                f"{where}: 'offsets' has {arrays['offsets'].shape[0]} entries, expected num_docs + 1 = {num_docs + 1}"
+            )
         try:
             self.offsets = np.asarray(arrays["offsets"][:], dtype=np.int64)
         except Exception as error:
@@ -172,8 +203,16 @@ class TokenStore:
             raise ValueError(f"{where}: 'offsets' must start at 0, never decrease and end at num_tokens={num_tokens}")
         if num_docs == 0:
             raise ValueError(f"{where}: the store holds no documents")
-        self.info = StoreInfo(where, str(attrs["tokenizer"]), int(attrs["vocab_size"]), int(attrs["eos_id"]),
-                              int(attrs["pad_id"]), num_docs, num_tokens, str(self.tokens_array.dtype))  # fmt: skip
+        self.info = StoreInfo(
+            where,
+            str(attrs["tokenizer"]),
+            int(attrs["vocab_size"]),
+            int(attrs["eos_id"]),
+            int(attrs["pad_id"]),
+            num_docs,
+            num_tokens,
+            str(self.tokens_array.dtype),
+        )
         origin = attrs.get("origin")
         self.origin = SourceManifest.from_dict(origin, source=f"{where} attribute 'origin'") if origin else None
         self.chunk = int(self.tokens_array.chunks[0])
@@ -246,9 +285,10 @@ def _direct_reader(array_dir: Path, dtype: np.dtype, chunk: int):
             meta["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "/"}}
             and [c["name"] for c in meta["codecs"]] == ["bytes", "zstd"]
             and meta["codecs"][0].get("configuration", {}).get("endian") == "little"
-            and meta["fill_value"] == 0 and not meta.get("storage_transformers")
+            and meta["fill_value"] == 0
+            and not meta.get("storage_transformers")
             and meta["chunk_grid"]["configuration"]["chunk_shape"] == [chunk]
-        )  # fmt: skip
+        )
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
     if not ours:

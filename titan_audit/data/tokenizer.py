@@ -68,7 +68,9 @@ class HFTokenizer:
         else:
             eos_token = next((t for t in EOS_CANDIDATES if t in vocab), None)
             if eos_token is None:
-                raise ValueError(f"{path}: no end-of-text token found (tried {', '.join(EOS_CANDIDATES)}); pass eos_token")
+                raise ValueError(
+                    f"{path}: no end-of-text token found (tried {', '.join(EOS_CANDIDATES)}); pass eos_token"
+                )
         self.path = path
         self.eos_token = eos_token
         self.eos_id = int(vocab[eos_token])

@@ -59,7 +59,7 @@ NEEDS_W2 = ("elastic", "control_w2")  # the stages that wait for the background 
 
 
 def default_out_dir() -> Path:
-    return Path("runs") / dt.datetime.now(dt.timezone.utc).strftime("demo-%Y%m%dT%H%M%SZ")
+    return Path("runs") / dt.datetime.now(dt.UTC).strftime("demo-%Y%m%dT%H%M%SZ")
 
 
 @dataclass
@@ -77,7 +77,12 @@ class Plan:
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
-        rl = ("task.prompts_per_step=4", "task.samples_per_prompt=4", "sampling.max_new_tokens=8", "checkpoint.interval=0")
+        rl = (
+            "task.prompts_per_step=4",
+            "task.samples_per_prompt=4",
+            "sampling.max_new_tokens=8",
+            "checkpoint.interval=0",
+        )
         if quick:
             return cls(True, 4, (64, 128), 2, rl, controls=False)
         return cls(False, 8, (64, 96, 128, 256), 4, rl, controls=True)
@@ -126,16 +131,22 @@ class Demo:
         missing = [s for s in stages if s in self.failed]
         return f"needs {', '.join(missing)}, which failed" if missing else None
 
-    def run_logged(self, name: str, command: list[str], env: dict[str, str] | None = None,
-                   on_start: Callable[[subprocess.Popen], None] | None = None) -> int:  # fmt: skip
+    def run_logged(
+        self,
+        name: str,
+        command: list[str],
+        env: dict[str, str] | None = None,
+        on_start: Callable[[subprocess.Popen], None] | None = None,
+    ) -> int:
         """Run `command`, its output to OUT/logs/NAME.log (and the terminal with -v); its exit code."""
         log = self.out / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as sink:
             sink.write("$ " + " ".join(command) + "\n")
             sink.flush()
-            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env={**os.environ, **(env or {})})  # fmt: skip
+            proc = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+            )
             # same process group: Ctrl-C in the terminal reaches the child (torchrun passes it on)
 
             def pump() -> None:
@@ -152,12 +163,28 @@ class Demo:
             reader.join(timeout=10)
         return rc
 
-    def train_subprocess(self, name: str, out: Path, overrides: list[str], nproc: int | None,
-                         on_start: Callable[[subprocess.Popen], None] | None = None) -> int:  # fmt: skip
+    def train_subprocess(
+        self,
+        name: str,
+        out: Path,
+        overrides: list[str],
+        nproc: int | None,
+        on_start: Callable[[subprocess.Popen], None] | None = None,
+    ) -> int:
         """`titan-audit train --config RECIPE --out OUT [--nproc N] --set ...` as a child process
         (the user's own command: its checks, run lock and launcher), output to OUT/logs/NAME.log."""
-        command = [sys.executable, "-m", "titan_audit.cli", "train", "--config", RECIPE, "--out", str(out),
-                   *(["--nproc", str(nproc)] if nproc else []), *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "titan_audit.cli",
+            "train",
+            "--config",
+            RECIPE,
+            "--out",
+            str(out),
+            *(["--nproc", str(nproc)] if nproc else []),
+            *[a for o in overrides for a in ("--set", o)],
+        ]
         return self.run_logged(name, command, on_start=on_start)
 
     def train_here(self, out: Path, overrides: list[str], resume: bool = False) -> None:
@@ -171,7 +198,9 @@ class Demo:
         if rc:
             raise RuntimeError(f"training into {out} exited {rc}")
 
-    def stage(self, name: str, title: str, fn: Callable[[], None], log: str | None = None, background: bool = False) -> None:
+    def stage(
+        self, name: str, title: str, fn: Callable[[], None], log: str | None = None, background: bool = False
+    ) -> None:
         assert self.progress is not None
         task = self.progress.tasks[0].id
         if not background:
@@ -183,7 +212,13 @@ class Demo:
         except Exception as error:  # a failed stage is a FAIL row, the demo goes on
             reason = f"{type(error).__name__}: {error}"
             self.failed[name] = reason
-            self.row(title.split(":")[0], f"stage {name}", False, reason[:300], self.out / "logs" / f"{log}.log" if log else "")
+            self.row(
+                title.split(":")[0],
+                f"stage {name}",
+                False,
+                reason[:300],
+                self.out / "logs" / f"{log}.log" if log else "",
+            )
             if self.verbose:
                 import traceback
 
@@ -214,9 +249,13 @@ class Demo:
             self.row("G3 elastic", "W=2 run == W=1 run", False, why)
         else:
             same = compare_runs(w2, w1)
-            self.row("G3 elastic", f"{RECIPE} {self.plan.steps} steps, W=2 == W=1, every audit record", same.identical,
-                     f"{same.compared} records compared, {same.differing} differ, {same.only_in_a + same.only_in_b} in one run only",
-                     f"titan-audit compare {w2} {w1}")  # fmt: skip
+            self.row(
+                "G3 elastic",
+                f"{RECIPE} {self.plan.steps} steps, W=2 == W=1, every audit record",
+                same.identical,
+                f"{same.compared} records compared, {same.differing} differ, {same.only_in_a + same.only_in_b} in one run only",
+                f"titan-audit compare {w2} {w1}",
+            )
         why = self.needs("train_w2")
         k = self.plan.checkpoint_step
         if why:
@@ -224,14 +263,21 @@ class Demo:
             return
         replay = self.path("replay_w1", "replay-w1")
         result, to_step = elastic_replay(w2, k, replay, nproc=1, quiet=not self.verbose)
-        self.row("G3 elastic", f"W=2 checkpoint of step {k} replayed on W=1: steps {k + 1}-{to_step}", result.identical,
-                 f"{result.compared} records compared, {result.differing} differ", replay)  # fmt: skip
+        self.row(
+            "G3 elastic",
+            f"W=2 checkpoint of step {k} replayed on W=1: steps {k + 1}-{to_step}",
+            result.identical,
+            f"{result.compared} records compared, {result.differing} differ",
+            replay,
+        )
 
     def control_w2(self) -> None:
         from titan_audit.audit import compare_runs
 
         out = self.path("control_w2", "control-w2-nondeterministic")
-        rc = self.train_subprocess("control-w2", out, [*self.plan.train_overrides(), "determinism.enabled=false"], nproc=2)
+        rc = self.train_subprocess(
+            "control-w2", out, [*self.plan.train_overrides(), "determinism.enabled=false"], nproc=2
+        )
         if rc:
             raise RuntimeError(f"torchrun exited {rc}; see {self.out / 'logs' / 'control-w2.log'}")
         why = self.needs("train_w1")
@@ -240,12 +286,21 @@ class Demo:
             return
         control = compare_runs(self.out / "train-w1", out)
         fd = control.first_divergence
-        detail = ("identical: the check proves nothing here" if fd is None else
-                  f"differs, first at step {fd['step']} phase {fd['phase']} ({fd['name']}); {control.differing} records differ")  # fmt: skip
-        self.row("G3 control", "determinism off (plain all_reduce) at W=2 vs W=1 must differ", fd is not None, detail,
-                 f"titan-audit compare {self.out / 'train-w1'} {out}")  # fmt: skip
+        detail = (
+            "identical: the check proves nothing here"
+            if fd is None
+            else f"differs, first at step {fd['step']} phase {fd['phase']} ({fd['name']}); {control.differing} records differ"
+        )
+        self.row(
+            "G3 control",
+            "determinism off (plain all_reduce) at W=2 vs W=1 must differ",
+            fd is not None,
+            detail,
+            f"titan-audit compare {self.out / 'train-w1'} {out}",
+        )
         self.extra.setdefault("divergence", []).append(
-            {"a": "train-w1", "b": out.name, "label": "W=1 vs W=2 with determinism off (plain all_reduce)"})
+            {"a": "train-w1", "b": out.name, "label": "W=1 vs W=2 with determinism off (plain all_reduce)"}
+        )
 
     def kill_resume(self) -> None:
         from titan_audit.audit import compare_runs
@@ -269,8 +324,10 @@ class Demo:
         kill["returncode"] = rc
         self.extra["kill"] = kill
         if rc != -signal.SIGKILL:
-            raise RuntimeError(f"the run was to be killed after its step-{k} checkpoint but exited {rc} "
-                               f"(see {self.out / 'logs' / 'kill-resume-w1.log'})")  # fmt: skip
+            raise RuntimeError(
+                f"the run was to be killed after its step-{k} checkpoint but exited {rc} "
+                f"(see {self.out / 'logs' / 'kill-resume-w1.log'})"
+            )
         done = Checkpointer(out).steps()
         self.say(f"  SIGKILL to pid {kill['pid']} once checkpoint {k} was on disk (checkpoints left: {done}); resuming")
         self.train_here(out, self.plan.train_overrides(), resume=True)
@@ -282,10 +339,14 @@ class Demo:
         same = compare_runs(ref, out)
         hashes = [json.loads((Checkpointer(r).path(steps) / "hashes.json").read_text())["tensors"] for r in (ref, out)]
         ok = same.identical and hashes[0] == hashes[1]
-        self.row("G5 kill -9 + resume", f"SIGKILL after the step-{k} checkpoint, --resume, == uninterrupted run", ok,
-                 f"{same.compared} records compared, {same.differing} differ; step-{steps} checkpoint hashes "
-                 f"{'equal' if hashes[0] == hashes[1] else 'DIFFER'} ({len(hashes[0])} tensors)",
-                 f"titan-audit compare {ref} {out}")  # fmt: skip
+        self.row(
+            "G5 kill -9 + resume",
+            f"SIGKILL after the step-{k} checkpoint, --resume, == uninterrupted run",
+            ok,
+            f"{same.compared} records compared, {same.differing} differ; step-{steps} checkpoint hashes "
+            f"{'equal' if hashes[0] == hashes[1] else 'DIFFER'} ({len(hashes[0])} tensors)",
+            f"titan-audit compare {ref} {out}",
+        )
 
     def _rl(self, role: str, name: str, extra: list[str]) -> dict[str, Any]:
         from titan_audit.rl.launch import start_rl
@@ -293,9 +354,17 @@ class Demo:
 
         out = self.path(role, name)
         init = self.out / "train-w1" if "train_w1" not in self.failed else None
-        rc = start_rl(RL_RECIPE, out, init=None if init is None else str(init), nproc=None, steps=self.plan.rl_steps,
-                      resume=False, overwrite=False, overrides=[*self.plan.rl_overrides, "verify=true", *extra],
-                      quiet=not self.verbose)  # fmt: skip
+        rc = start_rl(
+            RL_RECIPE,
+            out,
+            init=None if init is None else str(init),
+            nproc=None,
+            steps=self.plan.rl_steps,
+            resume=False,
+            overwrite=False,
+            overrides=[*self.plan.rl_overrides, "verify=true", *extra],
+            quiet=not self.verbose,
+        )
         if rc:
             raise RuntimeError(f"RL into {out} exited {rc}")
         return onpolicy_summary(out)
@@ -304,21 +373,35 @@ class Demo:
         from titan_audit.rl.report import _verdict
 
         s = self._rl("rl_builtin", "rl-builtin", [])
-        self.row("G4 zero gap", f"built-in generator, {RL_RECIPE} {s['steps']} steps from the trained run", s["zero_gap"],
-                 f"{s['tokens_compared']} sampled tokens, {s['tokens_differing']} with any bit difference",
-                 self.out / "rl-builtin" / "reports")  # fmt: skip
+        self.row(
+            "G4 zero gap",
+            f"built-in generator, {RL_RECIPE} {s['steps']} steps from the trained run",
+            s["zero_gap"],
+            f"{s['tokens_compared']} sampled tokens, {s['tokens_differing']} with any bit difference",
+            self.out / "rl-builtin" / "reports",
+        )
         control = self._rl("rl_native", "rl-native-control", ["determinism.batch_invariant=false"])
-        self.row("G4 control", "native ops (BI off) must show a gap", control["tokens_differing"] > 0,
-                 _verdict(control), self.out / "rl-native-control")  # fmt: skip
+        self.row(
+            "G4 control",
+            "native ops (BI off) must show a gap",
+            control["tokens_differing"] > 0,
+            _verdict(control),
+            self.out / "rl-native-control",
+        )
         self.extra.setdefault("divergence", []).append(
-            {"a": "rl-builtin", "b": "rl-native-control", "label": "RL with batch-invariant ops vs native ops"})
+            {"a": "rl-builtin", "b": "rl-native-control", "label": "RL with batch-invariant ops vs native ops"}
+        )
 
     def zero_gap_vllm(self) -> None:
         if self.plan.quick:
             ok, reason = vllm_status()
-            self.row("G4 zero gap", "vLLM generator", None,
-                     "skipped in --quick (the vLLM stage took 28-29 s on 2 cores, mostly engine start-up); "
-                     + ("the full demo runs it" if ok else reason.removeprefix("skipped: ")))  # fmt: skip
+            self.row(
+                "G4 zero gap",
+                "vLLM generator",
+                None,
+                "skipped in --quick (the vLLM stage took 28-29 s on 2 cores, mostly engine start-up); "
+                + ("the full demo runs it" if ok else reason.removeprefix("skipped: ")),
+            )
             return
         if self.verbose:  # titan_audit.rl.vllm keeps vLLM's log at ERROR unless this is set first
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -327,9 +410,13 @@ class Demo:
             self.row("G4 zero gap", "vLLM generator", None, reason)
             return
         s = self._rl("rl_vllm", "rl-vllm", ["generator=vllm"])
-        self.row("G4 zero gap", f"vLLM generator, {RL_RECIPE} {s['steps']} steps", s["zero_gap"],
-                 f"{s['tokens_compared']} sampled tokens, {s['tokens_differing']} with any bit difference",
-                 self.out / "rl-vllm" / "reports")  # fmt: skip
+        self.row(
+            "G4 zero gap",
+            f"vLLM generator, {RL_RECIPE} {s['steps']} steps",
+            s["zero_gap"],
+            f"{s['tokens_compared']} sampled tokens, {s['tokens_differing']} with any bit difference",
+            self.out / "rl-vllm" / "reports",
+        )
 
     def spot_checks(self) -> None:
         from titan_audit.demo.spot_checks import run_spot_checks
@@ -338,56 +425,111 @@ class Demo:
         self.extra["spot_checks"] = [c.to_dict() for c in checks]
         bad = [c for c in checks if not c.passed]
         native = sum(c.native == "differs" for c in checks)
-        self.row("G2 batch invariance", f"{len(checks)} spot-checks: attention (batch, decode, chunked), matmul, log_softmax, "
-                 f"rms_norm at head dims {', '.join(map(str, self.plan.head_dims))}; model KV decode", not bad,
-                 (f"all identical; native ops differ in {native} of {len(checks)} (control)" if not bad else
-                  f"DIFFERENT: {'; '.join(c.check + ' ' + c.shape for c in bad[:3])}"),
-                 "report: Batch invariance spot-checks")  # fmt: skip
+        self.row(
+            "G2 batch invariance",
+            f"{len(checks)} spot-checks: attention (batch, decode, chunked), matmul, log_softmax, "
+            f"rms_norm at head dims {', '.join(map(str, self.plan.head_dims))}; model KV decode",
+            not bad,
+            (
+                f"all identical; native ops differ in {native} of {len(checks)} (control)"
+                if not bad
+                else f"DIFFERENT: {'; '.join(c.check + ' ' + c.shape for c in bad[:3])}"
+            ),
+            "report: Batch invariance spot-checks",
+        )
 
     def goldens(self) -> None:
         from titan_audit.golden import check_golden
 
         if not (GOLDEN_DIR / "tiny-dense-bi" / "golden.json").is_file():
-            raise RuntimeError(f"{GOLDEN_DIR}: the committed goldens are not there (run the demo from a clone of the repository)")
+            raise RuntimeError(
+                f"{GOLDEN_DIR}: the committed goldens are not there (run the demo from a clone of the repository)"
+            )
         results = self.extra.setdefault("goldens", [])
 
         def check(golden: str, run: Path, require_exact: bool, control: bool = False):
             r = check_golden(run, GOLDEN_DIR / golden, require_exact=require_exact)
-            results.append({"golden": str(GOLDEN_DIR / golden), "run": str(run), "mode": r.mode,
-                            "result": ("PASS" if r.passed else "FAIL") + (" (the control: it must fail)" if control else ""),
-                            "records": None if r.compare is None else r.compare.compared, "metric_points": r.metric_points,
-                            "notes": [*r.failures, *r.notes, *(["config: " + "; ".join(r.config_differences)] if r.config_differences else [])]})  # fmt: skip
+            results.append(
+                {
+                    "golden": str(GOLDEN_DIR / golden),
+                    "run": str(run),
+                    "mode": r.mode,
+                    "result": ("PASS" if r.passed else "FAIL") + (" (the control: it must fail)" if control else ""),
+                    "records": None if r.compare is None else r.compare.compared,
+                    "metric_points": r.metric_points,
+                    "notes": [
+                        *r.failures,
+                        *r.notes,
+                        *(["config: " + "; ".join(r.config_differences)] if r.config_differences else []),
+                    ],
+                }
+            )
             return r
 
         bi_run = self.path("golden_bi", "golden-bi-w1")
         self.train_here(bi_run, ["steps=4", "determinism.batch_invariant=true"])
         r = check("tiny-dense-bi", bi_run, True)
-        self.row("G1 run to run", "committed golden tiny-dense-bi (BI mode) vs a run made now, exact on any CPU",
-                 r.passed and r.mode == "exact", f"{r.mode} mode; " + (r.failures[0] if r.failures else
-                 f"{r.compare.compared if r.compare else 0} records, {r.metric_points} metric values bitwise equal"),
-                 f"titan-audit golden check {bi_run} {GOLDEN_DIR / 'tiny-dense-bi'}")  # fmt: skip
+        self.row(
+            "G1 run to run",
+            "committed golden tiny-dense-bi (BI mode) vs a run made now, exact on any CPU",
+            r.passed and r.mode == "exact",
+            f"{r.mode} mode; "
+            + (
+                r.failures[0]
+                if r.failures
+                else f"{r.compare.compared if r.compare else 0} records, {r.metric_points} metric values bitwise equal"
+            ),
+            f"titan-audit golden check {bi_run} {GOLDEN_DIR / 'tiny-dense-bi'}",
+        )
         why = self.needs("train_w1")
         if why:
             self.row("G1 run to run", "committed golden tiny-dense vs the W=1 run", False, why)
         else:
             r = check("tiny-dense", self.out / "train-w1", False)
-            detail = (f"{r.mode} mode; " + (r.failures[0] if r.failures else "passed")
-                      + ("" if r.mode == "exact" else " (this machine's numerics fingerprint differs from the golden's: "
-                         + "; ".join(r.fingerprint_differences[:2]) + ")"))  # fmt: skip
-            self.row("G1 run to run", "committed golden tiny-dense (steps 1-4) vs the W=1 run", r.passed, detail,
-                     f"titan-audit golden check {self.out / 'train-w1'} {GOLDEN_DIR / 'tiny-dense'}")  # fmt: skip
+            detail = (
+                f"{r.mode} mode; "
+                + (r.failures[0] if r.failures else "passed")
+                + (
+                    ""
+                    if r.mode == "exact"
+                    else " (this machine's numerics fingerprint differs from the golden's: "
+                    + "; ".join(r.fingerprint_differences[:2])
+                    + ")"
+                )
+            )
+            self.row(
+                "G1 run to run",
+                "committed golden tiny-dense (steps 1-4) vs the W=1 run",
+                r.passed,
+                detail,
+                f"titan-audit golden check {self.out / 'train-w1'} {GOLDEN_DIR / 'tiny-dense'}",
+            )
         seed_run = self.path("golden_control", "golden-control-seed1")
         self.train_here(seed_run, ["steps=1", "seed=1", "determinism.batch_invariant=true"])
         r = check("tiny-dense-bi", seed_run, True, control=True)
-        self.row("G1 control", "a 1-step run with seed 1 must fail the tiny-dense-bi golden", not r.passed,
-                 r.failures[0] if r.failures else "it passed: the golden check proves nothing here", seed_run)  # fmt: skip
+        self.row(
+            "G1 control",
+            "a 1-step run with seed 1 must fail the tiny-dense-bi golden",
+            not r.passed,
+            r.failures[0] if r.failures else "it passed: the golden check proves nothing here",
+            seed_run,
+        )
 
     # ---------------------------------------------------------------- driver
     def summary(self, seconds: float, numerics: str) -> dict[str, Any]:
-        return {"kind": "demo", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "quick": self.plan.quick, "steps": self.plan.steps, "seconds": seconds, "numerics": numerics,
-                "passed": self.passed, "rows": [r.__dict__ for r in sorted(self.rows, key=_order)], "stages": self.stages, "runs": self.runs,
-                **self.extra}  # fmt: skip
+        return {
+            "kind": "demo",
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "quick": self.plan.quick,
+            "steps": self.plan.steps,
+            "seconds": seconds,
+            "numerics": numerics,
+            "passed": self.passed,
+            "rows": [r.__dict__ for r in sorted(self.rows, key=_order)],
+            "stages": self.stages,
+            "runs": self.runs,
+            **self.extra,
+        }
 
     @property
     def passed(self) -> bool:
@@ -443,8 +585,10 @@ def run(out: Path | None = None, console: Console | None = None, *, quick: bool 
     start = time.perf_counter()
     out.mkdir(parents=True)
     fp = numerics_fingerprint()
-    numerics = (f"numerics: torch {fp.torch_version} on {fp.device_kind} ({fp.device_name}), ISA {fp.cpu_capability}, "
-                f"BLAS {fp.blas}")  # fmt: skip
+    numerics = (
+        f"numerics: torch {fp.torch_version} on {fp.device_kind} ({fp.device_name}), ISA {fp.cpu_capability}, "
+        f"BLAS {fp.blas}"
+    )
     console.rule(f"[bold]titan-audit demo{' --quick' if quick else ''}")
     console.print(f"{numerics}; runs go to {out}")
     demo = Demo(out, plan, console, verbose)
@@ -460,8 +604,13 @@ def run(out: Path | None = None, console: Console | None = None, *, quick: bool 
     ]
     if plan.controls:
         stages.append(("control_w2", "G3 control: W=2 with determinism off", demo.control_w2, "control-w2"))
-    columns = (SpinnerColumn(), TextColumn("[bold blue]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
+    columns = (
+        SpinnerColumn(),
+        TextColumn("[bold blue]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         demo.progress = progress
         progress.add_task("starting", total=len(stages) + 1)
@@ -492,8 +641,11 @@ def run(out: Path | None = None, console: Console | None = None, *, quick: bool 
     demo.progress = None
     console.print(verdict_table(demo.rows, out))
     ok = demo.passed
-    console.rule(f"[green]demo passed: every guarantee held ({seconds:.0f} s)" if ok
-                 else f"[red]demo FAILED: see the FAIL rows ({seconds:.0f} s)")  # fmt: skip
+    console.rule(
+        f"[green]demo passed: every guarantee held ({seconds:.0f} s)"
+        if ok
+        else f"[red]demo FAILED: see the FAIL rows ({seconds:.0f} s)"
+    )
     if report is not None:
         console.print(f"report: {report['html']}  (markdown: {report['md']}; rebuild: titan-audit report {out})")
     return ok

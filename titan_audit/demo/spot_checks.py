@@ -77,14 +77,22 @@ def attention_checks(head_dim: int, seq: int = 48) -> list[SpotCheck]:
     k = torch.randn(4, 2, seq, head_dim, generator=g)
     v = torch.randn(4, 2, seq, head_dim, generator=g)
     out = []
-    labels = {"batch": "attention: sample alone vs in a batch of 4",
-              "decode": "attention: full prefill vs token-by-token KV decode",
-              "chunked": "attention: full prefill vs chunked prefill (16)"}  # fmt: skip
+    labels = {
+        "batch": "attention: sample alone vs in a batch of 4",
+        "decode": "attention: full prefill vs token-by-token KV decode",
+        "chunked": "attention: full prefill vs chunked prefill (16)",
+    }
     for mode, label in labels.items():
         bi = bitwise_equal(*_attention_rows(batch_invariant.attention, q, k, v, mode))
         native = bitwise_equal(*_attention_rows(_native_attention, q, k, v, mode))
-        out.append(SpotCheck(label, f"Hq=8 Hkv=2 T={seq} D={head_dim}", "identical" if bi else "DIFFERENT",
-                             "identical" if native else "differs"))  # fmt: skip
+        out.append(
+            SpotCheck(
+                label,
+                f"Hq=8 Hkv=2 T={seq} D={head_dim}",
+                "identical" if bi else "DIFFERENT",
+                "identical" if native else "differs",
+            )
+        )
     return out
 
 
@@ -97,15 +105,23 @@ def row_op_checks(head_dim: int) -> list[SpotCheck]:
     ops = {
         "matmul": (lambda a: batch_invariant.matmul(a, w), lambda a: a @ w),
         "log_softmax": (lambda a: batch_invariant.log_softmax(a, dim=-1), lambda a: torch.log_softmax(a, dim=-1)),
-        "rms_norm": (lambda a: batch_invariant.rms_norm(a, weight, 1e-6),
-                     lambda a: F.rms_norm(a, (k_dim,), weight, 1e-6)),
-    }  # fmt: skip
+        "rms_norm": (
+            lambda a: batch_invariant.rms_norm(a, weight, 1e-6),
+            lambda a: F.rms_norm(a, (k_dim,), weight, 1e-6),
+        ),
+    }
     out = []
     for name, (bi_op, native_op) in ops.items():
         bi = bitwise_equal(bi_op(x[:1]), bi_op(x)[:1])
         native = bitwise_equal(native_op(x[:1]), native_op(x)[:1])
-        out.append(SpotCheck(f"{name}: row alone vs in a batch of 64", f"[64, {k_dim}]" + (" @ [.., 256]" if name == "matmul" else ""),
-                             "identical" if bi else "DIFFERENT", "identical" if native else "differs"))  # fmt: skip
+        out.append(
+            SpotCheck(
+                f"{name}: row alone vs in a batch of 64",
+                f"[64, {k_dim}]" + (" @ [.., 256]" if name == "matmul" else ""),
+                "identical" if bi else "DIFFERENT",
+                "identical" if native else "differs",
+            )
+        )
     return out
 
 
@@ -130,6 +146,12 @@ def run_spot_checks(head_dims: tuple[int, ...]) -> list[SpotCheck]:
         checks += attention_checks(d)
         checks += row_op_checks(d)
     bi, native = decode_matches_full_forward(True), decode_matches_full_forward(False)
-    checks.append(SpotCheck(f"model {MODEL}: KV-cache decode logits vs one full forward", "prompt 24 + 8 decoded tokens",
-                            "identical" if bi else "DIFFERENT", "identical" if native else "differs"))  # fmt: skip
+    checks.append(
+        SpotCheck(
+            f"model {MODEL}: KV-cache decode logits vs one full forward",
+            "prompt 24 + 8 decoded tokens",
+            "identical" if bi else "DIFFERENT",
+            "identical" if native else "differs",
+        )
+    )
     return checks

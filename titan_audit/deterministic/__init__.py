@@ -1,10 +1,10 @@
 """deterministic/: global determinism switches, seeding, keyed RNG streams, numerics fingerprint.
 
-    with deterministic.enable(seed=0):          # G1: same fingerprint + inputs -> same bits
-        ...
-    gen = deterministic.torch_generator(seed, "dropout", step, sample_id)
-    fp = deterministic.fingerprint()            # what decides the bits here
-    deterministic.incompatibilities(fp_a, fp_b)   # why two runs cannot be compared bitwise
+with deterministic.enable(seed=0):          # G1: same fingerprint + inputs -> same bits
+    ...
+gen = deterministic.torch_generator(seed, "dropout", step, sample_id)
+fp = deterministic.fingerprint()            # what decides the bits here
+deterministic.incompatibilities(fp_a, fp_b)   # why two runs cannot be compared bitwise
 """
 
 from titan_audit.deterministic.numerics import (

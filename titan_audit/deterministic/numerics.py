@@ -64,20 +64,44 @@ NUMERICS_ENV_VARS = (
 # NCCL's reduction order (deterministic.switches.NCCL_ENV): compared, recorded for CUDA fingerprints
 # only (a CPU run reduces over gloo, and CPU fingerprints keep the keys they always had).
 NCCL_ENV_VARS = (
-    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE",
-)  # fmt: skip
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_COLLNET_ENABLE",
+)
 # Variables worth seeing but superseded by a compared field (num_threads). Not compared.
 INFO_ENV_VARS = (
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET", "TITAN_AUDIT_CPU_ISA",
-)  # fmt: skip
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "TRITON_INTERPRET",
+    "TITAN_AUDIT_CPU_ISA",
+)
 
 # CPU flags that select SIMD kernels (Linux /proc/cpuinfo names).
 ISA_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c",
-    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-    "amx_tile", "amx_bf16", "amx_int8",
-    "asimd", "sve", "sve2", "bf16",
-)  # fmt: skip
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+)
 
 
 def _compared(*, bi_cpu_portable: bool = False) -> Any:
@@ -86,10 +110,16 @@ def _compared(*, bi_cpu_portable: bool = False) -> Any:
 
 # Fields and variables that cannot change a BI-mode CPU result (see the module doc).
 BI_CPU_PORTABLE_ENV_VARS = (
-    "ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE",
-    "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_DEFAULT_FPMATH_MODE", "ONEDNN_DEFAULT_FPMATH_MODE",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_DEBUG_CPU_TYPE",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_DEFAULT_FPMATH_MODE",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
     "OPENBLAS_CORETYPE",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)

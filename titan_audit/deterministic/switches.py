@@ -81,9 +81,7 @@ class Switches:
         )
 
     def apply(self) -> None:
-        torch.use_deterministic_algorithms(
-            self.deterministic_algorithms, warn_only=self.deterministic_warn_only
-        )
+        torch.use_deterministic_algorithms(self.deterministic_algorithms, warn_only=self.deterministic_warn_only)
         torch.backends.cudnn.deterministic = self.cudnn_deterministic
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
         _write_fp32_precision(self.fp32_precision)

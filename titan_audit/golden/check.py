@@ -60,8 +60,14 @@ from titan_audit.golden.store import (
 METRICS = "metrics.parquet"
 # Config keys that never change the bits of a step (how long, how often it saves or flushes, how
 # it launches). Differences elsewhere are reported with the check.
-CONFIG_KEYS_IGNORED = ("steps", "checkpoint.", "audit.flush_every_steps", "parallel.backend", "data.workers",
-                       "determinism.census")  # record | strict | off: never the bits of a step
+CONFIG_KEYS_IGNORED = (
+    "steps",
+    "checkpoint.",
+    "audit.flush_every_steps",
+    "parallel.backend",
+    "data.workers",
+    "determinism.census",
+)  # record | strict | off: never the bits of a step
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -161,7 +167,9 @@ def _tolerances(
     names = metrics if metrics is not None else [m for m in DEFAULT_TOLERANCES if m in available]
     for name in list(names) + list(rtol) + list(atol):
         if name not in available:
-            raise ValueError(f"metric {name!r} is not a column of the run's {METRICS} (has: {', '.join(available) or 'none'})")
+            raise ValueError(
+                f"metric {name!r} is not a column of the run's {METRICS} (has: {', '.join(available) or 'none'})"
+            )
     for name in list(rtol) + list(atol):
         if name not in names:
             raise ValueError(f"a tolerance was given for metric {name!r}, which is not kept (kept: {', '.join(names)})")
@@ -189,12 +197,16 @@ def _build(
     manifest = read_manifest(run_dir)
     fp = manifest.get("fingerprint")
     if not isinstance(fp, dict) or "fingerprint_version" not in fp:
-        raise ValueError(f"{run_dir / MANIFEST}: no numerics fingerprint; a golden needs one to choose exact or tolerance mode")
+        raise ValueError(
+            f"{run_dir / MANIFEST}: no numerics fingerprint; a golden needs one to choose exact or tolerance mode"
+        )
     phases = list(DEFAULT_PHASES) if phases is None else phases
     records = _select_records(run_dir, steps, phases)
     if records.num_rows == 0:
-        raise ValueError(f"{run_dir}: no audit records in phases {', '.join(phases)}"
-                         + ("" if steps is None else f" at steps {steps}"))  # fmt: skip
+        raise ValueError(
+            f"{run_dir}: no audit records in phases {', '.join(phases)}"
+            + ("" if steps is None else f" at steps {steps}")
+        )
     present = sorted(set(records["step"].to_pylist()))
     if steps is not None and present != steps:
         missing = sorted(set(steps) - set(present))
@@ -238,7 +250,9 @@ def record_golden(
     `source` describes where the run came from (default: its path)."""
     golden_dir = Path(golden_dir)
     if golden_dir.exists():
-        raise ValueError(f"{golden_dir} already exists; a golden is only replaced deliberately: use `titan-audit golden update`")
+        raise ValueError(
+            f"{golden_dir} already exists; a golden is only replaced deliberately: use `titan-audit golden update`"
+        )
     parts = _build(Path(run_dir), steps, phases, metrics, rtol or {}, atol or {}, max_failures)
     if source is not None:
         parts["source_run"] = source
@@ -320,7 +334,9 @@ def compare_selection(golden: Golden, run_dir: Path) -> CompareResult:
     return result
 
 
-def _compare_metrics(golden: Golden, run_metrics: pa.Table | None, exact: bool) -> tuple[list[dict[str, Any]], int, list[str]]:
+def _compare_metrics(
+    golden: Golden, run_metrics: pa.Table | None, exact: bool
+) -> tuple[list[dict[str, Any]], int, list[str]]:
     mismatches: list[dict[str, Any]] = []
     missing: list[str] = []
     points = 0
@@ -336,7 +352,9 @@ def _compare_metrics(golden: Golden, run_metrics: pa.Table | None, exact: bool) 
             if exact:
                 bad = _bits(got) != _bits(value)
             else:
-                bad = got is None or value is None or not within(float(got), float(value), bounds["rtol"], bounds["atol"])
+                bad = (
+                    got is None or value is None or not within(float(got), float(value), bounds["rtol"], bounds["atol"])
+                )
             if bad:
                 entry = {"metric": name, "step": step, "golden": value, "run": got}
                 if not exact and got is not None and value is not None:
@@ -346,7 +364,9 @@ def _compare_metrics(golden: Golden, run_metrics: pa.Table | None, exact: bool) 
     return mismatches, points, missing
 
 
-def check_golden(run_dir: str | os.PathLike, golden_dir: str | os.PathLike, *, require_exact: bool = False) -> GoldenCheck:
+def check_golden(
+    run_dir: str | os.PathLike, golden_dir: str | os.PathLike, *, require_exact: bool = False
+) -> GoldenCheck:
     """Check `run_dir` against the golden at `golden_dir` (see the module docstring)."""
     golden = read_golden(golden_dir)  # verifies integrity first: corruption raises here
     run_dir = Path(run_dir)
@@ -371,14 +391,18 @@ def check_golden(run_dir: str | os.PathLike, golden_dir: str | os.PathLike, *, r
         mismatches, points, missing = _compare_metrics(golden, run_metrics, exact=True)
         if mismatches:
             m = mismatches[0]
-            failures.append(f"{len(mismatches)} metric value(s) differ bitwise; first: {m['metric']} at step {m['step']}: "
-                            f"golden {m['golden']!r}, run {m['run']!r}")  # fmt: skip
+            failures.append(
+                f"{len(mismatches)} metric value(s) differ bitwise; first: {m['metric']} at step {m['step']}: "
+                f"golden {m['golden']!r}, run {m['run']!r}"
+            )
         if missing:
             failures.append(f"the run lacks metric values: {', '.join(missing[:10])}")
     else:
         mode = "tolerance"
-        notes.append("numerics fingerprints differ, so bitwise equality is not expected; audit hashes were "
-                     "NOT compared, only metrics within tolerance: " + "; ".join(fp_diff))  # fmt: skip
+        notes.append(
+            "numerics fingerprints differ, so bitwise equality is not expected; audit hashes were "
+            "NOT compared, only metrics within tolerance: " + "; ".join(fp_diff)
+        )
         if require_exact:
             failures.append("exact comparison required, but the numerics fingerprints differ: " + "; ".join(fp_diff))
         mismatches, points, missing = _compare_metrics(golden, run_metrics, exact=False)
@@ -393,8 +417,10 @@ def check_golden(run_dir: str | os.PathLike, golden_dir: str | os.PathLike, *, r
                 f"first: {m['metric']} at step {m['step']}: golden {m['golden']!r}, run {m['run']!r}"
             )
         elif mismatches:
-            notes.append(f"{len(mismatches)} metric point(s) outside tolerance, within the failure budget "
-                         f"of {golden.tolerance.max_failures}")  # fmt: skip
+            notes.append(
+                f"{len(mismatches)} metric point(s) outside tolerance, within the failure budget "
+                f"of {golden.tolerance.max_failures}"
+            )
     return GoldenCheck(
         golden=str(golden.path),
         run=str(run_dir),
@@ -437,7 +463,9 @@ def update_golden(
     except GoldenCorrupt as error:
         old_error = str(error)
     except ValueError as error:
-        raise ValueError(f"{error} (`golden update` replaces an existing golden; use `golden record` for a new one)") from None
+        raise ValueError(
+            f"{error} (`golden update` replaces an existing golden; use `golden record` for a new one)"
+        ) from None
     if old is not None:
         steps = old.steps if steps is None else steps
         phases = old.phases if phases is None else phases
@@ -453,9 +481,12 @@ def update_golden(
     unchanged = False
     if old is not None:
         changes.update(_changes(old, run_dir, parts))
-        unchanged = (not changes["fingerprint_changes"] and changes["audit"]["identical"]
-                     and not changes["metric_changes"]
-                     and all(changes[k]["before"] == changes[k]["after"] for k in ("steps", "phases", "tolerance")))  # fmt: skip
+        unchanged = (
+            not changes["fingerprint_changes"]
+            and changes["audit"]["identical"]
+            and not changes["metric_changes"]
+            and all(changes[k]["before"] == changes[k]["after"] for k in ("steps", "phases", "tolerance"))
+        )
     changes["rewritten"] = force or not unchanged
     if changes["rewritten"]:
         write_golden(golden_dir, **parts, overwrite=True)
@@ -466,18 +497,33 @@ def update_golden(
 def _changes(old: Golden, run_dir: Path, parts: dict[str, Any]) -> dict[str, Any]:
     new_fp = parts["manifest"].get("fingerprint")
     fp = fingerprint_differences(old.fingerprint, new_fp, str(old.path / MANIFEST), str(run_dir / MANIFEST))
-    selection = Golden(old.path, {**old.meta, "steps": parts["steps"], "phases": parts["phases"]},
-                       old.manifest, old.audit, old.metrics, old.tolerance)  # fmt: skip
+    selection = Golden(
+        old.path,
+        {**old.meta, "steps": parts["steps"], "phases": parts["phases"]},
+        old.manifest,
+        old.audit,
+        old.metrics,
+        old.tolerance,
+    )
     audit = compare_selection(selection, run_dir)
     metric_changes = []
     for name in sorted(set(old.tolerance.metrics) | set(parts["tolerance"].metrics)):
         before, after = _metric_values(old.metrics, name), _metric_values(parts["metrics"], name)
         changed = [s for s in sorted(set(before) | set(after)) if _bits(before.get(s)) != _bits(after.get(s))]
         if changed:
-            diffs = [abs(float(after[s]) - float(before[s])) for s in changed
-                     if isinstance(before.get(s), (int, float)) and isinstance(after.get(s), (int, float))]  # fmt: skip
-            metric_changes.append({"metric": name, "steps_changed": len(changed), "first_step": changed[0],
-                                   "max_abs_change": max(diffs) if diffs else None})  # fmt: skip
+            diffs = [
+                abs(float(after[s]) - float(before[s]))
+                for s in changed
+                if isinstance(before.get(s), (int, float)) and isinstance(after.get(s), (int, float))
+            ]
+            metric_changes.append(
+                {
+                    "metric": name,
+                    "steps_changed": len(changed),
+                    "first_step": changed[0],
+                    "max_abs_change": max(diffs) if diffs else None,
+                }
+            )
     return {
         "fingerprint_changes": fp,
         "audit": {

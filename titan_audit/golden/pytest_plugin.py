@@ -55,13 +55,28 @@ class GoldenUpdatedWarning(UserWarning):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("titan-audit golden")
-    group.addoption("--golden-update", action="store_true", default=False,
-                    help="Record missing goldens and update existing ones from this session's runs.")
-    group.addoption("--golden-dir", default=None, help=f"Directory of the goldens (default: ini golden_dir or {DEFAULT_GOLDEN_DIR}).")
-    group.addoption("--golden-require-exact", action="store_true", default=False,
-                    help="Fail a golden check that can only run in tolerance mode (fingerprints differ).")  # fmt: skip
-    parser.addini("golden_dir", help=f"Directory of the goldens, relative to rootdir (default {DEFAULT_GOLDEN_DIR}).",
-                  default=DEFAULT_GOLDEN_DIR)  # fmt: skip
+    group.addoption(
+        "--golden-update",
+        action="store_true",
+        default=False,
+        help="Record missing goldens and update existing ones from this session's runs.",
+    )
+    group.addoption(
+        "--golden-dir",
+        default=None,
+        help=f"Directory of the goldens (default: ini golden_dir or {DEFAULT_GOLDEN_DIR}).",
+    )
+    group.addoption(
+        "--golden-require-exact",
+        action="store_true",
+        default=False,
+        help="Fail a golden check that can only run in tolerance mode (fingerprints differ).",
+    )
+    parser.addini(
+        "golden_dir",
+        help=f"Directory of the goldens, relative to rootdir (default {DEFAULT_GOLDEN_DIR}).",
+        default=DEFAULT_GOLDEN_DIR,
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -85,8 +100,15 @@ def golden_dir(config: pytest.Config) -> Path:
     return path if path.is_absolute() else Path(config.rootpath) / path
 
 
-def train_recipe(out: Path, recipe: str, *, steps: int | None = None, nproc: int = 1,
-                 overrides: Sequence[str] = (), timeout: float = 900) -> None:  # fmt: skip
+def train_recipe(
+    out: Path,
+    recipe: str,
+    *,
+    steps: int | None = None,
+    nproc: int = 1,
+    overrides: Sequence[str] = (),
+    timeout: float = 900,
+) -> None:
     """`titan-audit train` in a subprocess; raises with its output when it fails."""
     command = [sys.executable, "-m", "titan_audit.cli", "train", "--config", recipe, "--out", str(out)]
     if steps is not None:
@@ -97,7 +119,9 @@ def train_recipe(out: Path, recipe: str, *, steps: int | None = None, nproc: int
         command += ["--set", override]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(command)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
 
 
 class GoldenRunner:
@@ -135,20 +159,37 @@ class GoldenRunner:
             source = f"pytest {self.nodeid}: {getattr(run, '__qualname__', repr(run))}(out_dir)"
         else:
             train_recipe(out, recipe, steps=steps, nproc=nproc, overrides=overrides)
-            source = " ".join(["titan-audit train --config", recipe, *(["--steps", str(steps)] if steps else []),
-                               "--nproc", str(nproc), *[f"--set {o}" for o in overrides]])  # fmt: skip
+            source = " ".join(
+                [
+                    "titan-audit train --config",
+                    recipe,
+                    *(["--steps", str(steps)] if steps else []),
+                    "--nproc",
+                    str(nproc),
+                    *[f"--set {o}" for o in overrides],
+                ]
+            )
         golden = self.directory / name
         if self.update:
             if golden.exists():
                 changes = update_golden(out, golden, source=source)
                 verb = "updated" if changes["rewritten"] else "unchanged (not rewritten)"
-                warnings.warn(GoldenUpdatedWarning(f"golden {golden} {verb}: {json.dumps(_brief(changes), default=str)}"))
+                warnings.warn(
+                    GoldenUpdatedWarning(f"golden {golden} {verb}: {json.dumps(_brief(changes), default=str)}")
+                )
             else:
                 summary = record_golden(out, golden, source=source)
-                warnings.warn(GoldenUpdatedWarning(f"golden {golden} recorded: {summary['records']} records, {summary['bytes']} bytes"))
+                warnings.warn(
+                    GoldenUpdatedWarning(
+                        f"golden {golden} recorded: {summary['records']} records, {summary['bytes']} bytes"
+                    )
+                )
             return None
         if not golden.exists():
-            pytest.fail(f"no golden {golden}; create it with `pytest --golden-update` (or `titan-audit golden record`)", pytrace=False)
+            pytest.fail(
+                f"no golden {golden}; create it with `pytest --golden-update` (or `titan-audit golden record`)",
+                pytrace=False,
+            )
         try:
             exact = self.require_exact if require_exact is None else require_exact
             result = check_golden(out, golden, require_exact=exact)
@@ -158,10 +199,12 @@ class GoldenRunner:
             report = "\n".join(check_report(result.to_dict()))
             pytest.fail(f"golden check failed ({result.mode} mode):\n{report}", pytrace=False)
         if result.mode != "exact":
-            warnings.warn(GoldenToleranceWarning(
-                f"golden {golden} passed in TOLERANCE mode, not bitwise; numerics fingerprint fields that differ: "
-                + "; ".join(result.fingerprint_differences)
-            ))  # fmt: skip
+            warnings.warn(
+                GoldenToleranceWarning(
+                    f"golden {golden} passed in TOLERANCE mode, not bitwise; numerics fingerprint fields that differ: "
+                    + "; ".join(result.fingerprint_differences)
+                )
+            )
         return result
 
 

@@ -8,9 +8,11 @@ from titan_audit.audit.report import compare_report
 
 def record_report(summary: dict) -> str:
     """One line describing a newly recorded golden (`record_golden`'s summary)."""
-    return (f"recorded golden {summary['golden']}: {summary['records']} audit records, steps "
-            f"{_steps_text(summary['steps'])}, phases {','.join(summary['phases'])}, metrics "
-            f"{','.join(summary['metrics']) or 'none'}; {summary['bytes']:,} bytes")  # fmt: skip
+    return (
+        f"recorded golden {summary['golden']}: {summary['records']} audit records, steps "
+        f"{_steps_text(summary['steps'])}, phases {','.join(summary['phases'])}, metrics "
+        f"{','.join(summary['metrics']) or 'none'}; {summary['bytes']:,} bytes"
+    )
 
 
 def check_report(data: dict) -> list[str]:
@@ -18,7 +20,9 @@ def check_report(data: dict) -> list[str]:
     lines: list[str] = []
     verdict = "PASS" if data["passed"] else "FAIL"
     if data["mode"] == "exact":
-        lines.append(f"{verdict} (mode: exact; numerics fingerprints compatible) run {data['run']} vs golden {data['golden']}")
+        lines.append(
+            f"{verdict} (mode: exact; numerics fingerprints compatible) run {data['run']} vs golden {data['golden']}"
+        )
     else:
         lines.append(f"{verdict} (mode: TOLERANCE, not bitwise) run {data['run']} vs golden {data['golden']}")
         lines.append("  numerics fingerprint fields that differ: " + "; ".join(data["fingerprint_differences"]))
@@ -32,8 +36,10 @@ def check_report(data: dict) -> list[str]:
             lines.append(f"  audit: {audit['compared']} records compared, all hashes equal")
         else:
             lines.extend(compare_report(audit))
-    lines.append(f"  metrics: {data['metric_points']} points compared"
-               + (", bitwise" if data["mode"] == "exact" else f", failure budget {data['max_failures']}"))  # fmt: skip
+    lines.append(
+        f"  metrics: {data['metric_points']} points compared"
+        + (", bitwise" if data["mode"] == "exact" else f", failure budget {data['max_failures']}")
+    )
     for m in data["metric_mismatches"][:10]:
         extra = f" (|diff| {m['abs_diff']:.3g} > bound {m['bound']:.3g})" if "bound" in m else ""
         lines.append(f"    {m['metric']} step {m['step']}: golden {m['golden']!r}, run {m['run']!r}{extra}")
@@ -47,8 +53,10 @@ def changes_report(changes: dict) -> list[str]:
     lines: list[str] = []
     summary = changes["summary"]
     verb = "updated golden" if changes["rewritten"] else "golden unchanged, not rewritten (--force rewrites it):"
-    lines.append(f"{verb} {summary['golden']} from {changes['run']}: {summary['records']} audit records, "
-               f"{summary['bytes']:,} bytes")  # fmt: skip
+    lines.append(
+        f"{verb} {summary['golden']} from {changes['run']}: {summary['records']} audit records, "
+        f"{summary['bytes']:,} bytes"
+    )
     if changes["previous_corrupt"]:
         lines.append(f"  the previous golden was corrupt ({changes['previous_corrupt']}); nothing to diff against")
         return lines
@@ -64,14 +72,18 @@ def changes_report(changes: dict) -> list[str]:
         lines.append(f"  audit records: unchanged ({audit['compared']} hashes equal)")
     else:
         first = audit["first_divergence"]
-        lines.append(f"  audit records: {audit['differing']} of {audit['compared']} hashes changed, {audit['removed']} removed, "
-                   f"{audit['added']} added; first change at step {first['step']}, phase {first['phase']}, "
-                   f"microbatch {first['microbatch']}, name {first['name']} ({first['kind']})")  # fmt: skip
+        lines.append(
+            f"  audit records: {audit['differing']} of {audit['compared']} hashes changed, {audit['removed']} removed, "
+            f"{audit['added']} added; first change at step {first['step']}, phase {first['phase']}, "
+            f"microbatch {first['microbatch']}, name {first['name']} ({first['kind']})"
+        )
     if not changes["metric_changes"]:
         lines.append("  metrics: unchanged (bitwise)")
     for m in changes["metric_changes"]:
-        lines.append(f"  metric {m['metric']}: {m['steps_changed']} step(s) changed from step {m['first_step']}, "
-                   f"max |change| {m['max_abs_change']}")  # fmt: skip
+        lines.append(
+            f"  metric {m['metric']}: {m['steps_changed']} step(s) changed from step {m['first_step']}, "
+            f"max |change| {m['max_abs_change']}"
+        )
     return lines
 
 

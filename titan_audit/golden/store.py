@@ -146,8 +146,14 @@ def sort_records(table: pa.Table) -> pa.Table:
     """Audit records in execution order (step, phase order, microbatch, seq, name)."""
     ranks = pa.array([PHASE_RANK.get(p, len(PHASE_RANK)) for p in table["phase"].to_pylist()], type=pa.int32())
     table = table.append_column("_phase_rank", ranks)
-    order = [("step", "ascending"), ("_phase_rank", "ascending"), ("phase", "ascending"),
-             ("microbatch", "ascending"), ("seq", "ascending"), ("name", "ascending")]  # fmt: skip
+    order = [
+        ("step", "ascending"),
+        ("_phase_rank", "ascending"),
+        ("phase", "ascending"),
+        ("microbatch", "ascending"),
+        ("seq", "ascending"),
+        ("name", "ascending"),
+    ]
     return table.sort_by(order).drop_columns(["_phase_rank"])
 
 
@@ -189,7 +195,7 @@ def write_golden(
         meta: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "source_run": source_run,
             "steps": sorted(steps),
             "phases": sorted(phases, key=lambda p: PHASE_RANK.get(p, len(PHASE_RANK))),
@@ -221,9 +227,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         # A flipped byte inside the marker itself lands here too; the self-hash below cannot help
         # without the marker, so say both.
-        raise GoldenCorrupt(
-            f"{meta_path}: not a titan-audit golden or corrupt (key 'format' is not {FORMAT!r})"
-        )
+        raise GoldenCorrupt(f"{meta_path}: not a titan-audit golden or corrupt (key 'format' is not {FORMAT!r})")
     # The self-hash rule is the same in every format version, so it is checked first: a flipped
     # digit in format_version is corruption, not a "newer version".
     recorded = meta.get("sha256")
@@ -242,7 +246,9 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"({FORMAT_VERSION}); upgrade titan-audit"
         )
     if raw != _render(meta):  # same content, other bytes: truncated whitespace, a hand edit
-        raise GoldenCorrupt(f"{meta_path}: corrupt golden file (bytes differ from the canonical rendering of its content)")
+        raise GoldenCorrupt(
+            f"{meta_path}: corrupt golden file (bytes differ from the canonical rendering of its content)"
+        )
     for key, kind in (("steps", list), ("phases", list), ("files", dict), ("tolerance", dict)):
         if not isinstance(meta.get(key), kind):
             raise GoldenCorrupt(f"{meta_path}: corrupt golden file (key {key!r} missing or not a {kind.__name__})")
@@ -257,7 +263,9 @@ def _verify_files(path: Path, meta: dict[str, Any]) -> None:
             raise GoldenCorrupt(f"{file}: golden file missing (listed in {GOLDEN_JSON})")
         size = file.stat().st_size
         if size != info.get("bytes"):
-            raise GoldenCorrupt(f"{file}: corrupt golden file (size {size} bytes, recorded {info.get('bytes')}: truncated?)")
+            raise GoldenCorrupt(
+                f"{file}: corrupt golden file (size {size} bytes, recorded {info.get('bytes')}: truncated?)"
+            )
         digest = sha256_file(file)
         if digest != info.get("sha256"):
             raise GoldenCorrupt(f"{file}: corrupt golden file (sha256 {digest} != recorded {info.get('sha256')})")

@@ -23,9 +23,7 @@ from titan_audit.models.rope import apply_rope
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool, eps: float
-    ) -> None:
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool, eps: float) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -62,9 +60,7 @@ class Attention(nn.Module):
             out_BHTd = ops.attention(q_BHTd, k_BHSd, v_BHSd, cache_step.q_pos_BT)
             out_BTHd = out_BHTd.transpose(1, 2)
         elif packing is not None:
-            out_BTHd = packing.attention(
-                q_BHTd.transpose(1, 2), k_BHTd.transpose(1, 2), v_BHTd.transpose(1, 2)
-            )
+            out_BTHd = packing.attention(q_BHTd.transpose(1, 2), k_BHTd.transpose(1, 2), v_BHTd.transpose(1, 2))
         else:
             q_pos_BT = torch.arange(seq, device=x_BTD.device).expand(batch, seq)
             out_BTHd = ops.attention(q_BHTd, k_BHTd, v_BHTd, q_pos_BT).transpose(1, 2)

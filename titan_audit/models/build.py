@@ -20,9 +20,7 @@ def resolve_config(preset_or_config: str | ModelConfig) -> ModelConfig:
         return preset_or_config
     if isinstance(preset_or_config, str):
         return get_preset(preset_or_config)
-    raise ValueError(
-        f"expected a preset name or a ModelConfig, got {type(preset_or_config).__name__}"
-    )
+    raise ValueError(f"expected a preset name or a ModelConfig, got {type(preset_or_config).__name__}")
 
 
 def build(

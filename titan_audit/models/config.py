@@ -96,9 +96,7 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """True iff layer `layer` uses the routed experts (the Qwen3-MoE sparse-step rule)."""
         return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     def replace(self, **changes: object) -> ModelConfig:

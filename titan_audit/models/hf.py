@@ -164,10 +164,7 @@ def from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype | None = No
         match = _EXPERT_PARAM.match(name)
         if match:
             layer, proj = match.groups()
-            parts = [
-                tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"]
-                for e in range(param.shape[0])
-            ]
+            parts = [tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] for e in range(param.shape[0])]
             state[name] = torch.stack(parts).to(dtype)
         else:
             state[name] = tensors[_hf_name(name)].to(dtype)

@@ -39,9 +39,7 @@ def config_from_hf(data: dict[str, Any], source: str) -> ModelConfig:
 
     model_type = need("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"{source}: unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}"
-        )
+        raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}")
     _reject_unsupported(data, source)
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
@@ -54,12 +52,8 @@ def config_from_hf(data: dict[str, Any], source: str) -> ModelConfig:
         "num_key_value_heads": int(data.get("num_key_value_heads") or heads),
         "head_dim": int(data.get("head_dim") or hidden // heads),
         # An MoE model needs intermediate_size only for its dense layers (ModelConfig checks).
-        "intermediate_size": int(data.get("intermediate_size") or 0)
-        if is_moe
-        else int(need("intermediate_size")),
-        "max_position_embeddings": int(
-            data.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]
-        ),
+        "intermediate_size": int(data.get("intermediate_size") or 0) if is_moe else int(need("intermediate_size")),
+        "max_position_embeddings": int(data.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]),
         "rope_theta": _rope_theta(data),
         "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
         "qk_norm": model_type != "llama",

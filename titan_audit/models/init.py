@@ -21,9 +21,7 @@ from titan_audit.models.norm import RMSNorm
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, std: float) -> None:
-    norm_params = {
-        id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)
-    }
+    norm_params = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
     for name, param in model.named_parameters():
         if id(param) in norm_params:
             param.fill_(1.0)

@@ -104,9 +104,7 @@ class _ContiguousStep:
         self.q_pos_BT = start_B[:, None] + torch.arange(num_tokens, device=device)[None, :]
         self.num_keys = max(starts) + num_tokens
 
-    def update(
-        self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_store, v_store = self.cache.k[layer], self.cache.v[layer]
         rows_BT = self.row_idx_B[:, None].expand_as(self.q_pos_BT)
         k_store[rows_BT, :, self.q_pos_BT] = k_BHTD.transpose(1, 2).to(k_store.dtype)
@@ -165,9 +163,7 @@ class PagedKVCache:
             raise ValueError(f"sequence {dst!r} is already in the cache")
         blocks = self.block_tables[src]
         if len(blocks) > len(self._free):
-            raise ValueError(
-                f"paged KV cache full: fork needs {len(blocks)} blocks, {len(self._free)} free"
-            )
+            raise ValueError(f"paged KV cache full: fork needs {len(blocks)} blocks, {len(self._free)} free")
         copies = [heapq.heappop(self._free) for _ in blocks]
         if blocks:
             source = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
@@ -218,8 +214,7 @@ class PagedKVCache:
     def _reserve(self, seqs: list[Hashable], num_tokens: int) -> None:
         """Give every sequence enough blocks for num_tokens more tokens (all or nothing)."""
         needed = {
-            seq: -(-(self.lengths[seq] + num_tokens) // self.block_size) - len(self.block_tables[seq])
-            for seq in seqs
+            seq: -(-(self.lengths[seq] + num_tokens) // self.block_size) - len(self.block_tables[seq]) for seq in seqs
         }
         total = sum(max(0, n) for n in needed.values())
         if total > len(self._free):
@@ -261,9 +256,7 @@ class _PagedStep:
         self.block_BT = self.table_BN.gather(1, self.q_pos_BT // block_size)
         self.offset_BT = self.q_pos_BT % block_size
 
-    def update(
-        self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_store, v_store = self.cache.k[layer], self.cache.v[layer]
         k_store[self.block_BT, self.offset_BT] = k_BHTD.transpose(1, 2).to(k_store.dtype)
         v_store[self.block_BT, self.offset_BT] = v_BHTD.transpose(1, 2).to(v_store.dtype)

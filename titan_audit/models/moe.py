@@ -39,13 +39,10 @@ from torch import nn
 from titan_audit.models import ops
 from titan_audit.models.mlp import FeedForward
 
-
 RouterStats = tuple[torch.Tensor, torch.Tensor]  # (probability sum [E] fp32, assignment count [E] fp32)
 
 
-def router_stats(
-    probs_NE: torch.Tensor, experts_NK: torch.Tensor, token_mask_N: torch.Tensor | None
-) -> RouterStats:
+def router_stats(probs_NE: torch.Tensor, experts_NK: torch.Tensor, token_mask_N: torch.Tensor | None) -> RouterStats:
     """Per-expert sum of router probabilities and count of top-k assignments over the unmasked
     tokens. The count is computed in int64 (exact) and returned as float32."""
     num_experts = probs_NE.shape[-1]

@@ -74,9 +74,7 @@ def sum_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
 def _bi_attention(q_BHTD, k_BHTD, v_BHTD, q_pos_BT, key_doc_ids_BS):
     # Opaque to torch.compile: a kernel with data-dependent control flow; compiling around it
     # keeps its bits and avoids tracing (and re-tracing per shape) into it.
-    return batch_invariant.attention(
-        q_BHTD, k_BHTD, v_BHTD, causal=True, q_positions=q_pos_BT, doc_ids=key_doc_ids_BS
-    )
+    return batch_invariant.attention(q_BHTD, k_BHTD, v_BHTD, causal=True, q_positions=q_pos_BT, doc_ids=key_doc_ids_BS)
 
 
 def attention(
@@ -107,9 +105,7 @@ def attention(
             # A padding query sees itself here (its output is zeroed below): no fully masked
             # row, so no NaN that some SDPA kernels would otherwise put into gradients.
             visible_BTS = visible_BTS | (key_pos_S[None, None, :] == q_pos_BT[:, :, None])
-        out = F.scaled_dot_product_attention(
-            q_BHTD, k_BHTD, v_BHTD, attn_mask=visible_BTS[:, None], enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, attn_mask=visible_BTS[:, None], enable_gqa=True)
     if key_doc_ids_BS is not None:
         # A padding query sees no key; its output is defined as zeros in both modes.
         query_is_real_BT = key_doc_ids_BS.gather(1, q_pos_BT) >= 0

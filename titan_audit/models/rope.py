@@ -36,9 +36,7 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape positions.shape + (head_dim,), float32, on positions' device."""
-        if positions.numel() and (
-            int(positions.min()) < 0 or int(positions.max()) >= self.max_positions
-        ):
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_positions):
             raise ValueError(
                 f"positions must lie in [0, {self.max_positions}) (max_position_embeddings); got "
                 f"[{int(positions.min())}, {int(positions.max())}]"

@@ -97,9 +97,7 @@ class Block(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, RouterStats | None]:
         """The block's output; with `with_stats`, (output, the MoE layer's RouterStats over the
         real tokens, or None for a dense layer)."""
-        attn = self.self_attn(
-            self.input_layernorm(x_BTD), cos_BTd, sin_BTd, self.layer, cache_step, packing
-        )
+        attn = self.self_attn(self.input_layernorm(x_BTD), cos_BTd, sin_BTd, self.layer, cache_step, packing)
         h_BTD = x_BTD + attn
         normed_BTD = self.post_attention_layernorm(h_BTD)
         if not with_stats:
@@ -119,9 +117,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rope = RotaryTable(config.head_dim, config.rope_theta, config.max_position_embeddings)
         self.activation_checkpointing = False
@@ -211,9 +207,7 @@ class Transformer(nn.Module):
                 )
             cache_step = cache.begin(seq)
             if cache_step.q_pos_BT.shape[0] != batch:
-                raise ValueError(
-                    f"the cache holds {cache_step.q_pos_BT.shape[0]} rows but tokens have {batch}"
-                )
+                raise ValueError(f"the cache holds {cache_step.q_pos_BT.shape[0]} rows but tokens have {batch}")
             default_positions = cache_step.q_pos_BT
         elif doc_ids is not None:
             packing = PackedLayout(doc_ids.long())

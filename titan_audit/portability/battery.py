@@ -77,8 +77,13 @@ class Difference:
     got_bits: str
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "expected": self.expected, "got": self.got,
-                "expected_bits": self.expected_bits, "got_bits": self.got_bits}  # fmt: skip
+        return {
+            "index": self.index,
+            "expected": self.expected,
+            "got": self.got,
+            "expected_bits": self.expected_bits,
+            "got_bits": self.got_bits,
+        }
 
 
 def first_difference(dtype: str, expected: bytes, got: bytes) -> Difference | None:
@@ -138,7 +143,9 @@ def emulator() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise ValueError(f"kernel battery: qemu-aarch64 not found (the arm64 battery runs under qemu-user); {CROSS_INSTALL}")
+    raise ValueError(
+        f"kernel battery: qemu-aarch64 not found (the arm64 battery runs under qemu-user); {CROSS_INSTALL}"
+    )
 
 
 def command(arch: str = "native") -> list[str]:
@@ -155,7 +162,9 @@ def variants(arch: str = "native") -> list[str]:
     return out.stdout.split()
 
 
-def run_cases(arch: str = "native", *, only: str | None = None, threads: tuple[int, ...] = (1, 2)) -> Iterator[CaseOutputs]:
+def run_cases(
+    arch: str = "native", *, only: str | None = None, threads: tuple[int, ...] = (1, 2)
+) -> Iterator[CaseOutputs]:
     """Run the battery and yield its cases (see the module doc). `only`: cases whose
     "kernel/case" starts with it."""
     cmd = [*command(arch), "--threads", ",".join(map(str, threads))]

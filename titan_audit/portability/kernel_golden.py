@@ -44,8 +44,23 @@ FORMAT = "titan-audit kernel golden"
 FORMAT_VERSION = 1
 SECTIONS = ("kernels", "torch_ops")
 HASH = "xxh3-128 (hex) of each record's raw output bytes"
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
-             "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # fmt: skip
+ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512dq",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 MAX_LISTED = 200  # mismatches kept per section in a result (the count is always complete)
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -123,8 +138,12 @@ def this_cpu(arch: str = "native", variants: Iterable[str] = ()) -> dict:
     entry = {
         "vendor": info.get("vendor_id", "unknown"),
         "model": host_model,
-        "cpuid": " ".join(f"{k} {info[k2]}" for k, k2 in (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
-                          if k2 in info) or None,  # a virtual machine may mask the model name
+        "cpuid": " ".join(
+            f"{k} {info[k2]}"
+            for k, k2 in (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+            if k2 in info
+        )
+        or None,  # a virtual machine may mask the model name
         "isa": [f for f in ISA_FLAGS if f in flags],
         "variants": list(variants),
         "arch": platform.machine(),
@@ -136,7 +155,9 @@ def this_cpu(arch: str = "native", variants: Iterable[str] = ()) -> dict:
             version = qemu.stdout.splitlines()[0].strip() if qemu.stdout else "qemu-aarch64"
         except ValueError:
             version = "qemu-aarch64"
-        entry.update(vendor="qemu-user", model=f"{version} (emulated on {host_model})", cpuid=None, isa=[], arch="aarch64")
+        entry.update(
+            vendor="qemu-user", model=f"{version} (emulated on {host_model})", cpuid=None, isa=[], arch="aarch64"
+        )
     return entry
 
 
@@ -151,7 +172,9 @@ def _cases(section: str, arch: str, only: str | None) -> Iterator[CaseOutputs]:
     if section == "kernels":
         return battery.run_cases(arch, only=only)
     if arch != "native":
-        raise ValueError("the torch-ops section runs natively only (torch does not run under qemu); use --section kernels")
+        raise ValueError(
+            "the torch-ops section runs natively only (torch does not run under qemu); use --section kernels"
+        )
     from titan_audit.portability import torch_ops
 
     return torch_ops.run_cases(only=only)
@@ -200,14 +223,26 @@ def _check_section(name: str, golden: dict, arch: str, only: str | None) -> dict
             n_mismatch += 1
             if len(mismatches) >= MAX_LISTED:
                 continue
-            item = {"kernel": case.kernel, "case": case.case, "variant": rec.variant, "threads": rec.threads,
-                    "expected": want["hash"], "got": rec.digest, "first_difference": None, "note": None}  # fmt: skip
+            item = {
+                "kernel": case.kernel,
+                "case": case.case,
+                "variant": rec.variant,
+                "threads": rec.threads,
+                "expected": want["hash"],
+                "got": rec.digest,
+                "first_difference": None,
+                "note": None,
+            }
             if (case.dtype, case.count) != (want["dtype"], want["count"]):
-                item["note"] = f"the golden has {want['count']} {want['dtype']} here, this run {case.count} {case.dtype}"
+                item["note"] = (
+                    f"the golden has {want['count']} {want['dtype']} here, this run {case.count} {case.dtype}"
+                )
             elif reference is not None:
                 diff = battery.first_difference(case.dtype, reference.data, rec.data)
                 item["first_difference"] = None if diff is None else diff.to_dict()
-                item["note"] = f"golden values from {reference.variant}, threads {reference.threads}, which has the golden's bits"
+                item["note"] = (
+                    f"golden values from {reference.variant}, threads {reference.threads}, which has the golden's bits"
+                )
             else:
                 item["note"] = "no variant or thread count here has the golden's bits; the golden keeps hashes only"
             mismatches.append(item)
@@ -239,7 +274,9 @@ def _sections(section: str, arch: str) -> tuple[str, ...]:
     if name not in SECTIONS:
         raise ValueError(f"unknown golden section {section!r}; choose from kernels, torch-ops, all")
     if name == "torch_ops" and arch != "native":
-        raise ValueError("the torch-ops section runs natively only (torch does not run under qemu); use --section kernels")
+        raise ValueError(
+            "the torch-ops section runs natively only (torch does not run under qemu); use --section kernels"
+        )
     return (name,)
 
 
@@ -254,7 +291,9 @@ def check(path: Path = DEFAULT_PATH, *, arch: str = "native", section: str = "al
     names = _sections(section, arch)
     for name in names:
         if not golden.get(name):
-            raise ValueError(f"kernel golden {path} has no {name} section (record it with --record --section {name.replace('_', '-')})")
+            raise ValueError(
+                f"kernel golden {path} has no {name} section (record it with --record --section {name.replace('_', '-')})"
+            )
     results = {name: {"checked": False} for name in SECTIONS}
     for name in names:
         results[name] = _check_section(name, golden, arch, only)
@@ -279,16 +318,22 @@ def record(path: Path = DEFAULT_PATH, *, arch: str = "native", section: str = "a
         raise ValueError(f"kernel golden {path} already exists; pass --force to replace it")
     names = _sections(section, arch)
     old = load(path) if path.exists() and len(names) < len(SECTIONS) else None
-    out = {"format": FORMAT, "format_version": FORMAT_VERSION, "hash": HASH,
-           "about": "Written by `titan-audit golden kernels --record`; checked by `titan-audit golden kernels`; "
-                    "passed_on is appended by `--mark-passed` after a passing check. Never edit by hand.",
-           "kernels": None, "torch_ops": None, "passed_on": []}  # fmt: skip
+    out = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "hash": HASH,
+        "about": "Written by `titan-audit golden kernels --record`; checked by `titan-audit golden kernels`; "
+        "passed_on is appended by `--mark-passed` after a passing check. Never edit by hand.",
+        "kernels": None,
+        "torch_ops": None,
+        "passed_on": [],
+    }
     if old is not None:
         for name in SECTIONS:
             out[name] = old.get(name)
         out["passed_on"] = old.get("passed_on", [])
     summary: dict = {"recorded": False, "golden": str(path), "sections": {}, "disagreements": []}
-    date = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    date = dt.datetime.now(dt.UTC).date().isoformat()
     for name in names:
         cases: dict[str, dict] = {}
         records = 0
@@ -301,10 +346,15 @@ def record(path: Path = DEFAULT_PATH, *, arch: str = "native", section: str = "a
                 first = case.records[0]
                 other = next(r for r in case.records if r.digest != first.digest)
                 diff = battery.first_difference(case.dtype, first.data, other.data)
-                summary["disagreements"].append({
-                    "section": name, "kernel": case.kernel, "case": case.case,
-                    "variants": [f"{r.variant}/threads {r.threads}: {r.digest}" for r in case.records],
-                    "first_difference": None if diff is None else diff.to_dict()})  # fmt: skip
+                summary["disagreements"].append(
+                    {
+                        "section": name,
+                        "kernel": case.kernel,
+                        "case": case.case,
+                        "variants": [f"{r.variant}/threads {r.threads}: {r.digest}" for r in case.records],
+                        "first_difference": None if diff is None else diff.to_dict(),
+                    }
+                )
                 continue
             cases[case.key] = {"hash": digests.pop(), "dtype": case.dtype, "count": case.count}
         variants = _variants(name, arch)
@@ -343,7 +393,7 @@ def mark_passed(path: Path, result: dict) -> dict:
     sections = [name for name, r in result["sections"].items() if r.get("checked") and r.get("passed")]
     if result.get("only"):
         raise ValueError("--mark-passed needs a check of every case (drop --case)")
-    entry = {**result["cpu"], "date": dt.datetime.now(dt.timezone.utc).date().isoformat(), "sections": sections}
+    entry = {**result["cpu"], "date": dt.datetime.now(dt.UTC).date().isoformat(), "sections": sections}
     for i, cpu in enumerate(golden["passed_on"]):
         if _same_cpu(cpu, entry):
             merged = sorted(set(cpu.get("sections", [])) | set(sections), key=SECTIONS.index)
@@ -362,18 +412,24 @@ def mark_passed(path: Path, result: dict) -> dict:
 def check_report(result: dict) -> list[str]:
     """Human lines for a `check` result."""
     cpu = result["cpu"]
-    lines = [f"kernel golden {result['golden']}: {'PASS' if result['passed'] else 'FAIL'} on {result['arch']} "
-             f"({cpu['vendor']} {cpu['model']}; variants {' '.join(cpu['variants'])})"]  # fmt: skip
+    lines = [
+        f"kernel golden {result['golden']}: {'PASS' if result['passed'] else 'FAIL'} on {result['arch']} "
+        f"({cpu['vendor']} {cpu['model']}; variants {' '.join(cpu['variants'])})"
+    ]
     for name, r in result["sections"].items():
         if not r.get("checked"):
             continue
         label = name.replace("_", "-")
-        lines.append(f"  {label}: {'pass' if r['passed'] else 'FAIL'}: {r['cases']} cases, {r['records']} records "
-                     f"(variants {' '.join(r['variants'])}; threads {' '.join(map(str, r['threads']))}) in {r['seconds']:.1f} s")  # fmt: skip
+        lines.append(
+            f"  {label}: {'pass' if r['passed'] else 'FAIL'}: {r['cases']} cases, {r['records']} records "
+            f"(variants {' '.join(r['variants'])}; threads {' '.join(map(str, r['threads']))}) in {r['seconds']:.1f} s"
+        )
         version = r.get("kernels_version")
         if version and version["here"] is not None and version["golden"] != version["here"]:
-            lines.append(f"    the golden was recorded with kernels version {version['golden']}, these are version "
-                         f"{version['here']}: if the change is intended, re-record (--record --force)")  # fmt: skip
+            lines.append(
+                f"    the golden was recorded with kernels version {version['golden']}, these are version "
+                f"{version['here']}: if the change is intended, re-record (--record --force)"
+            )
         torch_v = r.get("torch")
         if torch_v and torch_v["golden"] != torch_v["here"]:
             lines.append(f"    recorded with torch {torch_v['golden']}, running torch {torch_v['here']}")
@@ -382,8 +438,10 @@ def check_report(result: dict) -> list[str]:
             text = f"    {where}: hash {m['got']} != golden {m['expected']}"
             d = m["first_difference"]
             if d is not None:
-                text += (f"; first differing element {d['index']}: golden {d['expected']} ({d['expected_bits']}), "
-                         f"here {d['got']} ({d['got_bits']})")  # fmt: skip
+                text += (
+                    f"; first differing element {d['index']}: golden {d['expected']} ({d['expected_bits']}), "
+                    f"here {d['got']} ({d['got_bits']})"
+                )
             if m["note"]:
                 text += f" ({m['note']})"
             lines.append(text)
@@ -403,11 +461,17 @@ def record_report(summary: dict) -> list[str]:
         lines = [f"kernel golden {summary['golden']}: NOT recorded: variants or thread counts disagree on this machine"]
         for d in summary["disagreements"][:20]:
             diff = d["first_difference"]
-            at = "" if diff is None else f"; first differing element {diff['index']}: {diff['expected']} vs {diff['got']}"
+            at = (
+                ""
+                if diff is None
+                else f"; first differing element {diff['index']}: {diff['expected']} vs {diff['got']}"
+            )
             lines.append(f"  {d['section']} {d['kernel']}/{d['case']}: {', '.join(d['variants'])}{at}")
         return lines
     lines = [f"kernel golden {summary['golden']}: recorded"]
     for name, s in summary["sections"].items():
-        lines.append(f"  {name.replace('_', '-')}: {s['cases']} cases from {s['records']} records (variants {' '.join(s['variants'])})")
+        lines.append(
+            f"  {name.replace('_', '-')}: {s['cases']} cases from {s['records']} records (variants {' '.join(s['variants'])})"
+        )
     lines.append("  check it on another CPU with `titan-audit golden kernels`, then add that CPU with --mark-passed")
     return lines

@@ -180,7 +180,7 @@ def _advantages(kind: str) -> Callable[[], dict]:
         from titan_audit.rl.loss import group_advantages
 
         if kind == "binary_g8":
-            r = ((words(8, "adv/binary") >> np.uint64(63)).astype(np.float32))
+            r = (words(8, "adv/binary") >> np.uint64(63)).astype(np.float32)
         elif kind == "equal_g5":
             r = np.full(5, 0.75, dtype=np.float32)
         else:
@@ -210,8 +210,9 @@ def _policy_loss(with_ref: bool) -> Callable[[], dict]:
         lp, gen = _lps(n, "policy_loss")
         adv = uniform32(n, "policy_loss/adv", -2.0, 2.0)
         ref = uniform32(n, "policy_loss/ref", -12.0, 0.0) if with_ref else None
-        loss, parts = policy_loss(_t(lp), _t(gen), _t(adv), 4096, 0.2, None if ref is None else _t(ref),
-                                  0.05 if with_ref else 0.0)  # fmt: skip
+        loss, parts = policy_loss(
+            _t(lp), _t(gen), _t(adv), 4096, 0.2, None if ref is None else _t(ref), 0.05 if with_ref else 0.0
+        )
         values = torch.tensor([parts["pg"], parts["clipped"], parts["ref_kl"]], dtype=torch.float64)
         return {"loss": loss, "parts": values}
 

@@ -81,9 +81,16 @@ class DivergenceMap:
         for i, (phase, group) in enumerate(self.rows):
             cells = [(s, self.cells[(i, s)]) for s in self.steps if (i, s) in self.cells]
             first = next((s for s, c in cells if c.events), None)
-            out.append({"phase": phase, "module": group, "compared": sum(c.compared for _, c in cells),
-                        "differing": sum(c.differing for _, c in cells),
-                        "one_side_only": sum(c.only_a + c.only_b for _, c in cells), "first_step": first})  # fmt: skip
+            out.append(
+                {
+                    "phase": phase,
+                    "module": group,
+                    "compared": sum(c.compared for _, c in cells),
+                    "differing": sum(c.differing for _, c in cells),
+                    "one_side_only": sum(c.only_a + c.only_b for _, c in cells),
+                    "first_step": first,
+                }
+            )
         return out
 
 
@@ -91,7 +98,17 @@ def divergence_map(run_a: str | os.PathLike, run_b: str | os.PathLike) -> Diverg
     joined = joined_records(run_a, run_b)
     rows: dict[tuple[str, str], int] = {}
     raw: dict[tuple[tuple[str, str], int], Cell] = {}
-    names = ("step", "phase", "name", "_compared", "_differing", "_only_in_a", "_only_in_b", "_conflict_in_a", "_conflict_in_b")
+    names = (
+        "step",
+        "phase",
+        "name",
+        "_compared",
+        "_differing",
+        "_only_in_a",
+        "_only_in_b",
+        "_conflict_in_a",
+        "_conflict_in_b",
+    )
     for step, phase, name, both, differ, only_a, only_b, conflict_a, conflict_b in zip(
         *(joined[c].to_pylist() for c in names)
     ):

@@ -36,8 +36,12 @@ def _png(fig) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def curves(series: Sequence[tuple[str, list[dict[str, Any]]]], columns: Sequence[str], titles: dict[str, str] | None = None,
-           log: Sequence[str] = ()) -> str | None:  # fmt: skip
+def curves(
+    series: Sequence[tuple[str, list[dict[str, Any]]]],
+    columns: Sequence[str],
+    titles: dict[str, str] | None = None,
+    log: Sequence[str] = (),
+) -> str | None:
     """One panel per column present in any series; one line per (label, metrics rows)."""
     present = [c for c in columns if any(any(r.get(c) is not None for r in rows) for _, rows in series)]
     if not present:

@@ -19,10 +19,21 @@ from titan_audit.audit.report import compare_report
 from titan_audit.audit.run_manifest import read_manifest
 from titan_audit.report import plots
 from titan_audit.report.divergence import divergence_map
-from titan_audit.report.runs import (coverage, read_demo, read_metrics, replays, run_kind, starts)
+from titan_audit.report.runs import coverage, read_demo, read_metrics, replays, run_kind, starts
 
-GAP_COLUMNS = ("step", "reward_mean", "gap_tokens", "gap_tokens_differing", "gap_max_abs", "gap_mean_abs", "gap_k3_kl",
-               "ratio_min", "ratio_mean", "ratio_max", "policy_age")  # fmt: skip
+GAP_COLUMNS = (
+    "step",
+    "reward_mean",
+    "gap_tokens",
+    "gap_tokens_differing",
+    "gap_max_abs",
+    "gap_mean_abs",
+    "gap_k3_kl",
+    "ratio_min",
+    "ratio_mean",
+    "ratio_max",
+    "policy_age",
+)
 MD_ROWS = 40  # long per-step tables are cut in the Markdown (the HTML has them all)
 
 CSS = """body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:1.5em auto;max-width:1150px;
@@ -63,14 +74,18 @@ class Doc:
         self.html.append("<pre>" + html.escape("\n".join(lines)) + "</pre>")
         self.md += ["```", *lines, "```", ""]
 
-    def table(self, headers: list[str], rows: list[list[Any]], result_col: int | None = None, md_limit: int | None = None) -> None:
+    def table(
+        self, headers: list[str], rows: list[list[Any]], result_col: int | None = None, md_limit: int | None = None
+    ) -> None:
         out = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>"]
         for row in rows:
             cells = []
             for j, value in enumerate(row):
                 text = html.escape(_fmt(value))
                 if j == result_col:
-                    cls = {"PASS": "pass", "FAIL": "fail", "SKIP": "skip"}.get(str(value).split()[0] if value else "", "")
+                    cls = {"PASS": "pass", "FAIL": "fail", "SKIP": "skip"}.get(
+                        str(value).split()[0] if value else "", ""
+                    )
                     if "the control: it must fail" in str(value):
                         cls = "pass"
                     cells.append(f"<td class='{cls}'>{text}</td>")
@@ -93,9 +108,12 @@ class Doc:
         self.md += [f"(plot in report.html: {alt})", ""]
 
     def render_html(self) -> str:
-        return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-                f"<title>{html.escape(self.title)}</title><style>{CSS}</style></head><body>\n"
-                + "\n".join(self.html) + "\n</body></html>\n")  # fmt: skip
+        return (
+            "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(self.title)}</title><style>{CSS}</style></head><body>\n"
+            + "\n".join(self.html)
+            + "\n</body></html>\n"
+        )
 
     def render_md(self) -> str:
         return "\n".join(self.md).rstrip() + "\n"
@@ -108,11 +126,15 @@ def _config_line(manifest: dict[str, Any]) -> str:
     parts = [f"model {c.get('model', {}).get('preset')}", f"{c.get('steps')} steps", f"seed {c.get('seed')}"]
     if "data" in c:
         d = c["data"]
-        parts.append(f"V = {d.get('global_batch_size', 0) // max(d.get('microbatch_size', 1), 1)} virtual microbatches "
-                     f"of {d.get('microbatch_size')} x {d.get('seq_len')} tokens")  # fmt: skip
+        parts.append(
+            f"V = {d.get('global_batch_size', 0) // max(d.get('microbatch_size', 1), 1)} virtual microbatches "
+            f"of {d.get('microbatch_size')} x {d.get('seq_len')} tokens"
+        )
     if "task" in c:
         t = c["task"]
-        parts.append(f"task {t.get('name')}, {t.get('prompts_per_step')} prompts x {t.get('samples_per_prompt')} samples")
+        parts.append(
+            f"task {t.get('name')}, {t.get('prompts_per_step')} prompts x {t.get('samples_per_prompt')} samples"
+        )
         parts.append(f"lag {c.get('rollout', {}).get('lag')}")
     parts.append(f"determinism {'on' if det.get('enabled', True) else 'OFF'}")
     parts.append(f"batch-invariant ops {'on' if det.get('batch_invariant') else 'off'}")
@@ -124,8 +146,10 @@ def _fingerprint_line(manifest: dict[str, Any]) -> str | None:
     fp = manifest.get("fingerprint")
     if not isinstance(fp, dict):
         return None
-    return (f"numerics: torch {fp.get('torch_version')} on {fp.get('device_kind')} ({fp.get('device_name')}), "
-            f"ISA {fp.get('cpu_capability')}, BLAS {fp.get('blas')}, {fp.get('num_threads')} intra-op thread(s)")  # fmt: skip
+    return (
+        f"numerics: torch {fp.get('torch_version')} on {fp.get('device_kind')} ({fp.get('device_name')}), "
+        f"ISA {fp.get('cpu_capability')}, BLAS {fp.get('blas')}, {fp.get('num_threads')} intra-op thread(s)"
+    )
 
 
 def _census(doc: Doc, manifest: dict[str, Any]) -> None:
@@ -137,13 +161,21 @@ def _census(doc: Doc, manifest: dict[str, Any]) -> None:
     if census.get("mode") == "off" or seen is None:
         doc.p("batch-invariant op census: off for this run (native ops were not checked)")
     elif not seen:
-        doc.p(f"batch-invariant op census ({census.get('mode')}): native ops seen: none; only our kernels and "
-              "exact IEEE ops computed in BI mode", "pass")  # fmt: skip
+        doc.p(
+            f"batch-invariant op census ({census.get('mode')}): native ops seen: none; only our kernels and "
+            "exact IEEE ops computed in BI mode",
+            "pass",
+        )
     else:
-        doc.p(f"batch-invariant op census ({census.get('mode')}): native ops seen: {len(seen)} (their bits may "
-              "depend on the CPU)", "fail")  # fmt: skip
-        doc.table(["native op", "count", "why", "first call site"],
-                  [[op, row.get("count"), row.get("reason"), row.get("first_site")] for op, row in seen.items()])
+        doc.p(
+            f"batch-invariant op census ({census.get('mode')}): native ops seen: {len(seen)} (their bits may "
+            "depend on the CPU)",
+            "fail",
+        )
+        doc.table(
+            ["native op", "count", "why", "first call site"],
+            [[op, row.get("count"), row.get("reason"), row.get("first_site")] for op, row in seen.items()],
+        )
 
 
 def section_overview(doc: Doc, run: Path, manifest: dict[str, Any]) -> None:
@@ -155,9 +187,13 @@ def section_overview(doc: Doc, run: Path, manifest: dict[str, Any]) -> None:
     history = starts(run)
     if history:
         doc.p("starts and resumes (manifest world-size history):")
-        doc.table(["#", "world size", "start step", "parallel mode", "time"],
-                  [[i, h.get("world_size"), h.get("start_step"), h.get("parallel_mode"), h.get("time")]
-                   for i, h in enumerate(history)])  # fmt: skip
+        doc.table(
+            ["#", "world size", "start step", "parallel mode", "time"],
+            [
+                [i, h.get("world_size"), h.get("start_step"), h.get("parallel_mode"), h.get("time")]
+                for i, h in enumerate(history)
+            ],
+        )
     if isinstance(manifest.get("replay_of"), dict):
         of = manifest["replay_of"]
         doc.p(f"elastic replay of {of.get('run')} from its checkpoint of step {of.get('from_step')}")
@@ -170,12 +206,19 @@ def section_curves(doc: Doc, series: list[tuple[str, list[dict[str, Any]]]], rl:
     if rl:
         doc.image(plots.curves(series, ("reward_mean", "loss", "grad_norm")), "reward and loss per RL step")
     else:
-        doc.image(plots.curves(series, ("loss", "grad_norm", "lr"), log=()), "loss, grad norm and learning rate per step")
+        doc.image(
+            plots.curves(series, ("loss", "grad_norm", "lr"), log=()), "loss, grad norm and learning rate per step"
+        )
     for label, rows in series:
         if rows:
             last = rows[-1]
-            keys = [k for k in ("loss", "grad_norm", "lr", "reward_mean", "tokens", "seconds", "world_size") if k in last]
-            doc.p(f"{label}: {len(rows)} steps; last step {last['step']}: " + ", ".join(f"{k} {_fmt(last[k])}" for k in keys))
+            keys = [
+                k for k in ("loss", "grad_norm", "lr", "reward_mean", "tokens", "seconds", "world_size") if k in last
+            ]
+            doc.p(
+                f"{label}: {len(rows)} steps; last step {last['step']}: "
+                + ", ".join(f"{k} {_fmt(last[k])}" for k in keys)
+            )
 
 
 def section_zero_gap(doc: Doc, runs: list[tuple[str, Path]]) -> list[dict[str, Any]]:
@@ -193,7 +236,9 @@ def section_zero_gap(doc: Doc, runs: list[tuple[str, Path]]) -> list[dict[str, A
     for label, summary in summaries:
         if summary["verified"]:
             doc.p(f"per step, {label}:")
-            doc.table(list(GAP_COLUMNS), [[r.get(c) for c in GAP_COLUMNS] for r in summary["per_step"]], md_limit=MD_ROWS)
+            doc.table(
+                list(GAP_COLUMNS), [[r.get(c) for c in GAP_COLUMNS] for r in summary["per_step"]], md_limit=MD_ROWS
+            )
     return [s for _, s in summaries]
 
 
@@ -203,13 +248,24 @@ def section_coverage(doc: Doc, run: Path) -> None:
         doc.p(f"{run}: no audit log (audit/ not found)")
         return
     repeats = cov.records - cov.unique_keys
-    doc.p(f"{cov.records} records in {cov.parts} Parquet parts over {len(cov.steps)} steps "
-          f"({cov.steps[0] if cov.steps else '-'}..{cov.steps[-1] if cov.steps else '-'}); {cov.unique_keys} unique keys "
-          f"(step, phase, microbatch, name)" + (f"; {repeats} repeats of a key (steps replayed by a resume), "
-          f"{cov.repeated_with_other_hash} of them with another hash" if repeats else ""))  # fmt: skip
-    doc.table(["phase", "what is hashed", "records", "steps", "names", "microbatches", "ranks", "dtypes", "e.g."],
-              [[p.phase, p.meaning, p.records, p.steps, p.names, p.microbatches, p.ranks, p.dtypes, ", ".join(p.examples)]
-               for p in cov.phases])  # fmt: skip
+    doc.p(
+        f"{cov.records} records in {cov.parts} Parquet parts over {len(cov.steps)} steps "
+        f"({cov.steps[0] if cov.steps else '-'}..{cov.steps[-1] if cov.steps else '-'}); {cov.unique_keys} unique keys "
+        f"(step, phase, microbatch, name)"
+        + (
+            f"; {repeats} repeats of a key (steps replayed by a resume), "
+            f"{cov.repeated_with_other_hash} of them with another hash"
+            if repeats
+            else ""
+        )
+    )
+    doc.table(
+        ["phase", "what is hashed", "records", "steps", "names", "microbatches", "ranks", "dtypes", "e.g."],
+        [
+            [p.phase, p.meaning, p.records, p.steps, p.names, p.microbatches, p.ranks, p.dtypes, ", ".join(p.examples)]
+            for p in cov.phases
+        ],
+    )
     doc.image(plots.coverage(cov.per_step), "audit records per step by phase")
     if cov.checkpoints:
         doc.p("checkpoints (each verified against its hashes.json when loaded):")
@@ -226,10 +282,34 @@ def section_replays(doc: Doc, run: Path) -> None:
         fd = r.first_divergence
         where = "-" if fd is None else f"step {fd['step']} {fd['phase']} {fd['name']} ({fd['kind']})"
         verdict = "PASS identical" if r.identical else ("FAIL " + (r.error or "different"))
-        rows.append([r.replay, r.from_step, f"{r.from_step + 1}..{r.to_step}", r.world_size, r.compared, r.differing,
-                     r.one_side_only, where, verdict])  # fmt: skip
-    doc.table(["replay", "from checkpoint", "steps compared", "W", "records compared", "differ", "one run only",
-               "first divergence", "verdict"], rows, result_col=8)  # fmt: skip
+        rows.append(
+            [
+                r.replay,
+                r.from_step,
+                f"{r.from_step + 1}..{r.to_step}",
+                r.world_size,
+                r.compared,
+                r.differing,
+                r.one_side_only,
+                where,
+                verdict,
+            ]
+        )
+    doc.table(
+        [
+            "replay",
+            "from checkpoint",
+            "steps compared",
+            "W",
+            "records compared",
+            "differ",
+            "one run only",
+            "first divergence",
+            "verdict",
+        ],
+        rows,
+        result_col=8,
+    )
 
 
 def section_against(doc: Doc, run_a: Path, run_b: Path, title: str | None = None) -> None:
@@ -237,20 +317,31 @@ def section_against(doc: Doc, run_a: Path, run_b: Path, title: str | None = None
 
     doc.h2(title or f"Compared with {run_b}")
     result = compare_runs(run_a, run_b)
-    doc.p("PASS identical: every audit hash equal" if result.identical else
-          "DIFFERENT: the runs part (first divergence below)", "pass" if result.identical else "fail")  # fmt: skip
+    doc.p(
+        "PASS identical: every audit hash equal"
+        if result.identical
+        else "DIFFERENT: the runs part (first divergence below)",
+        "pass" if result.identical else "fail",
+    )
     doc.code(compare_report(result.to_dict()))
     grid = divergence_map(run_a, run_b)
     totals = grid.totals()
-    doc.p(f"divergence map: {len(grid.rows)} phase/module rows x {len(grid.steps)} steps; {totals.differing} of "
-          f"{totals.compared} keys in both runs differ, {totals.only_a} in A only, {totals.only_b} in B only")  # fmt: skip
+    doc.p(
+        f"divergence map: {len(grid.rows)} phase/module rows x {len(grid.steps)} steps; {totals.differing} of "
+        f"{totals.compared} keys in both runs differ, {totals.only_a} in A only, {totals.only_b} in B only"
+    )
     doc.image(plots.divergence(grid), "divergence map (steps x phase/module)")
     differing = [r for r in grid.row_summary() if r["differing"] or r["one_side_only"]]
     if differing:
         doc.p("rows that differ (first step with a difference):")
-        doc.table(["phase", "module", "keys compared", "differ", "one run only", "first step"],
-                  [[r["phase"], r["module"], r["compared"], r["differing"], r["one_side_only"], r["first_step"]]
-                   for r in differing], md_limit=MD_ROWS)  # fmt: skip
+        doc.table(
+            ["phase", "module", "keys compared", "differ", "one run only", "first step"],
+            [
+                [r["phase"], r["module"], r["compared"], r["differing"], r["one_side_only"], r["first_step"]]
+                for r in differing
+            ],
+            md_limit=MD_ROWS,
+        )
 
 
 # ------------------------------------------------------------------------------------ reports
@@ -285,15 +376,25 @@ def demo_report(out: Path, against: Path | None = None) -> Doc:
     demo = read_demo(out)
     doc = Doc(f"titan-audit demo: {out}")
     ok = demo.get("passed")
-    doc.p(f"{'every guarantee held' if ok else 'a guarantee FAILED'}; mode {'--quick' if demo.get('quick') else 'full'}, "
-          f"{demo.get('created')}, {demo.get('seconds', 0):.0f} s", "pass" if ok else "fail")  # fmt: skip
+    doc.p(
+        f"{'every guarantee held' if ok else 'a guarantee FAILED'}; mode {'--quick' if demo.get('quick') else 'full'}, "
+        f"{demo.get('created')}, {demo.get('seconds', 0):.0f} s",
+        "pass" if ok else "fail",
+    )
     if demo.get("numerics"):
         doc.p(demo["numerics"])
     doc.h2("Verdicts")
-    doc.table(["guarantee", "what was checked", "result", "evidence"],
-              [[r["guarantee"], r["checked"], f"{r['result']} {r.get('detail', '')}".strip(), r.get("evidence", "")]
-               for r in demo["rows"]], result_col=2)  # fmt: skip
-    runs = {role: out / rel for role, rel in (demo.get("runs") or {}).items() if (out / rel / "manifest.json").is_file()}
+    doc.table(
+        ["guarantee", "what was checked", "result", "evidence"],
+        [
+            [r["guarantee"], r["checked"], f"{r['result']} {r.get('detail', '')}".strip(), r.get("evidence", "")]
+            for r in demo["rows"]
+        ],
+        result_col=2,
+    )
+    runs = {
+        role: out / rel for role, rel in (demo.get("runs") or {}).items() if (out / rel / "manifest.json").is_file()
+    }
     train_roles = [r for r in ("train_w2", "train_w1", "replay_w1", "kill_resume", "control_w2") if r in runs]
     if train_roles:
         doc.h2("Training runs (G3 elastic, G5 kill and resume)")
@@ -302,9 +403,11 @@ def demo_report(out: Path, against: Path | None = None) -> Doc:
         doc.h2("Kill -9 and resume (G5)")
         kill = demo.get("kill") or {}
         if kill:
-            doc.p(f"SIGKILL sent to pid {kill.get('pid')} {kill.get('after_s', 0):.2f} s after its start, as soon as its "
-                  f"checkpoint of step {kill.get('checkpoint_step')} was on disk (exit status {kill.get('returncode')}); "
-                  f"then resumed with --resume from that checkpoint")  # fmt: skip
+            doc.p(
+                f"SIGKILL sent to pid {kill.get('pid')} {kill.get('after_s', 0):.2f} s after its start, as soon as its "
+                f"checkpoint of step {kill.get('checkpoint_step')} was on disk (exit status {kill.get('returncode')}); "
+                f"then resumed with --resume from that checkpoint"
+            )
         section_overview(doc, runs["kill_resume"], read_manifest(runs["kill_resume"]))
     rl_roles = [r for r in ("rl_builtin", "rl_vllm", "rl_native") if r in runs]
     if rl_roles:
@@ -316,9 +419,22 @@ def demo_report(out: Path, against: Path | None = None) -> Doc:
         doc.table(headers, [[s["check"], s["shape"], s["bi"], s["native"]] for s in demo["spot_checks"]])
     if demo.get("goldens"):
         doc.h2("Committed goldens (G1)")
-        doc.table(["golden", "run", "mode", "result", "records compared", "metric points", "notes"],
-                  [[g["golden"], g["run"], g["mode"], g["result"], g.get("records"), g.get("metric_points"),
-                    "; ".join(g.get("notes") or []) or "-"] for g in demo["goldens"]], result_col=3)  # fmt: skip
+        doc.table(
+            ["golden", "run", "mode", "result", "records compared", "metric points", "notes"],
+            [
+                [
+                    g["golden"],
+                    g["run"],
+                    g["mode"],
+                    g["result"],
+                    g.get("records"),
+                    g.get("metric_points"),
+                    "; ".join(g.get("notes") or []) or "-",
+                ]
+                for g in demo["goldens"]
+            ],
+            result_col=3,
+        )
     if "train_w2" in runs:
         doc.h2(f"Audit coverage of {runs['train_w2'].name}")
         section_coverage(doc, runs["train_w2"])
@@ -334,7 +450,10 @@ def demo_report(out: Path, against: Path | None = None) -> Doc:
             section_against(doc, base, against)
     if demo.get("stages"):
         doc.h2("Stages")
-        doc.table(["stage", "seconds", "log"], [[s["name"], round(s["seconds"], 1), s.get("log") or "-"] for s in demo["stages"]])
+        doc.table(
+            ["stage", "seconds", "log"],
+            [[s["name"], round(s["seconds"], 1), s.get("log") or "-"] for s in demo["stages"]],
+        )
     return doc
 
 

@@ -125,19 +125,33 @@ def coverage(run: str | os.PathLike) -> Coverage | None:
         names = sorted(set(sub["name"].to_pylist()))
         counts = sub.group_by("step").aggregate([("name", "count")]).to_pylist()
         per_step[phase] = {int(r["step"]): int(r["name_count"]) for r in counts}
-        phases.append(PhaseCoverage(
-            phase=phase, records=sub.num_rows, unique_keys=keys.num_rows,
-            steps=len(pc.unique(sub["step"])), names=len(names),
-            microbatches=len([m for m in pc.unique(sub["microbatch"]).to_pylist() if m >= 0]),
-            ranks=sorted(pc.unique(sub["rank"]).to_pylist()), dtypes=sorted(pc.unique(sub["dtype"]).to_pylist()),
-            examples=names[:4], meaning=PHASE_MEANING.get(phase, ""),
-        ))  # fmt: skip
+        phases.append(
+            PhaseCoverage(
+                phase=phase,
+                records=sub.num_rows,
+                unique_keys=keys.num_rows,
+                steps=len(pc.unique(sub["step"])),
+                names=len(names),
+                microbatches=len([m for m in pc.unique(sub["microbatch"]).to_pylist() if m >= 0]),
+                ranks=sorted(pc.unique(sub["rank"]).to_pylist()),
+                dtypes=sorted(pc.unique(sub["dtype"]).to_pylist()),
+                examples=names[:4],
+                meaning=PHASE_MEANING.get(phase, ""),
+            )
+        )
     unique = table.group_by(list(KEY)).aggregate([("hash", "count_distinct")]) if table.num_rows else None
     conflicts = 0 if unique is None else int(pc.sum(pc.greater(unique["hash_count_distinct"], 1)).as_py() or 0)
     steps = sorted(pc.unique(table["step"]).to_pylist()) if table.num_rows else []
-    return Coverage(records=table.num_rows, unique_keys=0 if unique is None else unique.num_rows,
-                    repeated_with_other_hash=conflicts, steps=steps, parts=len(part_files(run)), phases=phases,
-                    per_step=per_step, checkpoints=checkpoints(run))  # fmt: skip
+    return Coverage(
+        records=table.num_rows,
+        unique_keys=0 if unique is None else unique.num_rows,
+        repeated_with_other_hash=conflicts,
+        steps=steps,
+        parts=len(part_files(run)),
+        phases=phases,
+        per_step=per_step,
+        checkpoints=checkpoints(run),
+    )
 
 
 def checkpoints(run: Path) -> list[dict[str, Any]]:
@@ -195,14 +209,35 @@ def replay_verdict(source: Path, replay: Path, from_step: int) -> ReplayVerdict:
     world = history[-1].get("world_size") if history else None
     last = _last_step(replay)
     if last is None or last <= from_step:
-        return ReplayVerdict(str(source), str(replay), from_step, from_step, world, False, 0, 0, 0, None,
-                             error="the replay recorded no step after its checkpoint")  # fmt: skip
+        return ReplayVerdict(
+            str(source),
+            str(replay),
+            from_step,
+            from_step,
+            world,
+            False,
+            0,
+            0,
+            0,
+            None,
+            error="the replay recorded no step after its checkpoint",
+        )
     try:
         result = compare_replay(source, replay, from_step, last)
     except ValueError as error:
         return ReplayVerdict(str(source), str(replay), from_step, last, world, False, 0, 0, 0, None, error=str(error))
-    return ReplayVerdict(str(source), str(replay), from_step, last, world, result.identical, result.compared,
-                         result.differing, result.only_in_a + result.only_in_b, result.first_divergence)  # fmt: skip
+    return ReplayVerdict(
+        str(source),
+        str(replay),
+        from_step,
+        last,
+        world,
+        result.identical,
+        result.compared,
+        result.differing,
+        result.only_in_a + result.only_in_b,
+        result.first_divergence,
+    )
 
 
 def replays(run: str | os.PathLike) -> list[ReplayVerdict]:

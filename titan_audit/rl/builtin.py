@@ -153,17 +153,18 @@ class BuiltinGenerator:
         unexpected = sorted(set(state_dict) - set(own))
         if missing or unexpected:
             raise ValueError(
-                f"load_weights: state dict does not match the model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
+                f"load_weights: state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         for name, target in own.items():
             source = state_dict[name]
             if not isinstance(source, torch.Tensor) or source.shape != target.shape or source.dtype != target.dtype:
-                got = (f"{source.dtype} {tuple(source.shape)}" if isinstance(source, torch.Tensor)
-                       else type(source).__name__)  # fmt: skip
+                got = (
+                    f"{source.dtype} {tuple(source.shape)}"
+                    if isinstance(source, torch.Tensor)
+                    else type(source).__name__
+                )
                 raise ValueError(
-                    f"load_weights: tensor {name!r} is {got}, the generator's is "
-                    f"{target.dtype} {tuple(target.shape)}"
+                    f"load_weights: tensor {name!r} is {got}, the generator's is {target.dtype} {tuple(target.shape)}"
                 )
         if not isinstance(policy_version, int):
             raise ValueError(f"load_weights: policy_version must be an int, got {policy_version!r}")
@@ -202,8 +203,9 @@ class BuiltinGenerator:
     def _check(self, requests: list[GenerationRequest], params: SamplingParams) -> list[_Prompt]:
         """Validate every request; the prompts, in order of their first request."""
         model_config = self.model.config
-        groups = check_requests(requests, params, model_config.vocab_size,
-                                model_config.max_position_embeddings, "max_position_embeddings")  # fmt: skip
+        groups = check_requests(
+            requests, params, model_config.vocab_size, model_config.max_position_embeddings, "max_position_embeddings"
+        )
         prompts = {group: _Prompt(ids, indices) for group, (ids, indices) in groups.items()}
         max_new = params.max_new_tokens
         if self.config.num_blocks is not None:

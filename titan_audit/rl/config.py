@@ -32,12 +32,19 @@ from titan_audit.trainer import typed_config
 from titan_audit.trainer.config import AuditSection, CheckpointSection, ModelSection, _flatten
 from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 
-RESUME_MUTABLE_KEYS = frozenset({
-    "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
-    "audit.flush_every_steps", "parallel.backend", "rollout.buffer",
-    "determinism.census",  # record or stop: never the bits of a step
-    "generator",  # builtin and vllm give the same samples in BI mode (tests/rl/test_vllm_rl.py); runs before the key
-})  # fmt: skip
+RESUME_MUTABLE_KEYS = frozenset(
+    {
+        "steps",
+        "checkpoint.interval",
+        "checkpoint.keep_last",
+        "checkpoint.fallback",
+        "audit.flush_every_steps",
+        "parallel.backend",
+        "rollout.buffer",
+        "determinism.census",  # record or stop: never the bits of a step
+        "generator",  # builtin and vllm give the same samples in BI mode (tests/rl/test_vllm_rl.py); runs before the key
+    }
+)
 
 
 @dataclass
@@ -98,8 +105,10 @@ class RolloutSection:
         if self.buffer < 0:
             raise ValueError(f"rollout.buffer must be >= 0, got {self.buffer}")
         if self.lag > self.buffer:
-            raise ValueError(f"rollout.lag = {self.lag} is larger than rollout.buffer = {self.buffer} "
-                             f"(the steps of rollouts held ahead); raise rollout.buffer or lower the lag")  # fmt: skip
+            raise ValueError(
+                f"rollout.lag = {self.lag} is larger than rollout.buffer = {self.buffer} "
+                f"(the steps of rollouts held ahead); raise rollout.buffer or lower the lag"
+            )
 
 
 @dataclass
@@ -155,8 +164,10 @@ class RLConfig:
         """ValueError unless W divides P (each rank serves a whole block of prompt ids)."""
         p = self.task.prompts_per_step
         if world_size < 1 or p % world_size:
-            raise ValueError(f"world size {world_size} does not divide task.prompts_per_step = {p}; "
-                             f"use W in {[w for w in range(1, p + 1) if p % w == 0]}")  # fmt: skip
+            raise ValueError(
+                f"world size {world_size} does not divide task.prompts_per_step = {p}; "
+                f"use W in {[w for w in range(1, p + 1) if p % w == 0]}"
+            )
 
 
 RECIPES: dict[str, dict[str, Any]] = {
@@ -194,5 +205,8 @@ def resume_differences(saved: dict[str, Any], current: RLConfig) -> list[str]:
     """Dotted keys whose values differ between a run's saved config and `current`, other than
     RESUME_MUTABLE_KEYS. Empty: the resume is allowed."""
     a, b = _flatten(saved), _flatten(to_dict(current))
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
-            if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)]  # fmt: skip
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(a.keys() | b.keys())
+        if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)
+    ]

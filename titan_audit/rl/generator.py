@@ -38,7 +38,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0
+        ):
             raise ValueError(f"sampling temperature must be a finite number > 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p!r}")

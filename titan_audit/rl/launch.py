@@ -37,24 +37,37 @@ def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides:
         raise ValueError(f"{out}/manifest.json config: {error}") from None
 
 
-def start_rl(source: str | None, out: Path, *, init: str | None, nproc: int | None, steps: int | None, resume: bool,
-             overwrite: bool, overrides: Sequence[str], quiet: bool = False) -> int:  # fmt: skip
+def start_rl(
+    source: str | None,
+    out: Path,
+    *,
+    init: str | None,
+    nproc: int | None,
+    steps: int | None,
+    resume: bool,
+    overwrite: bool,
+    overrides: Sequence[str],
+    quiet: bool = False,
+) -> int:
     from titan_audit.rl.loop import check_run_dir
     from titan_audit.trainer.checkpoint import Checkpointer
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with existing_run_locked(out):
-        config = resolve_rl_config(source, out, resume=resume,
-                                   overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])])  # fmt: skip
+        config = resolve_rl_config(
+            source, out, resume=resume, overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])]
+        )
         world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
             check_run_dir(config, Path(out), init=init, resume=resume, overwrite=overwrite, world_size=world_size)
             if resume:
                 start, _ = Checkpointer(out).preflight(fallback=config.checkpoint.fallback)
                 if start >= config.steps:
-                    raise ValueError(f"{out}: already at step {start} of steps={config.steps}; nothing to run "
-                                     f"(--steps N or --set steps=N with N > {start} extends it)")  # fmt: skip
+                    raise ValueError(
+                        f"{out}: already at step {start} of steps={config.steps}; nothing to run "
+                        f"(--steps N or --set steps=N with N > {start} extends it)"
+                    )
         if nproc is None and int(os.environ.get("RANK", "0")) == 0:  # in this process: hold the lock here
             from titan_audit.trainer.run_dir import run_lock
 
@@ -63,8 +76,16 @@ def start_rl(source: str | None, out: Path, *, init: str | None, nproc: int | No
         return launch_rl(config, out, init=init, nproc=nproc, resume=resume, overwrite=overwrite, quiet=quiet)
 
 
-def launch_rl(config: RLConfig, out: str | os.PathLike, *, init: str | None = None, nproc: int | None = None,
-              resume: bool = False, overwrite: bool = False, quiet: bool = False) -> int:  # fmt: skip
+def launch_rl(
+    config: RLConfig,
+    out: str | os.PathLike,
+    *,
+    init: str | None = None,
+    nproc: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    quiet: bool = False,
+) -> int:
     if nproc is None:
         from titan_audit.rl.loop import rl_train
 
@@ -73,5 +94,13 @@ def launch_rl(config: RLConfig, out: str | os.PathLike, *, init: str | None = No
     flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
     if init is not None:
         flags.append(f"init={os.fspath(init)}")
-    return torchrun("titan_audit.rl.loop", to_dict(config), out, flags, nproc=nproc, threads=config.parallel.threads,
-                    resume=resume, overwrite=overwrite)  # fmt: skip
+    return torchrun(
+        "titan_audit.rl.loop",
+        to_dict(config),
+        out,
+        flags,
+        nproc=nproc,
+        threads=config.parallel.threads,
+        resume=resume,
+        overwrite=overwrite,
+    )

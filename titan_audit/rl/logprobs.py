@@ -57,8 +57,7 @@ def sequence_logprobs(
     max_len = max(len(r) for r in rows)
     if max_len > model.config.max_position_embeddings:
         raise ValueError(
-            f"a sample has {max_len} tokens, more than max_position_embeddings "
-            f"{model.config.max_position_embeddings}"
+            f"a sample has {max_len} tokens, more than max_position_embeddings {model.config.max_position_embeddings}"
         )
     device = model.output_weight.device
     tokens_NL = torch.zeros(len(rows), max_len, dtype=torch.long)
@@ -77,4 +76,3 @@ def sequence_logprobs(
             scaled_TV = scale_logits(logits_NLV[i, start - 1 : start - 1 + count], temperature)
             out.append(token_logprobs(scaled_TV, tokens_NL[i, start : start + count]))
     return out
-

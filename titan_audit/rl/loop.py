@@ -55,25 +55,46 @@ import torch.distributed as dist
 
 from titan_audit import deterministic
 from titan_audit.audit import Recorder
-from titan_audit.audit.run_manifest import record_census
 from titan_audit.audit.fingerprint import fingerprint_many
+from titan_audit.audit.run_manifest import record_census
 from titan_audit.models import ModelConfig, Transformer, build
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
 from titan_audit.rl.config import RLConfig, from_dict, resume_differences, to_dict
 from titan_audit.rl.generator import GenerationRequest, Generator, Sample, SampleKey, SamplingParams
 from titan_audit.rl.logprobs import sequence_logprobs
 from titan_audit.rl.loss import combine_gap, gap_figures, group_advantages, policy_loss
-from titan_audit.rl.rollouts import (RolloutJob, RolloutResult, RolloutWorker, random_delay, rollout_version,
-                                     snapshot, trainer_fingerprint)  # fmt: skip
+from titan_audit.rl.rollouts import (
+    RolloutJob,
+    RolloutResult,
+    RolloutWorker,
+    random_delay,
+    rollout_version,
+    snapshot,
+    trainer_fingerprint,
+)
 from titan_audit.rl.tasks import TOKENIZER, Prompt, completion_text, prompt_set, score
 from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.config import ModelSection
 from titan_audit.trainer.crash import crash_point
 from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
 from titan_audit.trainer.reduce import TreeReducer, rank_block
-from titan_audit.trainer.run_dir import MetricsLog, has_entries, package_versions, prepare_run_dir, read_manifest, write_manifest
-from titan_audit.trainer.train import (GradBuffers, _broadcast_error, _rank, clip_, gather_in_index_order,
-                                       init_distributed, set_grads)  # fmt: skip
+from titan_audit.trainer.run_dir import (
+    MetricsLog,
+    has_entries,
+    package_versions,
+    prepare_run_dir,
+    read_manifest,
+    write_manifest,
+)
+from titan_audit.trainer.train import (
+    GradBuffers,
+    _broadcast_error,
+    _rank,
+    clip_,
+    gather_in_index_order,
+    init_distributed,
+    set_grads,
+)
 from titan_audit.trainer.typed_config import build as build_typed
 
 # per-group stats row (float64), gathered in prompt order
@@ -92,8 +113,11 @@ class RLResult:
 
 # ---------------------------------------------------------------------------------- init source
 def model_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
-    return [f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
-            for f in dataclasses.fields(ModelConfig) if getattr(a, f.name) != getattr(b, f.name)]  # fmt: skip
+    return [
+        f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+        for f in dataclasses.fields(ModelConfig)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
 
 
 def init_kind(init: str | os.PathLike | None) -> tuple[str, ModelConfig | None]:
@@ -139,15 +163,19 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
 
         rl_vllm.require()  # one line: how to install the extra
         if world_size > 1:
-            raise ValueError(f"generator = 'vllm' runs on one rank (its in-process engine owns torch.distributed); "
-                             f"got world size {world_size}: use --nproc 1 or generator = 'builtin'")  # fmt: skip
+            raise ValueError(
+                f"generator = 'vllm' runs on one rank (its in-process engine owns torch.distributed); "
+                f"got world size {world_size}: use --nproc 1 or generator = 'builtin'"
+            )
     model_config = config.model.model_config()
     _, init_config = init_kind(init)
     if init_config is not None:
         differences = model_differences(init_config, model_config)
         if differences:
-            raise ValueError(f"--init {init}: its model has another shape than the config's model "
-                             f"({config.model.preset}): {'; '.join(differences[:3])}")  # fmt: skip
+            raise ValueError(
+                f"--init {init}: its model has another shape than the config's model "
+                f"({config.model.preset}): {'; '.join(differences[:3])}"
+            )
     if model_config.vocab_size < TOKENIZER.vocab_size:
         raise ValueError(f"model vocab_size {model_config.vocab_size} < the byte tokenizer's {TOKENIZER.vocab_size}")
     _check_prompts(config, prompt_set(config.task.name, config.seed, 1, config.task.prompts_per_step))
@@ -158,9 +186,11 @@ def _check_prompts(config: RLConfig, prompts: list[Prompt]) -> None:
     for p in prompts:
         need = len(p.ids) + config.sampling.max_new_tokens
         if need > context:
-            raise ValueError(f"step {p.step} prompt {p.id} ({p.task}): {len(p.ids)} prompt tokens + "
-                             f"sampling.max_new_tokens {config.sampling.max_new_tokens} = {need} exceed the model's "
-                             f"context (max_position_embeddings {context})")  # fmt: skip
+            raise ValueError(
+                f"step {p.step} prompt {p.id} ({p.task}): {len(p.ids)} prompt tokens + "
+                f"sampling.max_new_tokens {config.sampling.max_new_tokens} = {need} exceed the model's "
+                f"context (max_position_embeddings {context})"
+            )
 
 
 def load_initial_model(config: RLConfig, init: str | os.PathLike | None) -> Transformer:
@@ -171,8 +201,9 @@ def load_initial_model(config: RLConfig, init: str | os.PathLike | None) -> Tran
     if kind == "run":
         # a scratch optimizer to load into (its state is dropped); portable in BI mode, so that the
         # state init torch runs before a load computes with exact ops only (the op census)
-        optimizer = build_optimizer([p for p in model.parameters()], config.optimizer,
-                                    portable=config.determinism.batch_invariant)  # fmt: skip
+        optimizer = build_optimizer(
+            [p for p in model.parameters()], config.optimizer, portable=config.determinism.batch_invariant
+        )
         Checkpointer(init).load_latest(model, optimizer)  # verified against its hashes.json
     elif kind == "hf":
         from titan_audit.models import from_pretrained
@@ -196,7 +227,7 @@ def _digest_tensor(fingerprints: dict[str, str]) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- run directory
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def check_run_dir(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool, world_size: int) -> None:
@@ -245,8 +276,16 @@ def _prepare(config: RLConfig, out: Path, init, resume: bool, overwrite: bool, w
 
 
 # ---------------------------------------------------------------------------------- the loop
-def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLike | None = None, resume: bool = False,
-             overwrite: bool = False, quiet: bool = False, generator_factory=None) -> RLResult:  # fmt: skip
+def rl_train(
+    config: RLConfig,
+    out: str | os.PathLike,
+    *,
+    init: str | os.PathLike | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    quiet: bool = False,
+    generator_factory=None,
+) -> RLResult:
     """Run (or resume) an RL run into `out` on this process's rank of the current group.
     `generator_factory(model, batch_invariant) -> Generator` replaces the built-in generator."""
     rank, world_size = init_distributed(config.parallel.backend)
@@ -294,9 +333,13 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
 
         P, G, lag = config.task.prompts_per_step, config.task.samples_per_prompt, config.rollout.lag
         lo, hi = rank_block(P, world_size, rank)
-        params_sampling = SamplingParams(temperature=config.sampling.temperature, top_p=config.sampling.top_p,
-                                         top_k=config.sampling.top_k, max_new_tokens=config.sampling.max_new_tokens,
-                                         stop_token_ids=(TOKENIZER.eos_id,))  # fmt: skip
+        params_sampling = SamplingParams(
+            temperature=config.sampling.temperature,
+            top_p=config.sampling.top_p,
+            top_k=config.sampling.top_k,
+            max_new_tokens=config.sampling.max_new_tokens,
+            stop_token_ids=(TOKENIZER.eos_id,),
+        )
         factory = generator_factory or (lambda m, b: build_generator(config.generator, m, b, max(1, (hi - lo) * G)))
         generator = factory(model, bi_on)
         scorer = _SameWeightsScorer(config, bi_on) if (config.verify and lag > 0) else None
@@ -305,8 +348,11 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
         def job(step: int, version: int, weights: dict[str, torch.Tensor]) -> RolloutJob:
             prompts = prompt_set(config.task.name, config.seed, step, P)
             _check_prompts(config, prompts)
-            requests = [GenerationRequest(p.ids, SampleKey(config.seed, step, p.id, j))
-                        for p in prompts[lo:hi] for j in range(G)]  # fmt: skip
+            requests = [
+                GenerationRequest(p.ids, SampleKey(config.seed, step, p.id, j))
+                for p in prompts[lo:hi]
+                for j in range(G)
+            ]
             return RolloutJob(step, version, weights, trainer_fingerprint(weights), requests, params_sampling)
 
         for result in restored:  # rollouts in flight at the checkpoint
@@ -317,8 +363,13 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
                 assert rollout_version(step, lag) == start_step, (step, lag, start_step)
                 worker.submit(job(step, start_step, weights))
 
-        recorder = Recorder(out, model, level=config.audit.level, modules=config.audit.modules,
-                            flush_every_steps=config.audit.flush_every_steps)  # fmt: skip
+        recorder = Recorder(
+            out,
+            model,
+            level=config.audit.level,
+            modules=config.audit.modules,
+            flush_every_steps=config.audit.flush_every_steps,
+        )
         metrics = MetricsLog(out) if rank == 0 else None
         if rank == 0:
             metrics.truncate_after(start_step)
@@ -345,9 +396,15 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
             groups = _groups(result, prompts[lo:hi], G)
 
             # rewards and advantages, and the global completion-token count
-            rewards = [torch.tensor([score(p, completion_text(s.tokens), s.key.sample_index) for s in samples],
-                                    dtype=torch.float32) for p, samples in groups]  # fmt: skip
-            local_tokens = torch.tensor([[sum(len(s.tokens) for s in samples)] for _, samples in groups], dtype=torch.int64)
+            rewards = [
+                torch.tensor(
+                    [score(p, completion_text(s.tokens), s.key.sample_index) for s in samples], dtype=torch.float32
+                )
+                for p, samples in groups
+            ]
+            local_tokens = torch.tensor(
+                [[sum(len(s.tokens) for s in samples)] for _, samples in groups], dtype=torch.int64
+            )
             global_tokens = int(gather_in_index_order(local_tokens, world_size).sum())
             denominator = max(global_tokens, 1)
 
@@ -362,22 +419,33 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
                 gen_lp = torch.cat([s.logprobs for s in samples])
                 token_adv = torch.cat([adv[i].expand(len(c)) for i, c in enumerate(completions)])
                 recorder.record_rollout("prompt_ids", torch.tensor(prompt.ids, dtype=torch.int64))
-                recorder.record_rollout("completion_tokens", torch.tensor([t for c in completions for t in c], dtype=torch.int64))
-                recorder.record_rollout("completion_lengths", torch.tensor([len(c) for c in completions], dtype=torch.int64))
+                recorder.record_rollout(
+                    "completion_tokens", torch.tensor([t for c in completions for t in c], dtype=torch.int64)
+                )
+                recorder.record_rollout(
+                    "completion_lengths", torch.tensor([len(c) for c in completions], dtype=torch.int64)
+                )
                 recorder.record_rollout("generator_logprobs", gen_lp)
                 recorder.record_rollout("rewards", reward)
                 recorder.record_rollout("advantages", adv)
                 prompt_lists = [prompt.ids] * len(samples)
-                lp = torch.cat(sequence_logprobs(model, prompt_lists, completions, config.sampling.temperature,
-                                                 batch_invariant=bi_on))  # fmt: skip
+                lp = torch.cat(
+                    sequence_logprobs(
+                        model, prompt_lists, completions, config.sampling.temperature, batch_invariant=bi_on
+                    )
+                )
                 ref_lp = None
                 if reference is not None:
                     with torch.no_grad():
-                        ref_lp = torch.cat(sequence_logprobs(reference, prompt_lists, completions,
-                                                             config.sampling.temperature, batch_invariant=bi_on))  # fmt: skip
+                        ref_lp = torch.cat(
+                            sequence_logprobs(
+                                reference, prompt_lists, completions, config.sampling.temperature, batch_invariant=bi_on
+                            )
+                        )
                 recorder.record_logprobs(lp.detach(), "trainer_logprobs")
-                loss, parts = policy_loss(lp, gen_lp, token_adv, denominator, config.loss.clip_eps, ref_lp,
-                                          config.loss.kl_coef)  # fmt: skip
+                loss, parts = policy_loss(
+                    lp, gen_lp, token_adv, denominator, config.loss.clip_eps, ref_lp, config.loss.kl_coef
+                )
                 recorder.record_loss(loss)
                 loss.backward()
                 reducer.add(prompt.id, leaf)
@@ -387,15 +455,30 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
                     if lag == 0:
                         gap_rows.append(ratio_rows[-1])
                     else:
-                        same = torch.cat(result.extra["same_weights_logprobs"][j * G:(j + 1) * G]) \
-                            if samples else torch.zeros(0)  # fmt: skip
+                        same = (
+                            torch.cat(result.extra["same_weights_logprobs"][j * G : (j + 1) * G])
+                            if samples
+                            else torch.zeros(0)
+                        )
                         recorder.record_logprobs(same, "same_weights_logprobs")
                         gap_rows.append(gap_figures(same, gen_lp))
-                stats_rows.append(torch.tensor([
-                    len(samples), float(reward.double().sum()), float(reward.double().square().sum()),
-                    float((reward == 1.0).sum()), sum(s.finish_reason == "stop" for s in samples),
-                    len(gen_lp), float(loss.detach()), parts["pg"], parts["clipped"], parts["ref_kl"]],
-                    dtype=torch.float64))  # fmt: skip
+                stats_rows.append(
+                    torch.tensor(
+                        [
+                            len(samples),
+                            float(reward.double().sum()),
+                            float(reward.double().square().sum()),
+                            float((reward == 1.0).sum()),
+                            sum(s.finish_reason == "stop" for s in samples),
+                            len(gen_lp),
+                            float(loss.detach()),
+                            parts["pg"],
+                            parts["clipped"],
+                            parts["ref_kl"],
+                        ],
+                        dtype=torch.float64,
+                    )
+                )
             recorder.set_microbatch(-1)
 
             grad = reducer.all_reduce()
@@ -427,10 +510,13 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
                 metrics.flush()
                 if not quiet:
                     gap = f"  gap {row['gap_tokens_differing']}/{row['gap_tokens']}" if config.verify else ""
-                    print(f"rl step {step}/{last_step}  reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}  "
-                          f"grad_norm {row['grad_norm']:.3f}  ratio [{row['ratio_min']:.4f}, {row['ratio_max']:.4f}]"
-                          f"{gap}  age {row['policy_age']}  {row['seconds']:.2f}s  W={world_size}",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"rl step {step}/{last_step}  reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}  "
+                        f"grad_norm {row['grad_norm']:.3f}  ratio [{row['ratio_min']:.4f}, {row['ratio_max']:.4f}]"
+                        f"{gap}  age {row['policy_age']}  {row['seconds']:.2f}s  W={world_size}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             recorder.end_step()
             crash_point("rl.after_step", step)
 
@@ -438,8 +524,12 @@ def rl_train(config: RLConfig, out: str | os.PathLike, *, init: str | os.PathLik
             if step == last_step or (interval and step % interval == 0):
                 recorder.flush()
                 pending = _gather_pending(worker.finished(list(range(step + 1, step + 1 + lag))), world_size)
-                blob = {"step": step, "config": to_dict(config), "world_size": world_size,
-                        "pending": [r.to_state() for r in pending]}  # fmt: skip
+                blob = {
+                    "step": step,
+                    "config": to_dict(config),
+                    "world_size": world_size,
+                    "pending": [r.to_state() for r in pending],
+                }
                 checkpointer.save(step, model, optimizer, blob)
         recorder.close()
         if bi_on and rank == 0:
@@ -469,9 +559,14 @@ class _SameWeightsScorer:
         G = self.config.task.samples_per_prompt
         out: list[torch.Tensor] = []
         for start in range(0, len(samples), G):
-            group = samples[start:start + G]
-            out += sequence_logprobs(self.model, [s.prompt_ids for s in group], [s.tokens for s in group],
-                                     self.config.sampling.temperature, batch_invariant=self.bi_on)  # fmt: skip
+            group = samples[start : start + G]
+            out += sequence_logprobs(
+                self.model,
+                [s.prompt_ids for s in group],
+                [s.tokens for s in group],
+                self.config.sampling.temperature,
+                batch_invariant=self.bi_on,
+            )
         return {"same_weights_logprobs": out}
 
 
@@ -487,8 +582,13 @@ def _groups(result: RolloutResult, prompts: list[Prompt], G: int) -> list[tuple[
 
 def _my_part(result: RolloutResult, lo: int, hi: int) -> RolloutResult:
     keep = [i for i, s in enumerate(result.samples) if lo <= s.key.prompt_id < hi]
-    return RolloutResult(result.step, result.version, [result.samples[i] for i in keep], result.generator_fingerprint,
-                         {k: [v[i] for i in keep] for k, v in result.extra.items()})  # fmt: skip
+    return RolloutResult(
+        result.step,
+        result.version,
+        [result.samples[i] for i in keep],
+        result.generator_fingerprint,
+        {k: [v[i] for i in keep] for k, v in result.extra.items()},
+    )
 
 
 def _gather_pending(results: list[RolloutResult], world_size: int) -> list[RolloutResult]:
@@ -502,27 +602,44 @@ def _gather_pending(results: list[RolloutResult], world_size: int) -> list[Rollo
         parts = [RolloutResult.from_state(p) for p in parts]
         first = parts[0]
         assert all(p.generator_fingerprint == first.generator_fingerprint and p.version == first.version for p in parts)
-        merged.append(RolloutResult(first.step, first.version, [s for p in parts for s in p.samples],
-                                    first.generator_fingerprint,
-                                    {k: [t for p in parts for t in p.extra[k]] for k in first.extra}))  # fmt: skip
+        merged.append(
+            RolloutResult(
+                first.step,
+                first.version,
+                [s for p in parts for s in p.samples],
+                first.generator_fingerprint,
+                {k: [t for p in parts for t in p.extra[k]] for k in first.extra},
+            )
+        )
     return merged
 
 
-def _metrics_row(step: int, stats: torch.Tensor, ratios: torch.Tensor, lr: float, grad_norm: float, version: int,
-                 world_size: int) -> dict:  # fmt: skip
+def _metrics_row(
+    step: int, stats: torch.Tensor, ratios: torch.Tensor, lr: float, grad_norm: float, version: int, world_size: int
+) -> dict:
     s = dict(zip(_STATS, stats.sum(dim=0).tolist()))
     n = max(s["samples"], 1.0)
     mean = s["reward_sum"] / n
     tokens = max(s["tokens"], 1.0)
     return {
-        "step": step, "loss": s["loss"], "grad_norm": grad_norm, "lr": lr,
-        "reward_mean": mean, "reward_std": max(s["reward_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
-        "exact_fraction": s["exact"] / n, "stop_fraction": s["stopped"] / n,
-        "tokens": int(s["tokens"]), "completion_length": s["tokens"] / n,
-        "pg_mean": s["pg"] / tokens, "clip_fraction": s["clipped"] / tokens, "ref_kl": s["ref_kl"] / tokens,
-        **combine_gap(ratios, "ratio"), "policy_version": version, "policy_age": step - 1 - version,
+        "step": step,
+        "loss": s["loss"],
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "reward_mean": mean,
+        "reward_std": max(s["reward_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
+        "exact_fraction": s["exact"] / n,
+        "stop_fraction": s["stopped"] / n,
+        "tokens": int(s["tokens"]),
+        "completion_length": s["tokens"] / n,
+        "pg_mean": s["pg"] / tokens,
+        "clip_fraction": s["clipped"] / tokens,
+        "ref_kl": s["ref_kl"] / tokens,
+        **combine_gap(ratios, "ratio"),
+        "policy_version": version,
+        "policy_age": step - 1 - version,
         "world_size": world_size,
-    }  # fmt: skip
+    }
 
 
 def _barrier() -> None:
@@ -537,8 +654,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(config: dict, out: str, flags: set[str]) -> None:
         init = next((f.split("=", 1)[1] for f in flags if f.startswith("init=")), None)
-        rl_train(from_dict(config), out, init=init, resume="resume" in flags, overwrite="overwrite" in flags,
-                 quiet="quiet" in flags)  # fmt: skip
+        rl_train(
+            from_dict(config),
+            out,
+            init=init,
+            resume="resume" in flags,
+            overwrite="overwrite" in flags,
+            quiet="quiet" in flags,
+        )
 
     rank_main(sys.argv[1:] if argv is None else argv, run)
 

@@ -33,8 +33,15 @@ def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
     return centred / (centred.square().mean().sqrt() + eps)
 
 
-def policy_loss(lp: torch.Tensor, gen_lp: torch.Tensor, token_adv: torch.Tensor, global_tokens: int, clip_eps: float,
-                ref_lp: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+def policy_loss(
+    lp: torch.Tensor,
+    gen_lp: torch.Tensor,
+    token_adv: torch.Tensor,
+    global_tokens: int,
+    clip_eps: float,
+    ref_lp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The group's loss (module docstring) and its detached parts, sums over the group's tokens:
     pg (the policy-gradient term), clipped (tokens where the clipped term was taken), ref_kl."""
     ratio = torch.exp(lp - gen_lp)
@@ -67,8 +74,18 @@ def gap_figures(trainer_lp: torch.Tensor, gen_lp: torch.Tensor) -> torch.Tensor:
     ratio = torch.exp(log_r)
     k3 = ratio - 1.0 - log_r
     one = torch.tensor(float(t.numel()), dtype=torch.float64)
-    return torch.stack([one, differ.sum().double(), log_r.abs().max(), log_r.abs().sum(), k3.sum(),
-                        ratio.min(), ratio.sum(), ratio.max()])  # fmt: skip
+    return torch.stack(
+        [
+            one,
+            differ.sum().double(),
+            log_r.abs().max(),
+            log_r.abs().sum(),
+            k3.sum(),
+            ratio.min(),
+            ratio.sum(),
+            ratio.max(),
+        ]
+    )
 
 
 def combine_gap(rows: torch.Tensor, prefix: str) -> dict[str, float]:
@@ -76,8 +93,11 @@ def combine_gap(rows: torch.Tensor, prefix: str) -> dict[str, float]:
     tokens = float(rows[:, 0].sum())
     denominator = max(tokens, 1.0)
     if prefix == "ratio":
-        return {"ratio_min": float(rows[:, 5].min()), "ratio_mean": float(rows[:, 6].sum()) / denominator,
-                "ratio_max": float(rows[:, 7].max())}  # fmt: skip
+        return {
+            "ratio_min": float(rows[:, 5].min()),
+            "ratio_mean": float(rows[:, 6].sum()) / denominator,
+            "ratio_max": float(rows[:, 7].max()),
+        }
     return {
         f"{prefix}_tokens": int(tokens),
         f"{prefix}_tokens_differing": int(rows[:, 1].sum()),

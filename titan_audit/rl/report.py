@@ -29,8 +29,19 @@ import pyarrow.parquet as pq
 from titan_audit.atomic import write_bytes_atomic
 from titan_audit.trainer.run_dir import read_manifest
 
-COLUMNS = ("step", "reward_mean", "gap_tokens", "gap_tokens_differing", "gap_max_abs", "gap_mean_abs", "gap_k3_kl",
-           "ratio_min", "ratio_mean", "ratio_max", "policy_age")  # fmt: skip
+COLUMNS = (
+    "step",
+    "reward_mean",
+    "gap_tokens",
+    "gap_tokens_differing",
+    "gap_max_abs",
+    "gap_mean_abs",
+    "gap_k3_kl",
+    "ratio_min",
+    "ratio_mean",
+    "ratio_max",
+    "policy_age",
+)
 
 
 def onpolicy_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -97,8 +108,13 @@ def _plots(bi: dict[str, Any], default: dict[str, Any] | None) -> dict[str, str]
     fig, ax = plt.subplots(figsize=(11, 3.2))
     for summary, label, style in ((bi, "batch-invariant", "o-"), (default, "native ops (default)", "s--")):
         if summary is not None:
-            ax.plot([r["step"] for r in summary["per_step"]], [r["reward_mean"] for r in summary["per_step"]], style,
-                    ms=3, label=label)  # fmt: skip
+            ax.plot(
+                [r["step"] for r in summary["per_step"]],
+                [r["reward_mean"] for r in summary["per_step"]],
+                style,
+                ms=3,
+                label=label,
+            )
     ax.set_title("mean reward per step")
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1)
@@ -118,13 +134,17 @@ def _png(fig, plt) -> str:
 
 def _verdict(summary: dict[str, Any]) -> str:
     if summary["zero_gap"]:
-        return (f"ZERO GAP: {summary['tokens_compared']} sampled tokens over {summary['steps']} steps, every "
-                f"generator log-prob bitwise equal to the trainer's recomputation")  # fmt: skip
+        return (
+            f"ZERO GAP: {summary['tokens_compared']} sampled tokens over {summary['steps']} steps, every "
+            f"generator log-prob bitwise equal to the trainer's recomputation"
+        )
     if not summary["verified"]:
         return "NOT VERIFIED: the run did not record the zero-gap figures (run it with verify-onpolicy)"
-    return (f"GAP: {summary['tokens_differing']} of {summary['tokens_compared']} tokens differ, on "
-            f"{summary['steps_with_gap']} of {summary['steps']} steps (first: step {summary['first_step_with_gap']}; "
-            f"max |diff| {summary['max_abs_diff']:.3g})" + ("" if summary["batch_invariant"] else "; native ops"))  # fmt: skip
+    return (
+        f"GAP: {summary['tokens_differing']} of {summary['tokens_compared']} tokens differ, on "
+        f"{summary['steps_with_gap']} of {summary['steps']} steps (first: step {summary['first_step_with_gap']}; "
+        f"max |diff| {summary['max_abs_diff']:.3g})" + ("" if summary["batch_invariant"] else "; native ops")
+    )
 
 
 def _fmt(value: Any) -> str:
@@ -134,12 +154,21 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
-    lines = ["# On-policy verification (zero gap)", "",
-             f"Run `{bi['run']}`: task {bi['task']}, {bi['steps']} steps, lag {bi['lag']}, batch-invariant mode "
-             f"{'on' if bi['batch_invariant'] else 'off'}.", "", f"**{_verdict(bi)}**", ""]  # fmt: skip
+    lines = [
+        "# On-policy verification (zero gap)",
+        "",
+        f"Run `{bi['run']}`: task {bi['task']}, {bi['steps']} steps, lag {bi['lag']}, batch-invariant mode "
+        f"{'on' if bi['batch_invariant'] else 'off'}.",
+        "",
+        f"**{_verdict(bi)}**",
+        "",
+    ]
     if bi["reward_first10"] is not None:
-        lines += [f"Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps {bi['reward_last10']:.4f} "
-                  f"(change {bi['reward_last10'] - bi['reward_first10']:+.4f}).", ""]  # fmt: skip
+        lines += [
+            f"Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps {bi['reward_last10']:.4f} "
+            f"(change {bi['reward_last10'] - bi['reward_first10']:+.4f}).",
+            "",
+        ]
     if default is not None:
         lines += [f"Control, native ops (`{default['run']}`): {_verdict(default)}", ""]
     for summary, title in ((bi, "Per step"), (default, "Per step, native ops")):
@@ -148,10 +177,13 @@ def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
         lines += [f"## {title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in summary["per_step"]]
         lines.append("")
-    lines += ["Columns: gap_* compare each sampled token's generator log-prob with the trainer's recomputation",
-              "under the same weights (tokens compared, tokens with any bit difference, max and mean |diff|, k3 KL);",
-              "ratio_* = exp(trainer lp - generator lp) of the loss; policy_age = steps between the weights that",
-              "generated and the weights being updated.", ""]  # fmt: skip
+    lines += [
+        "Columns: gap_* compare each sampled token's generator log-prob with the trainer's recomputation",
+        "under the same weights (tokens compared, tokens with any bit difference, max and mean |diff|, k3 KL);",
+        "ratio_* = exp(trainer lp - generator lp) of the loss; policy_age = steps between the weights that",
+        "generated and the weights being updated.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -159,18 +191,21 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
     plots = _plots(bi, default)
     esc = html.escape
     ok = bi["zero_gap"]
-    parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>titan-audit on-policy verification</title>",
-             "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;font-size:12px}"
-             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}.ok{color:#060}.bad{color:#a00}</style></head><body>",
-             "<h1>On-policy verification (zero gap)</h1>",
-             f"<p>Run <code>{esc(bi['run'])}</code>: task {esc(bi['task'])}, {bi['steps']} steps, lag {bi['lag']}, "
-             f"batch-invariant mode {'on' if bi['batch_invariant'] else 'off'}.</p>",
-             f"<p class='{'ok' if ok else 'bad'}'><b>{esc(_verdict(bi))}</b></p>"]  # fmt: skip
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>titan-audit on-policy verification</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;font-size:12px}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}.ok{color:#060}.bad{color:#a00}</style></head><body>",
+        "<h1>On-policy verification (zero gap)</h1>",
+        f"<p>Run <code>{esc(bi['run'])}</code>: task {esc(bi['task'])}, {bi['steps']} steps, lag {bi['lag']}, "
+        f"batch-invariant mode {'on' if bi['batch_invariant'] else 'off'}.</p>",
+        f"<p class='{'ok' if ok else 'bad'}'><b>{esc(_verdict(bi))}</b></p>",
+    ]
     if default is not None:
         parts.append(f"<p>Control, native ops (<code>{esc(default['run'])}</code>): {esc(_verdict(default))}</p>")
     if bi["reward_first10"] is not None:
-        parts.append(f"<p>Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps "
-                     f"{bi['reward_last10']:.4f}.</p>")  # fmt: skip
+        parts.append(
+            f"<p>Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps {bi['reward_last10']:.4f}.</p>"
+        )
     parts.append("<h2>Gap per step</h2>")
     parts.append(f"<img alt='gap per step' src='data:image/png;base64,{plots['gap']}'>")
     parts.append("<h2>Reward</h2>")
@@ -179,7 +214,9 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
         if summary is None:
             continue
         parts.append(f"<h2>{title}</h2><table><tr>" + "".join(f"<th>{c}</th>" for c in COLUMNS) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{esc(_fmt(r[c]))}</td>" for c in COLUMNS) + "</tr>" for r in summary["per_step"]]
+        parts += [
+            "<tr>" + "".join(f"<td>{esc(_fmt(r[c]))}</td>" for c in COLUMNS) + "</tr>" for r in summary["per_step"]
+        ]
         parts.append("</table>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -104,16 +104,22 @@ class RolloutResult:
 
     def to_state(self) -> dict:
         return {
-            "step": self.step, "version": self.version, "generator_fingerprint": self.generator_fingerprint,
+            "step": self.step,
+            "version": self.version,
+            "generator_fingerprint": self.generator_fingerprint,
             "samples": [_sample_state(s) for s in self.samples],
             "extra": {k: [_bits(t) for t in v] for k, v in self.extra.items()},
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_state(cls, state: dict) -> RolloutResult:
-        return cls(int(state["step"]), int(state["version"]), [_sample_from(s) for s in state["samples"]],
-                   dict(state["generator_fingerprint"]),
-                   {k: [_unbits(b) for b in v] for k, v in state.get("extra", {}).items()})  # fmt: skip
+        return cls(
+            int(state["step"]),
+            int(state["version"]),
+            [_sample_from(s) for s in state["samples"]],
+            dict(state["generator_fingerprint"]),
+            {k: [_unbits(b) for b in v] for k, v in state.get("extra", {}).items()},
+        )
 
 
 def _bits(t: torch.Tensor) -> list[int]:
@@ -126,14 +132,25 @@ def _unbits(bits: list[int]) -> torch.Tensor:
 
 def _sample_state(s: Sample) -> dict:
     k = s.key
-    return {"key": [k.seed, k.step, k.prompt_id, k.sample_index], "prompt_ids": list(s.prompt_ids),
-            "tokens": list(s.tokens), "logprobs": _bits(s.logprobs), "finish_reason": s.finish_reason,
-            "policy_version": s.policy_version}  # fmt: skip
+    return {
+        "key": [k.seed, k.step, k.prompt_id, k.sample_index],
+        "prompt_ids": list(s.prompt_ids),
+        "tokens": list(s.tokens),
+        "logprobs": _bits(s.logprobs),
+        "finish_reason": s.finish_reason,
+        "policy_version": s.policy_version,
+    }
 
 
 def _sample_from(d: dict) -> Sample:
-    return Sample(SampleKey(*(int(x) for x in d["key"])), tuple(d["prompt_ids"]), [int(t) for t in d["tokens"]],
-                  _unbits(d["logprobs"]), d["finish_reason"], int(d["policy_version"]))  # fmt: skip
+    return Sample(
+        SampleKey(*(int(x) for x in d["key"])),
+        tuple(d["prompt_ids"]),
+        [int(t) for t in d["tokens"]],
+        _unbits(d["logprobs"]),
+        d["finish_reason"],
+        int(d["policy_version"]),
+    )
 
 
 Scorer = Callable[[RolloutJob, list[Sample]], dict[str, list[torch.Tensor]]]
@@ -232,11 +249,15 @@ class RolloutWorker:
                 f"{differing!r} differs from the trainer's ({job.fingerprint.get(differing)} != {actual.get(differing)})"
             )
         if self.generator.policy_version != job.version:
-            raise WeightSyncError(f"generator reports policy version {self.generator.policy_version}, expected {job.version}")
+            raise WeightSyncError(
+                f"generator reports policy version {self.generator.policy_version}, expected {job.version}"
+            )
         samples = self.generator.generate(job.requests, job.params) if job.requests else []
         for sample in samples:
             if sample.policy_version != job.version:
-                raise WeightSyncError(f"sample {sample.key} reports policy version {sample.policy_version}, expected {job.version}")
+                raise WeightSyncError(
+                    f"sample {sample.key} reports policy version {sample.policy_version}, expected {job.version}"
+                )
         extra = self.scorer(job, samples) if self.scorer is not None else {}
         return RolloutResult(job.step, job.version, samples, actual, extra)
 

@@ -119,14 +119,21 @@ def _copy_answer(prompt: str) -> str:
 
 
 _TASKS: dict[str, Task] = {
-    "arithmetic": Task("arithmetic", _make_arithmetic, lambda p: solve("arithmetic", p),
-                       lambda p, a, c: 1.0 if c.strip() == a else 0.0),  # fmt: skip
-    "reversal": Task("reversal", _make_reversal, lambda p: solve("reversal", p),
-                     lambda p, a, c: shaped_match(c.strip(), a)),  # fmt: skip
-    "reversal-short": Task("reversal-short", _make_short_reversal, lambda p: solve("reversal", p),
-                           lambda p, a, c: shaped_match(c.strip(), a)),  # fmt: skip
-    "sorting": Task("sorting", _make_sorting, lambda p: solve("sorting", p),
-                    lambda p, a, c: shaped_match(c.split(), a.split())),  # fmt: skip
+    "arithmetic": Task(
+        "arithmetic", _make_arithmetic, lambda p: solve("arithmetic", p), lambda p, a, c: 1.0 if c.strip() == a else 0.0
+    ),
+    "reversal": Task(
+        "reversal", _make_reversal, lambda p: solve("reversal", p), lambda p, a, c: shaped_match(c.strip(), a)
+    ),
+    "reversal-short": Task(
+        "reversal-short",
+        _make_short_reversal,
+        lambda p: solve("reversal", p),
+        lambda p, a, c: shaped_match(c.strip(), a),
+    ),
+    "sorting": Task(
+        "sorting", _make_sorting, lambda p: solve("sorting", p), lambda p, a, c: shaped_match(c.split(), a.split())
+    ),
     "copy": Task("copy", _make_copy, _copy_answer, lambda p, a, c: shaped_match(c.strip(), a)),
 }
 MIXED = ("arithmetic", "reversal", "sorting")
@@ -177,12 +184,19 @@ def completion_text(tokens: list[int]) -> str:
 def score(prompt: Prompt, completion: str, sample_index: int) -> float:
     """The reward of one completion, checked (see the module docstring)."""
     spec = get_task(prompt.task)
-    where = (f"task {prompt.task!r}, step {prompt.step}, prompt {prompt.id}, sample {sample_index} "
-             f"(completion {completion!r})")  # fmt: skip
+    where = (
+        f"task {prompt.task!r}, step {prompt.step}, prompt {prompt.id}, sample {sample_index} "
+        f"(completion {completion!r})"
+    )
     try:
         value = spec.reward(prompt.text.rstrip(" "), prompt.answer, completion)
     except Exception as error:  # a user reward function may raise anything
         raise RewardError(f"reward function raised for {where}: {type(error).__name__}: {error}") from error
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= 1
+    ):
         raise RewardError(f"reward function returned {value!r} (not a finite number in [0, 1]) for {where}")
     return float(value)

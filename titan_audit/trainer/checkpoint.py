@@ -149,7 +149,11 @@ class Checkpointer:
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with _quiet_dcp():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial / "model_optim", no_dist=not _distributed())
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=partial / "model_optim",
+                no_dist=not _distributed(),
+            )
         hashes, groups = _tensor_hashes(model, optimizer)
         if _rank() == 0:
             write_json_atomic(partial / "trainer.json", {"format": FORMAT_VERSION, "step": step, **trainer_state})
@@ -183,8 +187,11 @@ class Checkpointer:
             raise CorruptCheckpointError(f"{path}: cannot read model/optimizer tensors ({error})") from error
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         actual, groups = _tensor_hashes(model, optimizer)
-        differing = sorted(name for name in expected["tensors"].keys() | actual.keys()
-                           if expected["tensors"].get(name) != actual.get(name))  # fmt: skip
+        differing = sorted(
+            name
+            for name in expected["tensors"].keys() | actual.keys()
+            if expected["tensors"].get(name) != actual.get(name)
+        )
         if differing:
             raise CorruptCheckpointError(
                 f"{path}: {len(differing)} tensor(s) do not match hashes.json, first {differing[0]}"
@@ -209,7 +216,9 @@ class Checkpointer:
         if not isinstance(expected.get("tensors"), dict) or "param_groups" not in expected:
             raise CorruptCheckpointError(f"{hashes_file}: keys 'tensors' and 'param_groups' missing")
         if trainer_state.get("step") != step:
-            raise CorruptCheckpointError(f"{trainer_file}: key 'step' is {trainer_state.get('step')!r}, expected {step}")
+            raise CorruptCheckpointError(
+                f"{trainer_file}: key 'step' is {trainer_state.get('step')!r}, expected {step}"
+            )
         return trainer_state
 
     def preflight(self, *, fallback: bool) -> tuple[int, list[str]]:
@@ -233,8 +242,9 @@ class Checkpointer:
         older = [s for s in self.steps() if s < step]
         if not older:
             return CorruptCheckpointError(f"{error}; no older checkpoint to resume from")
-        return CorruptCheckpointError(f"{error}; checkpoint.fallback=true (the default) resumes from the older "
-                                      f"{self.path(older[-1]).name}")  # fmt: skip
+        return CorruptCheckpointError(
+            f"{error}; checkpoint.fallback=true (the default) resumes from the older {self.path(older[-1]).name}"
+        )
 
     def load_latest(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, fallback: bool = False
@@ -269,8 +279,12 @@ class Checkpointer:
                     n += 1
                     aside = final.with_name(f"corrupt-{final.name}.{n}")
                 os.replace(final, aside)
-                print(f"warning: {error}; resuming from {self.path(used).name} (the corrupt checkpoint is kept as "
-                      f"{aside.name})", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"warning: {error}; resuming from {self.path(used).name} (the corrupt checkpoint is kept as "
+                    f"{aside.name})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         _barrier()
 
     @staticmethod

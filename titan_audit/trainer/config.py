@@ -43,11 +43,19 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 # Keys a resume may change: they change how long the run goes, how often it saves and what it
 # logs, never the bits of a step already defined. (With schedule.decay_steps unset the cosine
 # length follows `steps`, so extending a run changes the learning rate of the steps to come.)
-RESUME_MUTABLE_KEYS = frozenset({
-    "steps", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.fallback",
-    "audit.flush_every_steps", "parallel.backend", "parallel.mode", "data.workers",
-    "determinism.census",  # record or stop: never the bits of a step (a strict run that passes is the same run)
-})  # fmt: skip
+RESUME_MUTABLE_KEYS = frozenset(
+    {
+        "steps",
+        "checkpoint.interval",
+        "checkpoint.keep_last",
+        "checkpoint.fallback",
+        "audit.flush_every_steps",
+        "parallel.backend",
+        "parallel.mode",
+        "data.workers",
+        "determinism.census",  # record or stop: never the bits of a step (a strict run that passes is the same run)
+    }
+)
 
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -67,7 +75,9 @@ class ModelSection:
     def __post_init__(self) -> None:
         model = self.model_config()  # checked now, so a bad preset or override fails before any work
         if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
-            raise ValueError(f"model.router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}")
+            raise ValueError(
+                f"model.router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}"
+            )
         if self.router_aux_loss_coef > 0 and not model.is_moe:
             raise ValueError(
                 f"model.router_aux_loss_coef = {self.router_aux_loss_coef} needs an MoE model "
@@ -247,5 +257,8 @@ def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]
     a, b = _flatten(saved), _flatten(to_dict(current))
     defaults = _flatten(to_dict(TrainConfig()))
     a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults and k != "model.overrides"})
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
-            if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)]  # fmt: skip
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(a.keys() | b.keys())
+        if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)
+    ]

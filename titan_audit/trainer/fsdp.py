@@ -96,8 +96,9 @@ def shard_model(
     gradient reductions (the native path's) run in fp32."""
     kwargs = {}
     if any(p.dtype != param_dtype for p in model.parameters()):
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                                   cast_forward_inputs=False)  # fmt: skip
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

@@ -57,16 +57,25 @@ def resolve_config(source: str | None, out: Path, *, resume: bool, overrides: Se
     return from_dict(apply_overrides(read_manifest(out)["config"], list(overrides)), f"{out}/manifest.json config")
 
 
-def start_run(source: str | None, out: Path, *, nproc: int | None, steps: int | None, resume: bool,
-              overwrite: bool, overrides: Sequence[str]) -> int:  # fmt: skip
+def start_run(
+    source: str | None,
+    out: Path,
+    *,
+    nproc: int | None,
+    steps: int | None,
+    resume: bool,
+    overwrite: bool,
+    overrides: Sequence[str],
+) -> int:
     """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code."""
     from titan_audit.trainer.train import check_run_dir
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with existing_run_locked(out):
-        config = resolve_config(source, out, resume=resume,
-                                overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])])  # fmt: skip
+        config = resolve_config(
+            source, out, resume=resume, overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])]
+        )
         world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
             check_run_dir(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
@@ -89,8 +98,16 @@ def existing_run_locked(out: str | os.PathLike):
         release_run_dir(out)
 
 
-def launch(config: TrainConfig, out: str | os.PathLike, *, nproc: int | None, resume: bool = False,
-           overwrite: bool = False, stop_at: int | None = None, quiet: bool = False) -> int:  # fmt: skip
+def launch(
+    config: TrainConfig,
+    out: str | os.PathLike,
+    *,
+    nproc: int | None,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_at: int | None = None,
+    quiet: bool = False,
+) -> int:
     if nproc is None:
         from titan_audit.trainer.train import train
 
@@ -101,8 +118,16 @@ def launch(config: TrainConfig, out: str | os.PathLike, *, nproc: int | None, re
     flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
     if stop_at is not None:
         flags.append(f"stop_at={stop_at}")
-    return torchrun("titan_audit.trainer.train", to_dict(config), out, flags, nproc=nproc, threads=config.parallel.threads,
-                    resume=resume, overwrite=overwrite)  # fmt: skip
+    return torchrun(
+        "titan_audit.trainer.train",
+        to_dict(config),
+        out,
+        flags,
+        nproc=nproc,
+        threads=config.parallel.threads,
+        resume=resume,
+        overwrite=overwrite,
+    )
 
 
 ERROR_DIR_ENV = "TITAN_AUDIT_ERROR_DIR"  # where ranks write their user error (set by torchrun())
@@ -143,8 +168,17 @@ def _torchrun_preexec(launcher: int) -> Callable[[], None]:
     return preexec
 
 
-def torchrun(module: str, config: dict, out: str | os.PathLike, flags: Sequence[str], *, nproc: int, threads: int,
-             resume: bool = False, overwrite: bool = False) -> int:  # fmt: skip
+def torchrun(
+    module: str,
+    config: dict,
+    out: str | os.PathLike,
+    flags: Sequence[str],
+    *,
+    nproc: int,
+    threads: int,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> int:
     """`python -m torch.distributed.run --standalone --nproc-per-node N -m MODULE CONFIG_JSON OUT
     FLAGS...` with the resolved config in a temporary JSON file and OMP_NUM_THREADS = `threads`,
     under this process's lock of `out` (claimed with `resume` / `overwrite`); torchrun's exit code,
@@ -152,16 +186,33 @@ def torchrun(module: str, config: dict, out: str | os.PathLike, flags: Sequence[
     those arguments (see `rank_main`)."""
     from titan_audit.trainer.run_dir import LOCK_ENV, run_lock
 
-    with tempfile.TemporaryDirectory(prefix="titan-audit-launch-") as tmp, \
-            run_lock(out, resume=resume, overwrite=overwrite):  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="titan-audit-launch-") as tmp,
+        run_lock(out, resume=resume, overwrite=overwrite),
+    ):
         config_file = Path(tmp) / "config.json"
         config_file.write_text(json.dumps(config))
         errors = Path(tmp) / "errors"
         errors.mkdir()
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", module, str(config_file), os.fspath(out), *flags]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), ERROR_DIR_ENV: str(errors),
-               LAUNCHER_ENV: str(os.getpid()), LOCK_ENV: os.path.realpath(out)}  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            module,
+            str(config_file),
+            os.fspath(out),
+            *flags,
+        ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            ERROR_DIR_ENV: str(errors),
+            LAUNCHER_ENV: str(os.getpid()),
+            LOCK_ENV: os.path.realpath(out),
+        }
         rc = _run_filtered(command, env, errors)
         message = _rank_error(errors)
         if message is not None:
@@ -229,7 +280,9 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
         if error_dir:
             from titan_audit.atomic import write_json_atomic
 
-            write_json_atomic(Path(error_dir) / f"rank-{rank}.json", {"rank": rank, "message": str(error)}, overwrite=True)
+            write_json_atomic(
+                Path(error_dir) / f"rank-{rank}.json", {"rank": rank, "message": str(error)}, overwrite=True
+            )
         elif rank == 0:
             print(f"Error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

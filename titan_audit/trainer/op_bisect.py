@@ -40,8 +40,10 @@ def rerun_checkpoint(run: Path, step: int) -> int:
         raise ValueError(f"{run}: step {step} is outside the run's recorded steps 1..{last}")
     before = [s for s in Checkpointer(run).steps() if s < step]
     if not before:
-        raise ValueError(f"{run}: no checkpoint before step {step} to re-run it from "
-                         f"(checkpoints: {Checkpointer(run).steps() or 'none'})")  # fmt: skip
+        raise ValueError(
+            f"{run}: no checkpoint before step {step} to re-run it from "
+            f"(checkpoints: {Checkpointer(run).steps() or 'none'})"
+        )
     return max(before)
 
 

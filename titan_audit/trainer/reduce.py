@@ -112,9 +112,7 @@ def block_subtrees(num_leaves: int, start: int, stop: int) -> list[Node]:
 def rank_block(num_microbatches: int, world_size: int, rank: int) -> tuple[int, int]:
     """Microbatches [start, stop) that `rank` processes. W must divide V."""
     if world_size < 1 or num_microbatches % world_size:
-        raise ValueError(
-            f"world size {world_size} must divide the number of virtual microbatches {num_microbatches}"
-        )
+        raise ValueError(f"world size {world_size} must divide the number of virtual microbatches {num_microbatches}")
     per_rank = num_microbatches // world_size
     return rank * per_rank, (rank + 1) * per_rank
 
@@ -154,8 +152,10 @@ class TreeReducer:
         assert flat_grad.dim() == 1, flat_grad.shape
         if self._stack and (flat_grad.shape, flat_grad.dtype) != (self._stack[0][2].shape, self._stack[0][2].dtype):
             first = self._stack[0][2]
-            raise ValueError(f"microbatch {index}: gradient {flat_grad.dtype}{list(flat_grad.shape)}, "
-                             f"expected {first.dtype}{list(first.shape)}")
+            raise ValueError(
+                f"microbatch {index}: gradient {flat_grad.dtype}{list(flat_grad.shape)}, "
+                f"expected {first.dtype}{list(first.shape)}"
+            )
         self._next += 1
         self._stack.append((index, index + 1, flat_grad))
         while len(self._stack) >= 2:
@@ -167,7 +167,9 @@ class TreeReducer:
 
     def _partials(self) -> list[torch.Tensor]:
         if self._next != self.block[1]:
-            raise ValueError(f"reduce called after microbatches {self.block[0]}..{self._next - 1} of block {self.block}")
+            raise ValueError(
+                f"reduce called after microbatches {self.block[0]}..{self._next - 1} of block {self.block}"
+            )
         assert [(lo, hi) for lo, hi, _ in self._stack] == self.layout[self.rank]
         partials = [t for _, _, t in self._stack]
         self._stack = []

@@ -66,8 +66,15 @@ def prepare_replay(run: str | os.PathLike, from_step: int, out: str | os.PathLik
     shutil.copytree(ckpt_dir, partial)
     os.replace(partial, target)
     source = read_manifest(run)
-    write_manifest(out, {"config": source["config"], "seed": source.get("seed"), "world_size_history": [],
-                         "replay_of": {"run": str(run.resolve()), "from_step": from_step}})  # fmt: skip
+    write_manifest(
+        out,
+        {
+            "config": source["config"],
+            "seed": source.get("seed"),
+            "world_size_history": [],
+            "replay_of": {"run": str(run.resolve()), "from_step": from_step},
+        },
+    )
     return out
 
 

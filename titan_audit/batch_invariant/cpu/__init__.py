@@ -9,9 +9,9 @@ The backend interface (what a GPU backend must provide, by these names and signa
 `Backend` protocol in `titan_audit.batch_invariant.backend`.
 """
 
+from titan_audit.batch_invariant.cpu import pointwise
 from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backward, attention_forward
 from titan_audit.batch_invariant.cpu.matmul import bmm, mm
-from titan_audit.batch_invariant.cpu import pointwise
 from titan_audit.batch_invariant.cpu.reductions import (
     log_softmax,
     log_softmax_backward,

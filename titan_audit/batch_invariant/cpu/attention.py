@@ -81,7 +81,12 @@ class _Call:
         self.mask = None
         if extra_mask is not None:
             mask = extra_mask  # bool "may attend" (mode._sdpa_mask converts additive 0/-inf masks)
-            assert mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[2:] == (tq, tk) and mask.shape[0] in (1, batch), mask.shape
+            assert (
+                mask.dtype == torch.bool
+                and mask.dim() == 4
+                and mask.shape[2:] == (tq, tk)
+                and mask.shape[0] in (1, batch)
+            ), mask.shape
             assert mask.shape[1] in (1, hq), mask.shape
             self.mask = mask
             mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4)]
@@ -113,9 +118,18 @@ def _forward_eager(
     score_scale = scale * LOG2_E if call.dtype == torch.float32 else scale  # float32 scores are base 2
     p = call.ptr
     _lib.kernel(f"attention_fwd_{call.suffix}")(
-        call.problem, p(call.q), p(call.k), p(call.v), p(call.positions), p(call.doc), p(call.mask),
-        score_scale, p(out), p(lse), _lib.num_threads(),
-    )  # fmt: skip
+        call.problem,
+        p(call.q),
+        p(call.k),
+        p(call.v),
+        p(call.positions),
+        p(call.doc),
+        p(call.mask),
+        score_scale,
+        p(out),
+        p(lse),
+        _lib.num_threads(),
+    )
     return out, lse
 
 
@@ -145,9 +159,23 @@ def _backward_eager(
     score_scale = scale * LOG2_E if call.dtype == torch.float32 else scale
     p = call.ptr
     _lib.kernel(f"attention_bwd_{call.suffix}")(
-        call.problem, p(call.q), p(call.k), p(call.v), p(g), p(o), p(lse_c), p(call.positions), p(call.doc),
-        p(call.mask), score_scale, scale, p(dq), p(dk), p(dv), _lib.num_threads(),
-    )  # fmt: skip
+        call.problem,
+        p(call.q),
+        p(call.k),
+        p(call.v),
+        p(g),
+        p(o),
+        p(lse_c),
+        p(call.positions),
+        p(call.doc),
+        p(call.mask),
+        score_scale,
+        scale,
+        p(dq),
+        p(dk),
+        p(dv),
+        _lib.num_threads(),
+    )
     return dq, dk, dv
 
 

@@ -19,7 +19,9 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _lib.declare("embedding_backward_f32", None, [_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int])
 
 
-def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int = -1) -> torch.Tensor:
+def embedding_backward(
+    grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int = -1
+) -> torch.Tensor:
     """grad [..., D] of the looked-up rows, indices [...] (integers) -> float32 [num_weights, D]."""
     dim = grad.shape[-1]
     flat_grad = grad.reshape(-1, dim).to(torch.float32).contiguous()
@@ -28,6 +30,7 @@ def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: i
         raise ValueError(f"embedding_backward: {flat_idx.numel()} indices for {flat_grad.shape[0]} grad rows")
     out = torch.empty((num_weights, dim), dtype=torch.float32)
     threads = _lib.num_threads() if flat_grad.numel() >= 1 << 15 else 1
-    _lib.kernel("embedding_backward_f32")(_lib.ptr(flat_grad), _lib.ptr(flat_idx), _lib.ptr(out), flat_idx.numel(),
-                                          dim, num_weights, padding_idx, threads)  # fmt: skip
+    _lib.kernel("embedding_backward_f32")(
+        _lib.ptr(flat_grad), _lib.ptr(flat_idx), _lib.ptr(out), flat_idx.numel(), dim, num_weights, padding_idx, threads
+    )
     return out

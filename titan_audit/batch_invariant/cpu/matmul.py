@@ -175,16 +175,42 @@ def clear_packed_cache() -> None:
 # ---------------------------------------------------------------- the kernels
 
 
-def _gemm(batch: int, m: int, n: int, k: int, a: torch.Tensor, sa: tuple[int, int, int], b: torch.Tensor,
-          sb: tuple[int, int, int], packed: torch.Tensor | None) -> torch.Tensor:
+def _gemm(
+    batch: int,
+    m: int,
+    n: int,
+    k: int,
+    a: torch.Tensor,
+    sa: tuple[int, int, int],
+    b: torch.Tensor,
+    sb: tuple[int, int, int],
+    packed: torch.Tensor | None,
+) -> torch.Tensor:
     """C [batch, M, N] (new, contiguous) = A @ B with A's / B's element strides (batch, row, k) and
     (batch, k, col); one compute dtype (float32 or float64) for all three."""
     c = torch.empty((batch, m, n), dtype=a.dtype)
     buf, addr = _args_buffer()
     _ARGS.pack_into(
-        buf, 0, batch, m, n, k, a.data_ptr(), sa[0], sa[1], sa[2], b.data_ptr(), sb[0], sb[1], sb[2],
-        0 if packed is None else packed.data_ptr(), c.data_ptr(), m * n, n, torch.get_num_threads(),
-    )  # fmt: skip
+        buf,
+        0,
+        batch,
+        m,
+        n,
+        k,
+        a.data_ptr(),
+        sa[0],
+        sa[1],
+        sa[2],
+        b.data_ptr(),
+        sb[0],
+        sb[1],
+        sb[2],
+        0 if packed is None else packed.data_ptr(),
+        c.data_ptr(),
+        m * n,
+        n,
+        torch.get_num_threads(),
+    )
     _lib.kernel("gemm_f64" if a.dtype == torch.float64 else "gemm_f32")(addr)
     return c
 

@@ -131,4 +131,15 @@ silu = _make_unary("silu")
 sigmoid_backward = _make_binary("sigmoid_backward")  # (grad, sigmoid's output y)
 silu_backward = _make_binary("silu_backward")  # (grad, silu's input x)
 
-__all__ = ["FLOAT64", "exp", "exp2", "log", "sigmoid", "sigmoid_backward", "silu", "silu_backward", "result_dtype", "sqrt"]
+__all__ = [
+    "FLOAT64",
+    "exp",
+    "exp2",
+    "log",
+    "sigmoid",
+    "sigmoid_backward",
+    "silu",
+    "silu_backward",
+    "result_dtype",
+    "sqrt",
+]

@@ -24,7 +24,9 @@ _lib.declare(
 def normal_from_bits(bits: np.ndarray, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
     """len(bits) float32 samples ~ N(mean, std^2) from an even number of uint32 words."""
     if bits.dtype != np.uint32 or bits.ndim != 1 or bits.size % 2:
-        raise ValueError(f"normal_from_bits: bits must be a 1-D uint32 array of even length, got {bits.dtype} {bits.shape}")
+        raise ValueError(
+            f"normal_from_bits: bits must be a 1-D uint32 array of even length, got {bits.dtype} {bits.shape}"
+        )
     bits = np.ascontiguousarray(bits)
     out = torch.empty(bits.size, dtype=torch.float32)
     _lib.kernel("normal_from_bits")(bits.ctypes.data, out.data_ptr(), bits.size // 2, float(mean), float(std))

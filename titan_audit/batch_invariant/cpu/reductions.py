@@ -109,7 +109,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple
     rstd = torch.empty(*x.shape[:-1], 1, dtype=dtype)
     if m and n:
         _lib.kernel(f"rms_norm_{_suffix(dtype)}")(
-            _lib.ptr(x), None if w is None else _lib.ptr(w), _lib.ptr(y), _lib.ptr(rstd), m, n, float(eps),
+            _lib.ptr(x),
+            None if w is None else _lib.ptr(w),
+            _lib.ptr(y),
+            _lib.ptr(rstd),
+            m,
+            n,
+            float(eps),
             _threads(x.numel()),
         )
     return y, rstd
@@ -126,8 +132,15 @@ def _rms_norm_backward(
     grad_w = None if w is None else torch.zeros(n, dtype=dtype)
     if m and n:
         _lib.kernel(f"rms_norm_backward_{_suffix(dtype)}")(
-            _lib.ptr(grad), _lib.ptr(x), None if w is None else _lib.ptr(w), _lib.ptr(rstd), _lib.ptr(grad_x),
-            None if grad_w is None else _lib.ptr(grad_w), m, n, _threads(x.numel()),
+            _lib.ptr(grad),
+            _lib.ptr(x),
+            None if w is None else _lib.ptr(w),
+            _lib.ptr(rstd),
+            _lib.ptr(grad_x),
+            None if grad_w is None else _lib.ptr(grad_w),
+            m,
+            n,
+            _threads(x.numel()),
         )
     return grad_x, grad_w
 
@@ -162,9 +175,11 @@ def _sum_dims_op(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tenso
 
 @_sum_dims_op.register_fake
 def _(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    shape = [1 if d in dims else s for d, s in enumerate(x.shape)] if keepdim else [
-        s for d, s in enumerate(x.shape) if d not in dims
-    ]
+    shape = (
+        [1 if d in dims else s for d, s in enumerate(x.shape)]
+        if keepdim
+        else [s for d, s in enumerate(x.shape) if d not in dims]
+    )
     return torch.empty(shape, dtype=compute_dtype(x.dtype), device=x.device)
 
 
@@ -217,16 +232,23 @@ def _(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tuple[torc
 
 @torch.library.custom_op("titan_audit::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(
-    grad: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor  # noqa: UP045
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad_x, grad_w = _rms_norm_backward(grad, x, weight, rstd)
     return grad_x, grad_x.new_empty(0) if grad_w is None else grad_w
 
 
 @_rms_norm_backward_op.register_fake
-def _(grad: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045, E501
-    return (torch.empty(x.shape, dtype=rstd.dtype, device=x.device),
-            torch.empty(0 if weight is None else x.shape[-1], dtype=rstd.dtype, device=x.device))
+def _(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045, E501
+    return (
+        torch.empty(x.shape, dtype=rstd.dtype, device=x.device),
+        torch.empty(0 if weight is None else x.shape[-1], dtype=rstd.dtype, device=x.device),
+    )
 
 
 # ---------------------------------------------------------------- the backend functions
@@ -259,7 +281,9 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 def softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """d softmax: y * (g - sum(g * y)), the row sum in the lanes + tree16 order."""
-    return _softmax_backward_op(grad, y) if torch.compiler.is_compiling() else _row_backward("softmax_backward", grad, y)
+    return (
+        _softmax_backward_op(grad, y) if torch.compiler.is_compiling() else _row_backward("softmax_backward", grad, y)
+    )
 
 
 def log_softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,9 @@ def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
 def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of a float32 CPU tensor of angles in radians, element by element."""
     if not isinstance(angles, torch.Tensor) or angles.dtype != torch.float32 or angles.device.type != "cpu":
-        raise ValueError(f"cos_sin: expected a float32 CPU tensor, got {getattr(angles, 'dtype', type(angles).__name__)}")
+        raise ValueError(
+            f"cos_sin: expected a float32 CPU tensor, got {getattr(angles, 'dtype', type(angles).__name__)}"
+        )
     angles = angles.contiguous()
     cos, sin = torch.empty_like(angles), torch.empty_like(angles)
     if angles.numel():

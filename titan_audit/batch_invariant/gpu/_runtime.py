@@ -159,7 +159,9 @@ def check_device(*tensors: torch.Tensor | None) -> None:
     """Every tensor on CUDA, or every tensor on CPU (the interpreter's path)."""
     types = {t.device.type for t in tensors if t is not None}
     if not types <= {"cuda"} and types != {"cpu"}:
-        raise ValueError(f"batch_invariant (triton): tensors must be on CUDA (or all on CPU for the interpreter), got {sorted(types)}")
+        raise ValueError(
+            f"batch_invariant (triton): tensors must be on CUDA (or all on CPU for the interpreter), got {sorted(types)}"
+        )
 
 
 TRITON_VERSION = triton.__version__

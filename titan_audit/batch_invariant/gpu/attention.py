@@ -61,14 +61,50 @@ def config(t: torch.Tensor) -> tuple[int, int, int, int, int]:
 
 @jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, doc_ptr, mask_ptr,
-    po_ptr, pm_ptr, pl_ptr,
-    qk_scale, row0, rows, hkv, tq, tk_doc, page, splits, d,
-    s_qb, s_qh, s_qt, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_bt,
-    s_mb, s_mh, s_mt, s_mk,
-    G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_ptr,
+    pos_ptr,
+    doc_ptr,
+    mask_ptr,
+    po_ptr,
+    pm_ptr,
+    pl_ptr,
+    qk_scale,
+    row0,
+    rows,
+    hkv,
+    tq,
+    tk_doc,
+    page,
+    splits,
+    d,
+    s_qb,
+    s_qh,
+    s_qt,
+    s_kp,
+    s_kh,
+    s_kt,
+    s_vp,
+    s_vh,
+    s_vt,
+    s_bt,
+    s_mb,
+    s_mh,
+    s_mt,
+    s_mk,
+    G: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -82,8 +118,15 @@ def _split_kernel(
     head = hk * G + gr % G
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < d
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + head[:, None].to(tl.int64) * s_qh + qi[:, None].to(tl.int64) * s_qt
-                + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr
+        + b.to(tl.int64) * s_qb
+        + head[:, None].to(tl.int64) * s_qh
+        + qi[:, None].to(tl.int64) * s_qt
+        + dd[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     pos = tl.load(pos_ptr + b.to(tl.int64) * tq + qi, mask=row_ok, other=0)
     seq = tl.load(seq_ptr + b)
     if HAS_DOC:
@@ -103,10 +146,16 @@ def _split_kernel(
         blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + j // page, mask=j_ok, other=0).to(tl.int64)
         slot = (j % page).to(tl.int64)
         kv_ok = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + blk[:, None] * s_kp + hk.to(tl.int64) * s_kh + slot[:, None] * s_kt + dd[None, :],
-                    mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * s_vp + hk.to(tl.int64) * s_vh + slot[:, None] * s_vt + dd[None, :],
-                    mask=kv_ok, other=0.0)
+        k = tl.load(
+            k_ptr + blk[:, None] * s_kp + hk.to(tl.int64) * s_kh + slot[:, None] * s_kt + dd[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + blk[:, None] * s_vp + hk.to(tl.int64) * s_vh + slot[:, None] * s_vt + dd[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -121,9 +170,15 @@ def _split_kernel(
             kdoc = tl.load(doc_ptr + b.to(tl.int64) * tk_doc + j, mask=j_ok, other=-1)
             vis = vis & (kdoc[None, :] >= 0) & (kdoc[None, :] == qdoc[:, None])
         if HAS_MASK:
-            mk = tl.load(mask_ptr + b.to(tl.int64) * s_mb + head[:, None].to(tl.int64) * s_mh
-                         + qi[:, None].to(tl.int64) * s_mt + j[None, :].to(tl.int64) * s_mk,
-                         mask=row_ok[:, None] & j_ok[None, :], other=0)
+            mk = tl.load(
+                mask_ptr
+                + b.to(tl.int64) * s_mb
+                + head[:, None].to(tl.int64) * s_mh
+                + qi[:, None].to(tl.int64) * s_mt
+                + j[None, :].to(tl.int64) * s_mk,
+                mask=row_ok[:, None] & j_ok[None, :],
+                other=0,
+            )
             vis = vis & (mk != 0)
         # keys no row of the tile sees (padding, other documents) hold anything, NaN included: zero
         # their values, so p = 0 meets 0.0, never 0 * NaN
@@ -149,9 +204,24 @@ def _split_kernel(
 
 @jit
 def _combine_kernel(
-    po_ptr, pm_ptr, pl_ptr, out_ptr, lse_ptr,
-    row0, rows, hkv, splits, d, s_ob, s_oh, s_ot, s_lb, s_lh,
-    G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    po_ptr,
+    pm_ptr,
+    pl_ptr,
+    out_ptr,
+    lse_ptr,
+    row0,
+    rows,
+    hkv,
+    splits,
+    d,
+    s_ob,
+    s_oh,
+    s_ot,
+    s_lb,
+    s_lh,
+    G: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -256,23 +326,70 @@ def paged_attention(
         pl = torch.empty((batch * hkv, rows, splits), dtype=torch.float32, device=q.device)
         grid = (triton.cdiv(rows, block_m), batch * hkv, splits)
         _split_kernel[grid](
-            q, k_cache, v_cache, bt, seq, pos, doc if doc is not None else dummy,
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            seq,
+            pos,
+            doc if doc is not None else dummy,
             extra_mask if extra_mask is not None else dummy,
-            po, pm, pl,
-            float(scale) * LOG2_E, row0, rows, hkv, tq, tk_doc, page, splits, d,
-            q.stride(0), q.stride(1), q.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
+            po,
+            pm,
+            pl,
+            float(scale) * LOG2_E,
+            row0,
+            rows,
+            hkv,
+            tq,
+            tk_doc,
+            page,
+            splits,
+            d,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            bt.stride(0),
             *mstr,
-            G=group, CAUSAL=bool(causal), HAS_DOC=doc is not None, HAS_MASK=extra_mask is not None,
-            DOT_F32=interp and q.dtype != torch.float32, IEEE=q.dtype == torch.float32 or interp,
-            SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **opts,
-        )  # fmt: skip
+            G=group,
+            CAUSAL=bool(causal),
+            HAS_DOC=doc is not None,
+            HAS_MASK=extra_mask is not None,
+            DOT_F32=interp and q.dtype != torch.float32,
+            IEEE=q.dtype == torch.float32 or interp,
+            SPLIT=split,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **opts,
+        )
         _combine_kernel[(triton.cdiv(rows, block_m), batch * hkv)](
-            po, pm, pl, out, lse, row0, rows, hkv, splits, d,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            G=group, BLOCK_R=block_m, BLOCK_D=block_d, **({} if interp else dict(num_warps=4, enable_fp_fusion=False)),
-        )  # fmt: skip
+            po,
+            pm,
+            pl,
+            out,
+            lse,
+            row0,
+            rows,
+            hkv,
+            splits,
+            d,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            G=group,
+            BLOCK_R=block_m,
+            BLOCK_D=block_d,
+            **({} if interp else dict(num_warps=4, enable_fp_fusion=False)),
+        )
     return out, lse
 
 
@@ -295,8 +412,9 @@ def attention_forward(
     table = torch.arange(batch, dtype=torch.int32, device=q.device).unsqueeze(1)
     seq = torch.full((batch,), tk, dtype=torch.int32, device=q.device)
     # page = max(Tk, 1): j // page == 0 for every key, so sequence b reads k[b] with its own strides
-    return paged_attention(q, k, v, table, seq, q_positions, scale, causal=causal, doc_ids=doc_ids,
-                           extra_mask=extra_mask, max_seq_len=tk)
+    return paged_attention(
+        q, k, v, table, seq, q_positions, scale, causal=causal, doc_ids=doc_ids, extra_mask=extra_mask, max_seq_len=tk
+    )
 
 
 __all__ = ["KEY_CHUNK", "LOG2_E", "attention_forward", "config", "paged_attention", "math"]

@@ -30,8 +30,26 @@ INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
 @jit
-def _visible(j, j_ok, row_ok, pos, qdoc, b, head, qi, doc_ptr, mask_ptr, tk,
-             s_mb, s_mh, s_mt, s_mk, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, HAS_MASK: tl.constexpr):
+def _visible(
+    j,
+    j_ok,
+    row_ok,
+    pos,
+    qdoc,
+    b,
+    head,
+    qi,
+    doc_ptr,
+    mask_ptr,
+    tk,
+    s_mb,
+    s_mh,
+    s_mt,
+    s_mk,
+    CAUSAL: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
     vis = row_ok[:, None] & j_ok[None, :]
     if CAUSAL:
         vis = vis & (j[None, :] <= pos[:, None])
@@ -39,9 +57,15 @@ def _visible(j, j_ok, row_ok, pos, qdoc, b, head, qi, doc_ptr, mask_ptr, tk,
         kdoc = tl.load(doc_ptr + b.to(tl.int64) * tk + j, mask=j_ok, other=-1)
         vis = vis & (kdoc[None, :] >= 0) & (kdoc[None, :] == qdoc[:, None])
     if HAS_MASK:
-        mk = tl.load(mask_ptr + b.to(tl.int64) * s_mb + head[:, None].to(tl.int64) * s_mh
-                     + qi[:, None].to(tl.int64) * s_mt + j[None, :].to(tl.int64) * s_mk,
-                     mask=row_ok[:, None] & j_ok[None, :], other=0)
+        mk = tl.load(
+            mask_ptr
+            + b.to(tl.int64) * s_mb
+            + head[:, None].to(tl.int64) * s_mh
+            + qi[:, None].to(tl.int64) * s_mt
+            + j[None, :].to(tl.int64) * s_mk,
+            mask=row_ok[:, None] & j_ok[None, :],
+            other=0,
+        )
         vis = vis & (mk != 0)
     return vis
 
@@ -59,12 +83,36 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, n_rows, d, BLOCK_R: tl.constexpr, BL
 
 @jit
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, pos_ptr, doc_ptr, mask_ptr, dq_ptr,
-    qk_scale, scale, hq, hkv, tq, tk, d,
-    s_mb, s_mh, s_mt, s_mk,
-    G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    pos_ptr,
+    doc_ptr,
+    mask_ptr,
+    dq_ptr,
+    qk_scale,
+    scale,
+    hq,
+    hkv,
+    tq,
+    tk,
+    d,
+    s_mb,
+    s_mh,
+    s_mt,
+    s_mk,
+    G: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -76,7 +124,7 @@ def _dq_kernel(
     head = hk * G + r % G
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < d
-    row_off = ((b * hq + head).to(tl.int64) * tq + qi)  # row index in [B, Hq, Tq]
+    row_off = (b * hq + head).to(tl.int64) * tq + qi  # row index in [B, Hq, Tq]
     q = tl.load(q_ptr + row_off[:, None] * d + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(do_ptr + row_off[:, None] * d + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     lse = tl.load(lse_ptr + row_off, mask=row_ok, other=0.0)
@@ -103,8 +151,26 @@ def _dq_kernel(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        vis = _visible(j, j_ok, row_ok, pos, qdoc, b, head, qi, doc_ptr, mask_ptr, tk, s_mb, s_mh, s_mt, s_mk,
-                       CAUSAL, HAS_DOC, HAS_MASK)
+        vis = _visible(
+            j,
+            j_ok,
+            row_ok,
+            pos,
+            qdoc,
+            b,
+            head,
+            qi,
+            doc_ptr,
+            mask_ptr,
+            tk,
+            s_mb,
+            s_mh,
+            s_mt,
+            s_mk,
+            CAUSAL,
+            HAS_DOC,
+            HAS_MASK,
+        )
         seen = (tl.max(vis.to(tl.int32), axis=0) > 0)[:, None]  # keys some row of the tile sees
         k = tl.where(seen, k, 0.0)
         v = tl.where(seen, v, 0.0)
@@ -128,12 +194,37 @@ def _dq_kernel(
 
 @jit
 def _dkv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, pos_ptr, doc_ptr, mask_ptr, dk_ptr, dv_ptr,
-    qk_scale, scale, hq, hkv, tq, tk, d,
-    s_mb, s_mh, s_mt, s_mk,
-    G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    pos_ptr,
+    doc_ptr,
+    mask_ptr,
+    dk_ptr,
+    dv_ptr,
+    qk_scale,
+    scale,
+    hq,
+    hkv,
+    tq,
+    tk,
+    d,
+    s_mb,
+    s_mh,
+    s_mt,
+    s_mk,
+    G: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -157,7 +248,7 @@ def _dkv_kernel(
         row_ok = r < tq * G
         qi = r // G
         head = hk * G + r % G
-        row_off = ((b * hq + head).to(tl.int64) * tq + qi)
+        row_off = (b * hq + head).to(tl.int64) * tq + qi
         q = tl.load(q_ptr + row_off[:, None] * d + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         do = tl.load(do_ptr + row_off[:, None] * d + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         lse = tl.load(lse_ptr + row_off, mask=row_ok, other=0.0)
@@ -170,8 +261,26 @@ def _dkv_kernel(
         if DOT_F32:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        vis = _visible(j, j_ok, row_ok, pos, qdoc, b, head, qi, doc_ptr, mask_ptr, tk, s_mb, s_mh, s_mt, s_mk,
-                       CAUSAL, HAS_DOC, HAS_MASK)
+        vis = _visible(
+            j,
+            j_ok,
+            row_ok,
+            pos,
+            qdoc,
+            b,
+            head,
+            qi,
+            doc_ptr,
+            mask_ptr,
+            tk,
+            s_mb,
+            s_mh,
+            s_mt,
+            s_mk,
+            CAUSAL,
+            HAS_DOC,
+            HAS_MASK,
+        )
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -226,19 +335,45 @@ def attention_backward(
     block_d = triton.next_power_of_2(d)
     n_rows = batch * hq * tq
     delta = torch.empty(n_rows, dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(n_rows, block_m),)](o, do.to(torch.float32), delta, n_rows, d, BLOCK_R=block_m,
-                                                   BLOCK_D=block_d, **({} if interp else dict(num_warps=4, enable_fp_fusion=False)))
+    _delta_kernel[(triton.cdiv(n_rows, block_m),)](
+        o,
+        do.to(torch.float32),
+        delta,
+        n_rows,
+        d,
+        BLOCK_R=block_m,
+        BLOCK_D=block_d,
+        **({} if interp else dict(num_warps=4, enable_fp_fusion=False)),
+    )
     doc = None if doc_ids is None else doc_ids.to(device=q.device, dtype=torch.int64).contiguous()
     mstr = [0, 0, 0, 0]
     if extra_mask is not None:
         mstr = [0 if extra_mask.shape[i] == 1 else extra_mask.stride(i) for i in range(4)]
     dummy = pos
-    common = dict(G=group, CAUSAL=bool(causal), HAS_DOC=doc is not None, HAS_MASK=extra_mask is not None,
-                  DOT_F32=interp and q.dtype != torch.float32, IEEE=q.dtype == torch.float32 or interp,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **opts)
+    common = dict(
+        G=group,
+        CAUSAL=bool(causal),
+        HAS_DOC=doc is not None,
+        HAS_MASK=extra_mask is not None,
+        DOT_F32=interp and q.dtype != torch.float32,
+        IEEE=q.dtype == torch.float32 or interp,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        **opts,
+    )
     args = (float(scale) * LOG2_E, float(scale), hq, hkv, tq, tk, d, *mstr)
-    ptrs = (q, k, v, do, lse, delta, pos, doc if doc is not None else dummy,
-            extra_mask if extra_mask is not None else dummy)
+    ptrs = (
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        pos,
+        doc if doc is not None else dummy,
+        extra_mask if extra_mask is not None else dummy,
+    )
     _dq_kernel[(triton.cdiv(tq * group, block_m), batch * hkv)](*ptrs, dq, *args, **common)
     _dkv_kernel[(triton.cdiv(tk, block_n), batch * hkv)](*ptrs, dk, dv, *args, **common)
     return dq, dk, dv

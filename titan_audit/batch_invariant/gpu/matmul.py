@@ -41,21 +41,38 @@ CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.float64: (32, 32, 16, 4, 2),
 }
 # The interpreter runs a tile as numpy code: smaller fixed tiles keep tests fast.
-INTERPRETER_CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
-    dt: (16, 16, 16, 1, 1) for dt in CONFIGS
-}
+INTERPRETER_CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {dt: (16, 16, 16, 1, 1) for dt in CONFIGS}
 
 
 @jit
 def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    s_ab, s_am, s_ak,
-    s_bb, s_bk, s_bn,
-    s_cb, s_cm, s_cn,
-    tiles_per_matrix, tiles_n, total_tiles, num_programs,
-    HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    s_ab,
+    s_am,
+    s_ak,
+    s_bb,
+    s_bk,
+    s_bn,
+    s_cb,
+    s_cm,
+    s_cn,
+    tiles_per_matrix,
+    tiles_n,
+    total_tiles,
+    num_programs,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     for tile in range(pid, total_tiles, num_programs):
@@ -80,10 +97,16 @@ def _gemm_kernel(
             acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):  # ascending, the whole K in this program: no split-K
             kk = k0 + rk
-            a = tl.load(a_base + rm[:, None].to(tl.int64) * s_am + kk[None, :] * s_ak,
-                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
-                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            a = tl.load(
+                a_base + rm[:, None].to(tl.int64) * s_am + kk[None, :] * s_ak,
+                mask=(rm[:, None] < M) & (kk[None, :] < K),
+                other=0.0,
+            )
+            b = tl.load(
+                b_base + kk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
+                mask=(kk[:, None] < K) & (rn[None, :] < N),
+                other=0.0,
+            )
             if DOT_F32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -123,17 +146,31 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     if not interp:
         launch.update(num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     _gemm_kernel[(programs,)](
-        a, b, c, bias if bias is not None else c,
-        m, n, k,
-        a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        c.stride(0), c.stride(1), c.stride(2),
-        per_matrix, tiles_n, total, programs,
+        a,
+        b,
+        c,
+        bias if bias is not None else c,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        c.stride(0),
+        c.stride(1),
+        c.stride(2),
+        per_matrix,
+        tiles_n,
+        total,
+        programs,
         HAS_BIAS=bias is not None,
         DOT_F32=interp and a.dtype in (torch.bfloat16, torch.float16),
         IEEE=a.dtype == torch.float32 or (interp and a.dtype != torch.float64),
         **launch,
-    )  # fmt: skip
+    )
     return c
 
 

@@ -111,8 +111,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[
     m, n = _shape(x)
     if m and n:
         block, warps = row_block(n, x)
-        _rms_norm_kernel[(m,)](xc, w if w is not None else xc, y, rstd, n, float(eps), HAS_W=w is not None,
-                               BLOCK=block, **launch_options(x, warps))
+        _rms_norm_kernel[(m,)](
+            xc,
+            w if w is not None else xc,
+            y,
+            rstd,
+            n,
+            float(eps),
+            HAS_W=w is not None,
+            BLOCK=block,
+            **launch_options(x, warps),
+        )
     return y, rstd
 
 
@@ -130,14 +139,16 @@ def rms_norm_backward(
         return gx, gw
     block, warps = row_block(n, x)
     opts = launch_options(x, warps)
-    _rms_norm_backward_kernel[(m,)](g, xc, w if w is not None else xc, rs, gx, n, HAS_W=w is not None,
-                                    BLOCK=block, **opts)
+    _rms_norm_backward_kernel[(m,)](
+        g, xc, w if w is not None else xc, rs, gx, n, HAS_W=w is not None, BLOCK=block, **opts
+    )
     if gw is not None:
         chunks = triton.cdiv(m, ROWS_PER_CHUNK)
         col_block = 32 if interpreted(x) else COL_BLOCK
         part = torch.empty((chunks, n), dtype=dtype, device=x.device)
         grid = (triton.cdiv(n, col_block), chunks)
-        _weight_grad_chunks_kernel[grid](g, xc, rs, part, m, n, ROWS=ROWS_PER_CHUNK, BLOCK=col_block,
-                                         **launch_options(x, 4))
+        _weight_grad_chunks_kernel[grid](
+            g, xc, rs, part, m, n, ROWS=ROWS_PER_CHUNK, BLOCK=col_block, **launch_options(x, 4)
+        )
         _chunk_sum_kernel[(triton.cdiv(n, col_block),)](part, gw, chunks, n, BLOCK=col_block, **launch_options(x, 4))
     return gx, gw

@@ -59,7 +59,9 @@ def require() -> None:
     try:
         import vllm  # noqa: F401
     except Exception as error:  # a broken install (e.g. CUDA torchvision beside the CPU torch)
-        raise ValueError(f"vLLM is installed but does not import ({type(error).__name__}: {error}); {INSTALL_HINT}") from None
+        raise ValueError(
+            f"vLLM is installed but does not import ({type(error).__name__}: {error}); {INSTALL_HINT}"
+        ) from None
 
 
 def __getattr__(name: str) -> Any:

@@ -52,10 +52,12 @@ class TitanAttentionImpl(AttentionImpl):
         **unsupported: object,
     ) -> None:
         what = {
-            "alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap, "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
             **unsupported,
-        }  # fmt: skip
+        }
         bad = sorted(k for k, v in what.items() if v is not None)
         if bad or attn_type != AttentionType.DECODER or kv_cache_dtype != "auto":
             raise ValueError(
@@ -141,8 +143,11 @@ class _Plan:
         assert len(starts) >= num_reqs + 1 and starts[num_reqs] == metadata.num_actual_tokens, (starts, seq_lens)
         self.block_table = metadata.block_table
         self.decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
-        self.prefills = [(starts[r], starts[r + 1] - starts[r], r, seq_lens[r])
-                         for r in range(num_reqs) if starts[r + 1] - starts[r] > 1]  # fmt: skip
+        self.prefills = [
+            (starts[r], starts[r + 1] - starts[r], r, seq_lens[r])
+            for r in range(num_reqs)
+            if starts[r + 1] - starts[r] > 1
+        ]
         if self.decodes:
             self.decode_reqs = torch.tensor(self.decodes, device=device)
             self.decode_rows = torch.tensor([starts[r] for r in self.decodes], device=device)

@@ -91,7 +91,9 @@ class VllmGeneratorConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"vllm generator {name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 32 or self.block_size % 32:
-            raise ValueError(f"vllm generator block_size must be a multiple of 32 (vLLM's CPU cache), got {self.block_size}")
+            raise ValueError(
+                f"vllm generator block_size must be a multiple of 32 (vLLM's CPU cache), got {self.block_size}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"vllm generator max_model_len must be >= 1 or None, got {self.max_model_len}")
 
@@ -111,8 +113,11 @@ class TitanWorkerExtension:
         """Where the worker runs and whether the BI ops are installed there outside any forward."""
         from titan_audit import batch_invariant
 
-        return {"pid": os.getpid(), "batch_invariant_installed": batch_invariant.is_enabled(),
-                "architecture": type(self.model_runner.model).__name__}  # fmt: skip
+        return {
+            "pid": os.getpid(),
+            "batch_invariant_installed": batch_invariant.is_enabled(),
+            "architecture": type(self.model_runner.model).__name__,
+        }
 
     def titan_fingerprint(self) -> dict[str, str]:
         model = self.model_runner.model
@@ -174,8 +179,9 @@ def _keep_process_state():
 class VllmGenerator:
     """The `Generator` over a vLLM engine running our model (see the module doc)."""
 
-    def __init__(self, model: Transformer, config: VllmGeneratorConfig | None = None, *,
-                 policy_version: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, model: Transformer, config: VllmGeneratorConfig | None = None, *, policy_version: int = 0
+    ) -> None:
         from titan_audit.rl.vllm import require
 
         require()
@@ -187,8 +193,9 @@ class VllmGenerator:
             raise ValueError(f"policy_version must be an int, got {policy_version!r}")
         self.config = config or VllmGeneratorConfig()
         self.model_config = model.config
-        self.max_model_len = min(self.config.max_model_len or model.config.max_position_embeddings,
-                                 model.config.max_position_embeddings)  # fmt: skip
+        self.max_model_len = min(
+            self.config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
+        )
         self._names = {name: (t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
         self._lock = threading.Lock()
         self._policy_version = policy_version
@@ -212,19 +219,33 @@ class VllmGenerator:
             env[plugin.PARENT_PID_ENV] = str(os.getpid())
         extra = {}
         if cfg.implementation == "titan":
-            extra = {"hf_overrides": {"architectures": [ARCHITECTURE]},
-                     "additional_config": {CONFIG_KEY: {"batch_invariant": cfg.batch_invariant}}}  # fmt: skip
+            extra = {
+                "hf_overrides": {"architectures": [ARCHITECTURE]},
+                "additional_config": {CONFIG_KEY: {"batch_invariant": cfg.batch_invariant}},
+            }
         owns_dist = not torch.distributed.is_initialized()
         with _environment(env), _keep_process_state():
             llm = vllm.LLM(
-                model=self._dir.name, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
-                max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1 if cfg.enable_chunked_prefill else self.max_model_len),
-                enable_chunked_prefill=cfg.enable_chunked_prefill, enable_prefix_caching=cfg.enable_prefix_caching,
-                block_size=cfg.block_size, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                logits_processors=[SAMPLER], logprobs_mode="processed_logits", async_scheduling=False,
-                worker_extension_cls=WORKER_EXTENSION, **extra,
-            )  # fmt: skip
+                model=self._dir.name,
+                skip_tokenizer_init=True,
+                dtype="float32",
+                enforce_eager=True,
+                seed=0,
+                max_model_len=self.max_model_len,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=max(
+                    cfg.max_num_batched_tokens, 1 if cfg.enable_chunked_prefill else self.max_model_len
+                ),
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                block_size=cfg.block_size,
+                kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+                logits_processors=[SAMPLER],
+                logprobs_mode="processed_logits",
+                async_scheduling=False,
+                worker_extension_cls=WORKER_EXTENSION,
+                **extra,
+            )
         return llm, owns_dist and torch.distributed.is_initialized()
 
     def close(self) -> None:
@@ -267,12 +288,17 @@ class VllmGenerator:
         missing = sorted(set(self._names) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self._names))
         if missing or unexpected:
-            raise ValueError(f"load_weights: state dict does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")  # fmt: skip
+            raise ValueError(
+                f"load_weights: state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         for name, (dtype, shape) in self._names.items():
             source = state_dict[name]
             if not isinstance(source, torch.Tensor) or tuple(source.shape) != shape or source.dtype != dtype:
-                got = f"{source.dtype} {tuple(source.shape)}" if isinstance(source, torch.Tensor) else type(source).__name__
+                got = (
+                    f"{source.dtype} {tuple(source.shape)}"
+                    if isinstance(source, torch.Tensor)
+                    else type(source).__name__
+                )
                 raise ValueError(f"load_weights: tensor {name!r} is {got}, the generator's is {dtype} {shape}")
         if not isinstance(policy_version, int):
             raise ValueError(f"load_weights: policy_version must be an int, got {policy_version!r}")
@@ -308,15 +334,25 @@ class VllmGenerator:
         stop = [int(t) for t in params.stop_token_ids]
         vllm_params = [
             vllm.SamplingParams(
-                n=1, temperature=0.0, max_tokens=params.max_new_tokens, stop_token_ids=stop, ignore_eos=True,
-                logprobs=0, detokenize=False, extra_args={CONFIG_KEY: request_args(r.key, params, offset)},
-            )  # fmt: skip
+                n=1,
+                temperature=0.0,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=stop,
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=False,
+                extra_args={CONFIG_KEY: request_args(r.key, params, offset)},
+            )
             for r, offset in zip(requests, offsets)
         ]
         prompts = [{"prompt_token_ids": [int(t) for t in r.prompt_ids]} for r in requests]
         # in-process, the whole call in BI mode (as the built-in generator does): the model's and the
         # sampler's own `enabled()` blocks are then no-ops instead of installing the ops every step
-        mode = bi.enabled() if self.config.batch_invariant and not self.config.multiprocessing else contextlib.nullcontext()
+        mode = (
+            bi.enabled()
+            if self.config.batch_invariant and not self.config.multiprocessing
+            else contextlib.nullcontext()
+        )
         with self._lock, mode:
             outputs = self._engine().generate(prompts, vllm_params, use_tqdm=False)
             version = self._policy_version
@@ -345,10 +381,20 @@ class VllmGenerator:
         reason = completion.finish_reason
         assert reason in ("stop", "length"), (request.key, reason)
         return Sample(
-            key=request.key, prompt_ids=tuple(int(t) for t in request.prompt_ids), tokens=tokens,
-            logprobs=torch.tensor(logprobs, dtype=torch.float32), finish_reason=reason, policy_version=version,
-        )  # fmt: skip
+            key=request.key,
+            prompt_ids=tuple(int(t) for t in request.prompt_ids),
+            tokens=tokens,
+            logprobs=torch.tensor(logprobs, dtype=torch.float32),
+            finish_reason=reason,
+            policy_version=version,
+        )
 
     def _check(self, requests: list[GenerationRequest], params: SamplingParams, distinct_prompts: bool = True) -> None:
-        check_requests(requests, params, self.model_config.vocab_size, self.max_model_len, "max_model_len",
-                       distinct_prompts=distinct_prompts)  # fmt: skip
+        check_requests(
+            requests,
+            params,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            "max_model_len",
+            distinct_prompts=distinct_prompts,
+        )

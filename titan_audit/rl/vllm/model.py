@@ -90,8 +90,14 @@ class TitanForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
-                inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **_: object,
+    ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, D]."""
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
         with self._mode():
@@ -103,7 +109,9 @@ class TitanForCausalLM(nn.Module):
                 h_1ND = h_1ND + block.mlp(block.post_attention_layernorm(h_1ND))
             return self.model.norm(h_1ND)[0]
 
-    def _attention(self, i: int, attn, x_1ND: torch.Tensor, cos_1Nd: torch.Tensor, sin_1Nd: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, i: int, attn, x_1ND: torch.Tensor, cos_1Nd: torch.Tensor, sin_1Nd: torch.Tensor
+    ) -> torch.Tensor:
         """models.attention.Attention.forward, with the attention reduction in vLLM's layer."""
         n = x_1ND.shape[1]
         q_1NHd = ops.linear(x_1ND, attn.q_proj.weight).view(1, n, attn.num_heads, attn.head_dim)
@@ -151,7 +159,9 @@ class TitanForCausalLM(nn.Module):
                         raise ValueError(f"checkpoint tensor {hf_name!r} has no counterpart in the titan-audit model")
                     target = own[name]
                 if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(f"checkpoint tensor {hf_name!r} is {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name!r} is {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    )
                 target.copy_(tensor)
                 if not match:
                     loaded.add(name)

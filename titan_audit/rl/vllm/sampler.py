@@ -90,8 +90,9 @@ class KeyedSampler(LogitsProcessor):
         args = (params.extra_args or {}).get(CONFIG_KEY)
         if args is None:
             return None
-        ours = SamplingParams(temperature=args["temperature"], top_p=args["top_p"], top_k=args["top_k"],
-                              max_new_tokens=1)  # unused by the draw  # fmt: skip
+        ours = SamplingParams(
+            temperature=args["temperature"], top_p=args["top_p"], top_k=args["top_k"], max_new_tokens=1
+        )  # unused by the draw
         return _State(stream_key(SampleKey(*args["key"])), ours, output_ids, int(args.get("offset", 0)))
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
