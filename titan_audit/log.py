@@ -9,9 +9,9 @@ Library modules take a logger and never configure logging themselves::
     log.warning("...")                       # something the user should look at
     log.debug("...")                         # detail, shown with -v
 
-A library that is imported but never configured says nothing below WARNING (the standard
-practice: a `NullHandler` on the package logger, so Python's last-resort handler prints only
-warnings and errors). The CLI calls `configure(verbose)` once; ranks started by torchrun call it
+A library that is imported but never configured prints nothing (the standard practice: a
+`NullHandler` on the package logger; an application that wants the lines configures logging, or
+calls `configure`). The CLI calls `configure(verbose)` once; ranks started by torchrun call it
 too, and read the verbosity the CLI exported in `TITAN_AUDIT_VERBOSE`.
 
 Every line carries the rank it came from (`[rank 0] resumed from step 4`). By default only rank 0
