@@ -45,6 +45,9 @@ from titan_audit.audit.log import read_audit_log
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest
 from titan_audit.audit.schema import KEY, PHASES, check_phase
 from titan_audit.audit.tensor_diff import tensor_diff
+from titan_audit.log import get_logger
+
+log = get_logger(__name__)
 
 Key = tuple[int, str, int, str]
 _VALUE_COLUMNS = ("hash", "dtype", "shape", "absmax", "mean", "rank", "seq")
@@ -152,6 +155,15 @@ def _load(run_dir: Path, phase: str | None, names: str | None, steps: StepRange 
         unique = pc.unique(table["name"]).to_pylist()
         keep = pa.array([n for n in unique if fnmatch.fnmatchcase(n, names)], type=pa.string())
         table = table.filter(pc.is_in(table["name"], value_set=keep))
+    log.debug(
+        "%s: %d audit records (phase %s, names %s, steps %s..%s)",
+        run_dir,
+        table.num_rows,
+        phase or "any",
+        names or "any",
+        "first" if steps[0] is None else steps[0],
+        "last" if steps[1] is None else steps[1],
+    )
     return table
 
 

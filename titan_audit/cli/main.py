@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-import sys
+import os
 
 import click
 
@@ -21,21 +20,25 @@ from titan_audit.cli.replay import replay
 from titan_audit.cli.report import report
 from titan_audit.cli.rl import rl, verify_onpolicy
 from titan_audit.cli.train import train
+from titan_audit.log import VERBOSE_ENV, configure
 
 
 @click.group(cls=AuditGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="titan-audit")
-@click.option("-v", "--verbose", count=True, help="More log output; tracebacks for errors.")
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help=f"Every rank logs, at DEBUG (also {VERBOSE_ENV}=1); tracebacks for errors. Logs go to stderr.",
+)
 @click.pass_context
 def cli(ctx: click.Context, verbose: int) -> None:
     """Bitwise-reproducible training and RL post-training, and the audits that prove it."""
     ctx.ensure_object(dict)
     ctx.obj["verbose"] = verbose
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(message)s",
-        stream=sys.stderr,
-    )
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # the ranks torchrun starts inherit it and configure() reads it
+    configure(bool(verbose))
 
 
 cli.add_command(env)

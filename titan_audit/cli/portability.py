@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from rich.console import Console
 
 from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
@@ -62,7 +63,8 @@ def kernels(
     if do_record:
         if mark_passed or only:
             raise ValueError("--record takes neither --mark-passed nor --case")
-        summary = kernel_golden.record(golden_path, arch=arch, section=section, force=force)
+        with Console(stderr=True).status(f"golden kernels: recording {section} ({arch})"):
+            summary = kernel_golden.record(golden_path, arch=arch, section=section, force=force)
         if as_json:
             print_json(summary)
         else:
@@ -72,7 +74,8 @@ def kernels(
         return
     if force:
         raise ValueError("--force goes with --record")
-    result = kernel_golden.check(golden_path, arch=arch, section=section, only=only)
+    with Console(stderr=True).status(f"golden kernels: checking {section} ({arch})"):
+        result = kernel_golden.check(golden_path, arch=arch, section=section, only=only)
     if mark_passed and result["passed"]:
         result["marked_passed"] = kernel_golden.mark_passed(golden_path, result)
     if as_json:

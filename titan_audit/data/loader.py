@@ -23,7 +23,6 @@ document); best_fit packing also builds its plan (O(documents)). None of it depe
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,8 +34,9 @@ from titan_audit.data.packing import PACKINGS
 from titan_audit.data.prefetch import WORKER_TYPES, Prefetcher
 from titan_audit.data.state import LoaderState
 from titan_audit.data.token_store import TokenStore
+from titan_audit.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,8 @@ class ElasticLoader:
         for key in sorted(set(current) | set(state.spec)):
             if current.get(key) != state.spec.get(key):
                 raise ValueError(
-                    f"loader state was saved with {key}={state.spec.get(key)!r} but the config has {key}={current.get(key)!r}; "
+                    f"loader state was saved with {key}={state.spec.get(key)!r} "
+                    f"but the config has {key}={current.get(key)!r}; "
                     "these fix the global batches and cannot change on resume"
                 )
         diffs = check_unchanged(state.manifest_digest, state.manifest, self.manifest, allow_change=allow_source_change)

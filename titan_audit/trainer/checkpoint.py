@@ -34,7 +34,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,9 +47,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from titan_audit.atomic import write_json_atomic
 from titan_audit.audit.fingerprint import fingerprint
+from titan_audit.log import get_logger
 from titan_audit.trainer.crash import crash_point
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -279,11 +279,11 @@ class Checkpointer:
                     n += 1
                     aside = final.with_name(f"corrupt-{final.name}.{n}")
                 os.replace(final, aside)
-                print(
-                    f"warning: {error}; resuming from {self.path(used).name} (the corrupt checkpoint is kept as "
-                    f"{aside.name})",
-                    file=sys.stderr,
-                    flush=True,
+                log.warning(
+                    "%s; resuming from %s (the corrupt checkpoint is kept as %s)",
+                    error,
+                    self.path(used).name,
+                    aside.name,
                 )
         _barrier()
 
