@@ -104,5 +104,11 @@ demo: $(STAMP) kernels battery
 test: $(STAMP) kernels battery
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Formatting and lint (ruff, from the `test` extra; config in pyproject.toml [tool.ruff]).
+.PHONY: lint
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
 clean-venv:
 	rm -rf $(VENV)
