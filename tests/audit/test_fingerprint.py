@@ -104,7 +104,10 @@ def test_zero_dim_and_empty_tensors():
 
 
 def test_stable_across_processes():
-    code = "import torch; from titan_audit.audit import fingerprint; print(fingerprint(torch.arange(100, dtype=torch.bfloat16)))"
+    code = (
+        "import torch; from titan_audit.audit import fingerprint; "
+        "print(fingerprint(torch.arange(100, dtype=torch.bfloat16)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == fingerprint(torch.arange(100, dtype=torch.bfloat16))
 

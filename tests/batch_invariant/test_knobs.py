@@ -8,7 +8,8 @@ model forward, a BI paged KV-cache decode (head_dim 128) and the RoPE table of q
 Negative controls: torch's own sum, AdamW, normal_ and cos change bits under
 ATEN_CPU_CAPABILITY=default, so the knobs really took effect and the comparison can fail; and
 torch.sqrt (MKL VML, chosen by CPU vendor) is not the correctly rounded root on some inputs (on
-every vendor; MKL_CBWR moves VML on Intel only, so a knob test alone cannot see this). The whole BI training run under these knobs is in test_knobs_train.py.
+every vendor; MKL_CBWR moves VML on Intel only, so a knob test alone cannot see this). The whole BI
+training run under these knobs is in test_knobs_train.py.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ into a paged KV cache (scattered pages, chunk boundaries off the split and tile 
 token-by-token decode from that cache give every query row the same bits; a sequence alone gets
 the bits it gets in a batch with a longer one; packed documents (doc_ids, with padding keys
 holding NaN) give each document the bits it gets alone; cache slots past the sequence (NaN)
-never reach a row; hypothesis varies the length, GQA ratio, head dim, page size and chunk cut. The backward (through bi.attention's autograd) gives a query row the same dq
-alone as in the batch, and dk / dv are the same on every run. Results match a float64 masked
-reference within the dtype's tolerance. Negative control: another split size gives other bits,
-so the bitwise checks can fail (and the split size is what a decode must share with a prefill).
+never reach a row; hypothesis varies the length, GQA ratio, head dim, page size and chunk cut. The
+backward (through bi.attention's autograd) gives a query row the same dq alone as in the batch, and
+dk / dv are the same on every run. Results match a float64 masked reference within the dtype's
+tolerance. Negative control: another split size gives other bits, so the bitwise checks can fail
+(and the split size is what a decode must share with a prefill).
 """
 
 from __future__ import annotations

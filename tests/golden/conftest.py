@@ -1,8 +1,9 @@
 """Small run directories for the golden tests, built without the trainer.
 
-`build_run(path, ...)` (fixture `make_run`) trains a tiny nn.Linear for a few steps with the audit Recorder (phases data,
-loss, grad, optim, param), writes metrics.parquet and a manifest with this process's numerics
-fingerprint (trainer/run_dir.py `write_manifest`). Options perturb it for negative controls.
+`build_run(path, ...)` (fixture `make_run`) trains a tiny nn.Linear for a few steps with the audit
+Recorder (phases data, loss, grad, optim, param), writes metrics.parquet and a manifest with this
+process's numerics fingerprint (trainer/run_dir.py `write_manifest`). Options perturb it for
+negative controls.
 """
 
 from __future__ import annotations

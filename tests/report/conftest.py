@@ -1,6 +1,6 @@
-"""Small runs for the report tests, made once per session (test_report.py and the browser test share them): a 4-step tiny-dense run with a
-checkpoint at step 2, its elastic replay from step 2, the same run with seed 1 (for --against),
-and a 2-step verified RL run from the first run."""
+"""Small runs for the report tests, made once per session (test_report.py and the browser test
+share them): a 4-step tiny-dense run with a checkpoint at step 2, its elastic replay from step 2,
+the same run with seed 1 (for --against), and a 2-step verified RL run from the first run."""
 
 from __future__ import annotations
 

@@ -20,11 +20,12 @@ def compare_report(data: dict) -> list[str]:
     if data["fingerprint_note"]:
         lines.append(f"note: {data['fingerprint_note']}")
     steps = (data.get("filters") or {}).get("steps")
-    only = (
-        ""
-        if steps is None
-        else f" (steps {steps[0] if steps[0] is not None else 'first'}..{steps[1] if steps[1] is not None else 'last'} only)"
-    )
+    if steps is None:
+        only = ""
+    else:
+        first = "first" if steps[0] is None else steps[0]
+        last = "last" if steps[1] is None else steps[1]
+        only = f" (steps {first}..{last} only)"
     lines.append(
         f"A {data['run_a']}: {data['records_a']} records; B {data['run_b']}: {data['records_b']} records{only}"
     )

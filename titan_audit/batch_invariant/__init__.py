@@ -5,11 +5,12 @@ Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softma
 `log_softmax`, `rms_norm`, `attention`. Mode: `enabled()` (context manager), `enable()`,
 `disable()`, `is_enabled()` (read by the numerics fingerprint; it reports the overrides actually
 installed). `census`: what else computed on a CPU tensor while the mode was on (record or strict;
-census.py), so "only our kernels and exact IEEE ops run" is checked, not assumed. Kernels come from a backend chosen by device (`backend.backend_for`): on CPU our own
-compiled kernels (`cpu/kernels`, built by `make`; scalar, AVX2 and AVX-512 variants with
-identical bits, so BI results are the same on every CPU); on CUDA the Triton kernels
-(`gpu/`: persistent matmul with fixed tiles and no split-K, row ops, split-KV attention over a
-paged KV cache, deterministic attention backward), imported only when a CUDA tensor arrives.
+census.py), so "only our kernels and exact IEEE ops run" is checked, not assumed. Kernels come from
+a backend chosen by device (`backend.backend_for`): on CPU our own compiled kernels (`cpu/kernels`,
+built by `make`; scalar, AVX2 and AVX-512 variants with identical bits, so BI results are the same
+on every CPU); on CUDA the Triton kernels (`gpu/`: persistent matmul with fixed tiles and no
+split-K, row ops, split-KV attention over a paged KV cache, deterministic attention backward),
+imported only when a CUDA tensor arrives.
 """
 
 from titan_audit.batch_invariant import census

@@ -46,7 +46,8 @@ def _selection_options(fn):
             "--metrics",
             default=None,
             metavar="LIST",
-            help="Comma-separated metrics.parquet columns to keep and check (default: loss,grad_norm,lr,aux_loss where present).",
+            help="Comma-separated metrics.parquet columns to keep and check "
+            "(default: loss,grad_norm,lr,aux_loss where present).",
         ),
         click.option("--rtol", multiple=True, metavar="METRIC=X", help="Tolerance-mode relative bound (repeatable)."),
         click.option("--atol", multiple=True, metavar="METRIC=X", help="Tolerance-mode absolute bound (repeatable)."),

@@ -9,7 +9,10 @@ import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
 
-_INIT_HELP = "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; default: the deterministic init."
+_INIT_HELP = (
+    "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; "
+    "default: the deterministic init."
+)
 
 
 _GENERATOR_HELP = (

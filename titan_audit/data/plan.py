@@ -24,7 +24,8 @@ class BatchPlan:
     def __post_init__(self) -> None:
         if self.microbatch_size < 1 or self.global_batch_size < 1:
             raise ValueError(
-                f"global batch size ({self.global_batch_size}) and microbatch size ({self.microbatch_size}) must be >= 1"
+                f"global batch size ({self.global_batch_size}) and microbatch size ({self.microbatch_size}) "
+                "must be >= 1"
             )
         if self.global_batch_size % self.microbatch_size:
             raise ValueError(

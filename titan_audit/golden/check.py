@@ -413,7 +413,8 @@ def check_golden(
         if len(mismatches) > golden.tolerance.max_failures:
             m = mismatches[0]
             failures.append(
-                f"{len(mismatches)} of {points} metric points outside tolerance (budget {golden.tolerance.max_failures}); "
+                f"{len(mismatches)} of {points} metric points outside tolerance "
+                f"(budget {golden.tolerance.max_failures}); "
                 f"first: {m['metric']} at step {m['step']}: golden {m['golden']!r}, run {m['run']!r}"
             )
         elif mismatches:

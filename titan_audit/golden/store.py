@@ -21,8 +21,9 @@ Guarantees:
   the directory. The self-hash rule (sha256 of golden.json's JSON content without its `sha256`
   key, keys sorted, no whitespace) is the same in every format version and is checked before
   the version; then golden.json must be byte-identical to the rendering this version writes
-  (so even a lost trailing newline is caught). Any failure of the integrity checks raises `GoldenCorrupt` (a ValueError naming
-  the file), never a numerics verdict: a flipped byte or a truncated file is corruption.
+  (so even a lost trailing newline is caught). Any failure of the integrity checks raises
+  `GoldenCorrupt` (a ValueError naming the file), never a numerics verdict: a flipped byte or a
+  truncated file is corruption.
 - Bad input is a ValueError naming the path: a directory that does not exist, one that is not a
   golden (no golden.json, or no format marker), a golden from a newer format version.
 - `write_golden` builds the whole directory under a temporary name and renames it into place

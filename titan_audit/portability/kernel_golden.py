@@ -292,7 +292,8 @@ def check(path: Path = DEFAULT_PATH, *, arch: str = "native", section: str = "al
     for name in names:
         if not golden.get(name):
             raise ValueError(
-                f"kernel golden {path} has no {name} section (record it with --record --section {name.replace('_', '-')})"
+                f"kernel golden {path} has no {name} section "
+                f"(record it with --record --section {name.replace('_', '-')})"
             )
     results = {name: {"checked": False} for name in SECTIONS}
     for name in names:
@@ -471,7 +472,8 @@ def record_report(summary: dict) -> list[str]:
     lines = [f"kernel golden {summary['golden']}: recorded"]
     for name, s in summary["sections"].items():
         lines.append(
-            f"  {name.replace('_', '-')}: {s['cases']} cases from {s['records']} records (variants {' '.join(s['variants'])})"
+            f"  {name.replace('_', '-')}: {s['cases']} cases from {s['records']} records "
+            f"(variants {' '.join(s['variants'])})"
         )
     lines.append("  check it on another CPU with `titan-audit golden kernels`, then add that CPU with --mark-passed")
     return lines

@@ -11,7 +11,8 @@ Guarantees:
 - The HTML is one file with no external resources: the plots (matplotlib, Agg backend) are
   embedded as base64 PNG data URIs; the tables are plain HTML. Plots: tokens with a bit
   difference and max |diff| per step, with batch-invariant mode on and (given a second run
-  with native ops) off; the mean reward per step.
+  with native ops) off; the mean reward per step with its trailing rolling mean over
+  ROLLING_WINDOW steps drawn over it (`reward_curves` gives the series the plot draws).
 - Both files are written atomically.
 """
 
@@ -42,6 +43,45 @@ COLUMNS = (
     "ratio_max",
     "policy_age",
 )
+ROLLING_WINDOW = 10  # steps in the rolling mean drawn over the per-step reward
+
+
+def rolling_mean(values: list[float], window: int = ROLLING_WINDOW) -> list[float]:
+    """Trailing mean: entry i is the mean of values[max(0, i - window + 1) : i + 1]."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
+
+
+def reward_curves(
+    bi: dict[str, Any], default: dict[str, Any] | None = None, window: int = ROLLING_WINDOW
+) -> list[dict[str, Any]]:
+    """The series of the reward plot, in drawing order: per run (batch-invariant, then native ops
+    when given) the per-step mean reward and its rolling mean over `window` steps. Each is
+    {"label", "kind" ("per_step" | "rolling_mean"), "steps", "values", "style", "colour"}."""
+    curves = []
+    for summary, label, style, colour in (
+        (bi, "batch-invariant", "o-", "C0"),
+        (default, "native ops (default)", "s--", "C1"),
+    ):
+        if summary is None:
+            continue
+        steps = [r["step"] for r in summary["per_step"]]
+        rewards = [r["reward_mean"] for r in summary["per_step"]]
+        curves.append(
+            {"label": label, "kind": "per_step", "steps": steps, "values": rewards, "style": style, "colour": colour}
+        )
+        curves.append(
+            {
+                "label": f"{label}, rolling mean ({window} steps)",
+                "kind": "rolling_mean",
+                "steps": steps,
+                "values": rolling_mean(rewards, window),
+                "style": "-",
+                "colour": colour,
+            }
+        )
+    return curves
 
 
 def onpolicy_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -105,23 +145,37 @@ def _plots(bi: dict[str, Any], default: dict[str, Any] | None) -> dict[str, str]
         ax.legend()
         ax.grid(alpha=0.3)
     out["gap"] = _png(fig, plt)
+    out["reward"] = _png(reward_figure(bi, default), plt)
+    return out
+
+
+def reward_figure(bi: dict[str, Any], default: dict[str, Any] | None = None):
+    """The reward plot (a matplotlib Figure; Agg): per step, faint, and its rolling mean, thick,
+    for every curve of `reward_curves`; the legend names each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(11, 3.2))
-    for summary, label, style in ((bi, "batch-invariant", "o-"), (default, "native ops (default)", "s--")):
-        if summary is not None:
-            ax.plot(
-                [r["step"] for r in summary["per_step"]],
-                [r["reward_mean"] for r in summary["per_step"]],
-                style,
-                ms=3,
-                label=label,
-            )
-    ax.set_title("mean reward per step")
+    for curve in reward_curves(bi, default):
+        faint = curve["kind"] == "per_step"
+        ax.plot(
+            curve["steps"],
+            curve["values"],
+            curve["style"],
+            color=curve["colour"],
+            ms=2 if faint else 0,
+            lw=0.6 if faint else 2.2,
+            alpha=0.35 if faint else 1.0,
+            label=curve["label"],
+        )
+    ax.set_title(f"mean reward per step (thick: rolling mean over {ROLLING_WINDOW} steps)")
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1)
     ax.legend()
     ax.grid(alpha=0.3)
-    out["reward"] = _png(fig, plt)
-    return out
+    return fig
 
 
 def _png(fig, plt) -> str:
@@ -194,7 +248,8 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>titan-audit on-policy verification</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;font-size:12px}"
-        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}.ok{color:#060}.bad{color:#a00}</style></head><body>",
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}.ok{color:#060}.bad{color:#a00}"
+        "</style></head><body>",
         "<h1>On-policy verification (zero gap)</h1>",
         f"<p>Run <code>{esc(bi['run'])}</code>: task {esc(bi['task'])}, {bi['steps']} steps, lag {bi['lag']}, "
         f"batch-invariant mode {'on' if bi['batch_invariant'] else 'off'}.</p>",
@@ -209,7 +264,10 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
     parts.append("<h2>Gap per step</h2>")
     parts.append(f"<img alt='gap per step' src='data:image/png;base64,{plots['gap']}'>")
     parts.append("<h2>Reward</h2>")
-    parts.append(f"<img alt='reward per step' src='data:image/png;base64,{plots['reward']}'>")
+    parts.append(
+        f"<img alt='reward per step, rolling mean over {ROLLING_WINDOW} steps' "
+        f"src='data:image/png;base64,{plots['reward']}'>"
+    )
     for summary, title in ((bi, "Per step"), (default, "Per step, native ops")):
         if summary is None:
             continue

@@ -246,7 +246,8 @@ class RolloutWorker:
         if differing is not None:
             raise WeightSyncError(
                 f"weight sync for step {job.step} (policy version {job.version}): the generator's tensor "
-                f"{differing!r} differs from the trainer's ({job.fingerprint.get(differing)} != {actual.get(differing)})"
+                f"{differing!r} differs from the trainer's "
+                f"({job.fingerprint.get(differing)} != {actual.get(differing)})"
             )
         if self.generator.policy_version != job.version:
             raise WeightSyncError(

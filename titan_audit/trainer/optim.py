@@ -12,10 +12,11 @@ separate multiplies, adds, divides and square roots only: each is correctly roun
 and ISA, so the update's bits do not depend on the CPU. The square root is our kernel's
 (`batch_invariant.cpu.pointwise.sqrt`): torch.sqrt on a CPU tensor runs MKL's VML, which picks
 its code path by CPU vendor (1 ulp off on ~17% of inputs on an AMD EPYC, ~0.6% on an AVX-512
-Xeon; tests/batch_invariant/test_census.py keeps the control against the correctly rounded root). Torch's own AdamW uses `lerp_`,
-`addcmul_` and `addcdiv_`, whose vector kernels fuse multiply-adds on AVX2/AVX-512 and not in
-the default (scalar) build, so its bits change with `ATEN_CPU_CAPABILITY` (tested). Its state
-dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints load either way.
+Xeon; tests/batch_invariant/test_census.py keeps the control against the correctly rounded root).
+Torch's own AdamW uses `lerp_`, `addcmul_` and `addcdiv_`, whose vector kernels fuse multiply-adds
+on AVX2/AVX-512 and not in the default (scalar) build, so its bits change with `ATEN_CPU_CAPABILITY`
+(tested). Its state dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints load
+either way.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """cos and sin of float32 angles on our own kernel (kernels/trig.cpp), the same bits on every CPU.
 
 `rope_inv_freq(theta, head_dim)`: the RoPE frequencies by our float64 exp/log (torch.pow's
-bits follow ATEN_CPU_CAPABILITY). `cos_sin(angles)` -> (cos, sin), float32, each element a function of its angle alone: float64
-range reduction and Taylor polynomials, rounded once (within 1 ulp for |angle| < 2^16). Used for
-the RoPE tables (models/rope.py): torch.cos/sin give a large table other bits under
-ATEN_CPU_CAPABILITY=default or MKL_CBWR=COMPATIBLE, so the rotation would depend on the CPU.
+bits follow ATEN_CPU_CAPABILITY). `cos_sin(angles)` -> (cos, sin), float32, each element a function
+of its angle alone: float64 range reduction and Taylor polynomials, rounded once (within 1 ulp for
+|angle| < 2^16). Used for the RoPE tables (models/rope.py): torch.cos/sin give a large table other
+bits under ATEN_CPU_CAPABILITY=default or MKL_CBWR=COMPATIBLE, so the rotation would depend on the
+CPU.
 """
 
 from __future__ import annotations

@@ -160,7 +160,8 @@ def check_device(*tensors: torch.Tensor | None) -> None:
     types = {t.device.type for t in tensors if t is not None}
     if not types <= {"cuda"} and types != {"cpu"}:
         raise ValueError(
-            f"batch_invariant (triton): tensors must be on CUDA (or all on CPU for the interpreter), got {sorted(types)}"
+            "batch_invariant (triton): tensors must be on CUDA (or all on CPU for the interpreter), "
+            f"got {sorted(types)}"
         )
 
 

@@ -27,7 +27,8 @@ doc_ids: doc[b, j] >= 0 and equal to the query's doc[b, min(pos, Tk - 1)]; extra
 attn_mask as bool "may attend" [B|1, Hq|1, Tq, Tk]). A row that sees no key gets zeros and
 lse = -inf. Values of keys that no row of a tile sees are zeroed before `p @ v`; a key that
 another row of the same tile sees reaches this row only as 0 * v (so a NaN or Inf held by such a
-key, a broken input anyway, would reach it). lse is returned in base 2 of the scaled scores (what the backward consumes).
+key, a broken input anyway, would reach it). lse is returned in base 2 of the scaled scores (what
+the backward consumes).
 
 Paged KV cache: k_cache / v_cache [num_pages, Hkv, PAGE, D], block_table [B, pages] (int32),
 key j of sequence b at page block_table[b, j // PAGE], slot j % PAGE. The dense API

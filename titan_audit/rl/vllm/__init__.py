@@ -20,8 +20,9 @@ Parts (each module's docstring says what it guarantees):
   prefix-cache reset).
 
 Importing this package sends vLLM's log to stderr at level ERROR (`VLLM_LOGGING_STREAM`,
-`VLLM_LOGGING_LEVEL`, only where unset), so `--json` output stays clean. It imports without vLLM; `available()` says whether the `vllm` extra is installed and
-`require()` raises a one-line ValueError saying how to install it.
+`VLLM_LOGGING_LEVEL`, only where unset), so `--json` output stays clean. It imports without vLLM;
+`available()` says whether the `vllm` extra is installed and `require()` raises a one-line
+ValueError saying how to install it.
 """
 
 from __future__ import annotations

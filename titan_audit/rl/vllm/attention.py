@@ -8,8 +8,9 @@ vLLM hands a layer the new tokens of every scheduled request as one flat batch (
    `[kv_heads, block_size, 2 * D]` holds, per token, its key in the first D values and its value
    in the last D);
 2. per request, gathers its keys and values in absolute position order from its blocks (whole
-   blocks: the keys beyond seq_len are invisible to its queries), and runs `models.ops.attention` (in BI mode `batch_invariant.attention`) with the
-   request's queries at their absolute positions seq_len - q_len .. seq_len - 1.
+   blocks: the keys beyond seq_len are invisible to its queries), and runs `models.ops.attention`
+   (in BI mode `batch_invariant.attention`) with the request's queries at their absolute positions
+   seq_len - q_len .. seq_len - 1.
 So a query row sees exactly the keys a full forward of its sequence gives it, at the same key
 indices, and `batch_invariant.attention` reduces over keys in fixed chunks aligned to absolute
 key positions: a token's attention output is bitwise the same from a whole-prompt prefill, a

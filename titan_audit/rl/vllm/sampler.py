@@ -21,8 +21,8 @@ on CPU) are never used. Rows of requests without the extra arg are left untouche
 Position: `offset` (request_args; 0 for a fresh sample) + the number of output tokens the
 request has so far (vLLM's live `output_tok_ids` list; async scheduling is off so it is exact).
 With offset t and the sample's first t tokens appended to its prompt, a request continues the
-sample exactly: the same uniforms, so (BI mode) the same tokens and log-probs. Rows of requests whose prefill is not complete
-yet are processed too; vLLM discards their token.
+sample exactly: the same uniforms, so (BI mode) the same tokens and log-probs. Rows of requests
+whose prefill is not complete yet are processed too; vLLM discards their token.
 """
 
 from __future__ import annotations
