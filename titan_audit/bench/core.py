@@ -135,23 +135,3 @@ def compare(
         target=target,
         extra=extra,
     )
-
-
-def run_suite(name: str, options: BenchOptions, progress: Callable[[str], None] | None = None) -> SuiteResult:
-    """Run the registered suite `name`; `progress(case_name)` is called as cases finish."""
-    from titan_audit.bench.registry import SUITES
-    from titan_audit.deterministic import fingerprint
-
-    if name not in SUITES:
-        raise ValueError(f"unknown bench suite {name!r}; available: {', '.join(sorted(SUITES))}")
-    import torch
-
-    threads = torch.get_num_threads()
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
-    try:
-        machine = fingerprint().to_dict()  # records the thread count the suite runs with
-        cases = SUITES[name](options, progress or (lambda _case: None))
-    finally:
-        torch.set_num_threads(threads)
-    return SuiteResult(suite=name, machine=machine, cases=cases)

@@ -154,7 +154,7 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
     extra key `builtin_bi_tokens_per_s`: the built-in generator in BI mode on the same requests."""
     import vllm
 
-    from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig, _environment, _keep_process_state
+    from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig, keep_process_state, scoped_environment
 
     batches = QUICK_BATCHES if options.quick else VLLM_BATCHES
     prompt_len, new_tokens, timing, model, params = _workload(options)
@@ -162,7 +162,7 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
     candidate = VllmGenerator(model, VllmGeneratorConfig(batch_invariant=True, **engine))
     builtin = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=max(batches)))
     try:
-        with _environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), _keep_process_state():
+        with scoped_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), keep_process_state():
             baseline = vllm.LLM(
                 model=candidate._dir.name,
                 skip_tokenizer_init=True,

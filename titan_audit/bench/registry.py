@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from titan_audit.bench.audit_suite import audit_suite
-from titan_audit.bench.core import BenchOptions, Case
+from titan_audit.bench.core import BenchOptions, Case, SuiteResult
 from titan_audit.bench.data_suite import data_suite
 from titan_audit.bench.generate_suite import generate_suite
 from titan_audit.bench.hash_suite import hash_suite
@@ -24,3 +24,22 @@ SUITES: dict[str, Suite] = {
     "reduce": reduce_suite,
     "train": train_suite,
 }
+
+
+def run_suite(name: str, options: BenchOptions, progress: Callable[[str], None] | None = None) -> SuiteResult:
+    """Run the registered suite `name`; `progress(case_name)` is called as cases finish."""
+    from titan_audit.deterministic import fingerprint
+
+    if name not in SUITES:
+        raise ValueError(f"unknown bench suite {name!r}; available: {', '.join(sorted(SUITES))}")
+    import torch
+
+    threads = torch.get_num_threads()
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    try:
+        machine = fingerprint().to_dict()  # records the thread count the suite runs with
+        cases = SUITES[name](options, progress or (lambda _case: None))
+    finally:
+        torch.set_num_threads(threads)
+    return SuiteResult(suite=name, machine=machine, cases=cases)

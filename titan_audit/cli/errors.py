@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from titan_audit.batch_invariant.cpu._lib import KernelLibraryError
+from titan_audit.batch_invariant.cpu import KernelLibraryError
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1

@@ -259,10 +259,10 @@ def fingerprint(device: str | torch.device | None = None) -> NumericsFingerprint
 
 def _bi_kernels() -> str:
     """The CPU kernel library's identity: its bits-version (bumped whenever an output changes)."""
-    from titan_audit.batch_invariant.cpu import _lib
+    from titan_audit.batch_invariant.cpu import kernel_library
 
-    _lib.library()  # a missing or stale build is an error here too
-    return f"titan-bi-cpu v{_lib.KERNELS_VERSION}"
+    kernel_library.library()  # a missing or stale build is an error here too
+    return f"titan-bi-cpu v{kernel_library.KERNELS_VERSION}"
 
 
 def _bi_kernels_cuda() -> str:
@@ -274,11 +274,11 @@ def _bi_kernels_cuda() -> str:
 
 def _kernel_isa() -> str | None:
     """The kernel variant in use (informational: every variant gives the same bits)."""
-    from titan_audit.batch_invariant.cpu import _lib
+    from titan_audit.batch_invariant.cpu import kernel_library
 
     try:
-        return _lib.isa()
-    except (_lib.KernelLibraryError, ValueError):
+        return kernel_library.isa()
+    except (kernel_library.KernelLibraryError, ValueError):
         return None
 
 

@@ -7,7 +7,7 @@ Guarantees:
   into float bit patterns or into floats by exact conversions), then `torch.from_numpy`: never
   torch's RNG, whose bits change with the ISA. So a case's inputs are the same bytes on every CPU.
 - `run_cases()` runs each case inside `titan_audit.batch_invariant.enabled()` under every ISA
-  variant of our kernels the CPU has (`_lib.forced_isa`) at 1 and 2 intra-op threads, and yields
+  variant of our kernels the CPU has (`kernel_library.forced_isa`) at 1 and 2 intra-op threads, and yields
   the same `CaseOutputs` as the kernel battery (xxh3-128 of each output's raw bytes), so the
   golden checks them alike: one hash per (op, case) that every variant and thread count must
   reproduce. An op that still runs a vendor-chosen library path in BI mode (MKL VML picks its code
@@ -106,7 +106,7 @@ def _vector_norm(n: int, kind: str) -> Callable[[], dict]:
 
 def _clip(n: int, max_norm: float) -> Callable[[], dict]:
     def run() -> dict:
-        from titan_audit.trainer.train import clip_
+        from titan_audit.trainer.engine import clip_
 
         flat = _t(uniform32(n, f"clip_/{n}", -0.05, 0.05))
         norm = clip_(flat, max_norm)
@@ -304,9 +304,9 @@ def _threads(n: int) -> Iterator[None]:
 
 def variants() -> list[str]:
     """The ISA variants of our kernels this CPU runs (each case runs under every one)."""
-    from titan_audit.batch_invariant.cpu import _lib
+    from titan_audit.batch_invariant.cpu import kernel_library
 
-    return list(_lib.available_isas())
+    return list(kernel_library.available_isas())
 
 
 def run_cases(*, only: str | None = None, threads: tuple[int, ...] = THREADS) -> Iterator[CaseOutputs]:
@@ -315,7 +315,7 @@ def run_cases(*, only: str | None = None, threads: tuple[int, ...] = THREADS) ->
     import torch
 
     from titan_audit.batch_invariant import enabled
-    from titan_audit.batch_invariant.cpu import _lib
+    from titan_audit.batch_invariant.cpu import kernel_library
 
     for name, case in CASES.items():
         if only and not name.startswith(only):
@@ -324,7 +324,7 @@ def run_cases(*, only: str | None = None, threads: tuple[int, ...] = THREADS) ->
         parts: dict[str, CaseOutputs] = {}
         for isa in variants():
             for n in threads:
-                with _lib.forced_isa(isa), _threads(n), enabled(), torch.no_grad():
+                with kernel_library.forced_isa(isa), _threads(n), enabled(), torch.no_grad():
                     outputs = case()
                 for part, tensor in outputs.items():
                     code, count, data = _raw(tensor)

@@ -54,7 +54,7 @@ from titan_audit.audit import fingerprint
 from titan_audit.models import ops
 from titan_audit.models.kv_cache import PagedKVCache
 from titan_audit.models.transformer import Transformer
-from titan_audit.rl.generator import FinishReason, GenerationRequest, Sample, SamplingParams
+from titan_audit.rl.generator import FinishReason, GenerationRequest, Sample, SamplingParams, check_weights
 from titan_audit.rl.requests import check_requests
 from titan_audit.rl.sampling import sample_rows, scale_logits, stream_key, uniform_from_stream
 
@@ -149,25 +149,7 @@ class BuiltinGenerator:
         """Copy a full state dict of the models/ model (same names, shapes, dtypes) into the
         generator's model; ValueError naming the first offending tensor."""
         own = self.model.state_dict()
-        missing = sorted(set(own) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise ValueError(
-                f"load_weights: state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        for name, target in own.items():
-            source = state_dict[name]
-            if not isinstance(source, torch.Tensor) or source.shape != target.shape or source.dtype != target.dtype:
-                got = (
-                    f"{source.dtype} {tuple(source.shape)}"
-                    if isinstance(source, torch.Tensor)
-                    else type(source).__name__
-                )
-                raise ValueError(
-                    f"load_weights: tensor {name!r} is {got}, the generator's is {target.dtype} {tuple(target.shape)}"
-                )
-        if not isinstance(policy_version, int):
-            raise ValueError(f"load_weights: policy_version must be an int, got {policy_version!r}")
+        check_weights(state_dict, {name: (t.dtype, tuple(t.shape)) for name, t in own.items()}, policy_version)
         with self._lock, torch.no_grad():
             for name, target in own.items():
                 target.copy_(state_dict[name])

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from titan_audit.rl.tasks import task_names
 from titan_audit.trainer import typed_config
-from titan_audit.trainer.config import AuditSection, CheckpointSection, ModelSection, _flatten
+from titan_audit.trainer.config import AuditSection, CheckpointSection, ModelSection, ProcessSection
 from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 
 RESUME_MUTABLE_KEYS = frozenset(
@@ -42,7 +42,8 @@ RESUME_MUTABLE_KEYS = frozenset(
         "parallel.backend",
         "rollout.buffer",
         "determinism.census",  # record or stop: never the bits of a step
-        "generator",  # builtin and vllm give the same samples in BI mode (tests/rl/test_vllm_rl.py); runs before the key
+        # builtin and vllm give the same samples in BI mode (tests/rl/test_vllm_rl.py); runs before the key
+        "generator",
     }
 )
 
@@ -112,20 +113,15 @@ class RolloutSection:
 
 
 @dataclass
-class RLParallelSection:
-    threads: int = 1  # intra-op threads per rank: part of the numerics, never derived from W
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-
-    def __post_init__(self) -> None:
-        if self.threads < 1:
-            raise ValueError(f"parallel.threads must be >= 1, got {self.threads}")
-
-
-@dataclass
 class RLDeterminismSection:
     strict: bool = True
     batch_invariant: bool = True  # G4 needs it; false: native ops (the --compare-default control)
     census: Literal["record", "strict", "off"] = "record"  # BI op census: count native ops, or stop at one
+
+    @property
+    def enabled(self) -> bool:
+        """An RL run is always deterministic (the train loop's `determinism.enabled` can be false)."""
+        return True
 
 
 @dataclass
@@ -141,7 +137,7 @@ class RLConfig:
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4, weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_steps=0, min_lr_ratio=1.0))
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    parallel: RLParallelSection = field(default_factory=RLParallelSection)
+    parallel: ProcessSection = field(default_factory=ProcessSection)  # data parallel only
     checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(interval=10, keep_last=2))
     audit: AuditSection = field(default_factory=AuditSection)
     determinism: RLDeterminismSection = field(default_factory=RLDeterminismSection)
@@ -203,10 +199,5 @@ def load_rl_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> 
 
 def resume_differences(saved: dict[str, Any], current: RLConfig) -> list[str]:
     """Dotted keys whose values differ between a run's saved config and `current`, other than
-    RESUME_MUTABLE_KEYS. Empty: the resume is allowed."""
-    a, b = _flatten(saved), _flatten(to_dict(current))
-    return [
-        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
-        for k in sorted(a.keys() | b.keys())
-        if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)
-    ]
+    RESUME_MUTABLE_KEYS (see `typed_config.resume_differences`). Empty: the resume is allowed."""
+    return typed_config.resume_differences(saved, current, RESUME_MUTABLE_KEYS)

@@ -108,3 +108,24 @@ class Generator(Protocol):
         serve (a prompt longer than the model's context, an empty prompt, a token id out of range)
         before generating anything."""
         ...
+
+
+def check_weights(
+    state_dict: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], policy_version
+) -> None:
+    """What every generator's `load_weights` checks first: the same tensor names as the
+    generator's model, each of its dtype and shape, and an int policy version; ValueError naming
+    the first offending tensor."""
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"load_weights: state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, (dtype, shape) in expected.items():
+        source = state_dict[name]
+        if not isinstance(source, torch.Tensor) or tuple(source.shape) != tuple(shape) or source.dtype != dtype:
+            got = f"{source.dtype} {tuple(source.shape)}" if isinstance(source, torch.Tensor) else type(source).__name__
+            raise ValueError(f"load_weights: tensor {name!r} is {got}, the generator's is {dtype} {tuple(shape)}")
+    if not isinstance(policy_version, int):
+        raise ValueError(f"load_weights: policy_version must be an int, got {policy_version!r}")

@@ -6,7 +6,7 @@ run directory before any work (an unknown task, temperature <= 0, a lag larger t
 a prompt longer than the model's context, `--init` of another shape: ValueError, exit 2, nothing
 written), then launches. `nproc=None` runs in this process (under an external torchrun the
 ranks join its rendezvous); `nproc=N` runs `python -m torch.distributed.run --standalone
---nproc-per-node N -m titan_audit.rl.loop CONFIG_JSON OUT ...` with OMP_NUM_THREADS set from
+--nproc-per-node N -m titan_audit.rl.launch CONFIG_JSON OUT ...` with OMP_NUM_THREADS set from
 `parallel.threads` (never from N) and returns its exit code. The launcher is the trainer's
 (trainer/launch.py): the run's lock is held for the whole launch, a user error a rank finds comes
 back as one line (ValueError), and torchrun and the ranks die with the launcher. On a resume the
@@ -16,11 +16,12 @@ checkpoints' small files and the step it would start from are checked before tor
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from titan_audit.rl.config import RLConfig, from_dict, load_rl_config, to_dict
-from titan_audit.trainer.launch import existing_run_locked, torchrun
+from titan_audit.trainer.launch import existing_run_locked, rank_main, torchrun
 
 
 def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> RLConfig:
@@ -49,8 +50,8 @@ def start_rl(
     overrides: Sequence[str],
     quiet: bool = False,
 ) -> int:
-    from titan_audit.rl.loop import check_run_dir
-    from titan_audit.trainer.checkpoint import Checkpointer
+    """Resolve the config, check the request and `out` (rank 0, before any work), run; the exit code."""
+    from titan_audit.rl.loop import check_run
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -60,19 +61,7 @@ def start_rl(
         )
         world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
-            check_run_dir(config, Path(out), init=init, resume=resume, overwrite=overwrite, world_size=world_size)
-            if resume:
-                start, _ = Checkpointer(out).preflight(fallback=config.checkpoint.fallback)
-                if start >= config.steps:
-                    raise ValueError(
-                        f"{out}: already at step {start} of steps={config.steps}; nothing to run "
-                        f"(--steps N or --set steps=N with N > {start} extends it)"
-                    )
-        if nproc is None and int(os.environ.get("RANK", "0")) == 0:  # in this process: hold the lock here
-            from titan_audit.trainer.run_dir import run_lock
-
-            with run_lock(out, resume=resume, overwrite=overwrite):
-                return launch_rl(config, out, init=init, nproc=None, resume=resume, overwrite=overwrite, quiet=quiet)
+            check_run(config, Path(out), init=init, resume=resume, overwrite=overwrite, world_size=world_size)
         return launch_rl(config, out, init=init, nproc=nproc, resume=resume, overwrite=overwrite, quiet=quiet)
 
 
@@ -94,13 +83,31 @@ def launch_rl(
     flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
     if init is not None:
         flags.append(f"init={os.fspath(init)}")
+    threads = config.parallel.threads
     return torchrun(
-        "titan_audit.rl.loop",
+        "titan_audit.rl.launch",
         to_dict(config),
         out,
         flags,
         nproc=nproc,
-        threads=config.parallel.threads,
+        threads=threads,
         resume=resume,
         overwrite=overwrite,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One RL rank under torchrun: `python -m titan_audit.rl.launch CONFIG_JSON OUT [resume]
+    [overwrite] [quiet] [init=PATH]` (`launch_rl` writes the resolved config to a JSON file)."""
+    from titan_audit.rl.loop import rl_train
+
+    def run(config: dict, out: str, flags: set[str]) -> None:
+        init = next((f.split("=", 1)[1] for f in flags if f.startswith("init=")), None)
+        resume, overwrite, quiet = "resume" in flags, "overwrite" in flags, "quiet" in flags
+        rl_train(from_dict(config), out, init=init, resume=resume, overwrite=overwrite, quiet=quiet)
+
+    rank_main(sys.argv[1:] if argv is None else argv, run)
+
+
+if __name__ == "__main__":
+    main()

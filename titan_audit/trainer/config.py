@@ -129,14 +129,21 @@ class DataSection:
 
 
 @dataclass
-class ParallelSection:
-    mode: Literal["dp", "fsdp"] = "dp"
+class ProcessSection:
+    """What every rank of a run shares: its intra-op thread count and the process-group backend
+    (the `parallel` section of an RL run; the train loop's adds the data-parallel mode)."""
+
     threads: int = 1  # intra-op threads per rank: part of the numerics, never derived from W
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"parallel.threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class ParallelSection(ProcessSection):
+    mode: Literal["dp", "fsdp"] = "dp"
 
 
 @dataclass
@@ -203,7 +210,7 @@ class TrainConfig:
         if world_size < 1 or v % world_size:
             raise ValueError(
                 f"world size {world_size} does not divide the number of virtual microbatches V = {v} "
-                f"(data.global_batch_size / data.microbatch_size); use W in {[w for w in range(1, v + 1) if v % w == 0]}"
+                f"(data.global_batch_size / data.microbatch_size); use W in {[w for w in range(1, v + 1) if not v % w]}"
             )
 
 
@@ -238,27 +245,7 @@ def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> Tra
         raise ValueError(f"{origin}: {error}") from None
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and key != "overrides":
-            out.update(_flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
 def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     """Keys (dotted) whose values differ between a run's saved config and `current`, other than
-    the keys a resume may change (RESUME_MUTABLE_KEYS). Empty: the resume is allowed. A key the
-    saved config lacks (a run written before the key existed) counts as its default value: new
-    keys default to the behaviour that existed before them."""
-    a, b = _flatten(saved), _flatten(to_dict(current))
-    defaults = _flatten(to_dict(TrainConfig()))
-    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults and k != "model.overrides"})
-    return [
-        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
-        for k in sorted(a.keys() | b.keys())
-        if k not in RESUME_MUTABLE_KEYS and a.get(k) != b.get(k)
-    ]
+    the keys a resume may change (RESUME_MUTABLE_KEYS); see `typed_config.resume_differences`."""
+    return typed_config.resume_differences(saved, current, RESUME_MUTABLE_KEYS)

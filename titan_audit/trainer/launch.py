@@ -5,7 +5,7 @@ or TOML file with `--set` overrides; on a resume without a source, the run's own
 manifest), checks the run directory before any work (rank 0), then launches.
 
 `launch(config, out, nproc=N, ...)` writes the resolved config to a temporary JSON file and runs
-`python -m torch.distributed.run --standalone --nproc-per-node N -m titan_audit.trainer.train ...`
+`python -m torch.distributed.run --standalone --nproc-per-node N -m titan_audit.trainer.launch ...`
 as a subprocess; it returns torchrun's exit code (0 ok, else a crash). The ranks' intra-op thread
 count comes from `parallel.threads` (exported as OMP_NUM_THREADS too, so torchrun does not pick
 one): never from N. `nproc=None` runs in this process: under an external torchrun the ranks join
@@ -13,7 +13,7 @@ the rendezvous that torchrun put in the environment; otherwise a single process.
 
 Guarantees (shared by `titan-audit train` and `titan-audit rl`, both go through `torchrun()`):
 - User errors reach the user as one line. What can be checked without compute is checked here,
-  before torchrun starts (`check_run_dir`: config vs W, resume compatibility, the checkpoint's
+  before torchrun starts (`train.check_run`: config vs W, resume compatibility, the checkpoint's
   small files and the step a resume starts from, data vs model). A user error a rank finds later
   (ValueError and the other bad-input types `cli/errors.py` lists) is written by `rank_main` to a
   per-rank file in the launch's temporary directory instead of being printed; the launcher then
@@ -68,7 +68,7 @@ def start_run(
     overrides: Sequence[str],
 ) -> int:
     """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code."""
-    from titan_audit.trainer.train import check_run_dir
+    from titan_audit.trainer.train import check_run
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -78,7 +78,7 @@ def start_run(
         )
         world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
-            check_run_dir(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
+            check_run(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
         return launch(config, out, nproc=nproc, resume=resume, overwrite=overwrite)
 
 
@@ -119,7 +119,7 @@ def launch(
     if stop_at is not None:
         flags.append(f"stop_at={stop_at}")
     return torchrun(
-        "titan_audit.trainer.train",
+        "titan_audit.trainer.launch",
         to_dict(config),
         out,
         flags,
@@ -257,7 +257,7 @@ def _rank_error(errors: Path) -> str | None:
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    from titan_audit.batch_invariant.cpu._lib import KernelLibraryError
+    from titan_audit.batch_invariant.cpu import KernelLibraryError
 
     return (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, KernelLibraryError)
 
@@ -269,8 +269,11 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
     the error is printed once (rank 0) and exits 2. The process group is destroyed either way."""
     import torch.distributed as dist
 
+    from titan_audit.log import configure
+
     if LAUNCHER_ENV in os.environ:
         die_with_parent(int(os.environ[LAUNCHER_ENV]))
+    configure()  # this rank's logs: rank 0 at INFO, every rank with the CLI's -v (TITAN_AUDIT_VERBOSE)
     config = json.loads(Path(argv[0]).read_text())
     try:
         run(config, argv[1], set(argv[2:]))
@@ -289,3 +292,21 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one training rank under torchrun: `python -m titan_audit.trainer.launch
+    CONFIG_JSON OUT [resume] [overwrite] [quiet] [stop_at=N]` (`launch` writes the resolved config
+    to a JSON file)."""
+    from titan_audit.trainer.train import train
+
+    def run(config: dict, out: str, flags: set[str]) -> None:
+        stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
+        resume, overwrite, quiet = "resume" in flags, "overwrite" in flags, "quiet" in flags
+        train(from_dict(config), out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet)
+
+    rank_main(sys.argv[1:] if argv is None else argv, run)
+
+
+if __name__ == "__main__":
+    main()

@@ -109,6 +109,25 @@ def block_subtrees(num_leaves: int, start: int, stop: int) -> list[Node]:
     return out
 
 
+def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Sum of values[lo:hi] (along dim 0) in the fixed tree order of this module (depends on the
+    count alone): how the loops sum their per-microbatch step figures."""
+    hi = values.shape[0] if hi is None else hi
+    if hi - lo == 1:
+        return values[lo]
+    mid = split_point(lo, hi)
+    return tree_sum(values, lo, mid) + tree_sum(values, mid, hi)
+
+
+def gather_in_index_order(local: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's block concatenated along dim 0 (rank order = microbatch index order)."""
+    if world_size == 1:
+        return local
+    out = torch.empty((local.shape[0] * world_size, *local.shape[1:]), dtype=local.dtype)
+    all_gather_single(out.view(-1), local.contiguous().view(-1))
+    return out
+
+
 def rank_block(num_microbatches: int, world_size: int, rank: int) -> tuple[int, int]:
     """Microbatches [start, stop) that `rank` processes. W must divide V."""
     if world_size < 1 or num_microbatches % world_size:

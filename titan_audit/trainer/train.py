@@ -3,7 +3,11 @@
     result = train(config, "runs/a")                       # this process's rank of the group
     result = train(config, "runs/a", resume=True)          # continue from the latest checkpoint
 
-Read top to bottom, a step is (rank r of W, V virtual microbatches):
+The run engine (trainer/engine.py) does what every run does (process group, numerics, rank-0
+checks, run lock, manifest, recorder, reduction, clipping, AdamW, checkpoints, close on any
+exception); this file says what is the train loop's own: where the microbatches come from (the
+elastic loader) and what their loss is. Read top to bottom, a step is (rank r of W, V virtual
+microbatches):
   1. microbatches [r*V/W, (r+1)*V/W) of the global batch, in index order (data/ElasticLoader);
   2. per microbatch: forward, loss = sum(masked token CE) / global_loss_tokens (+ for an MoE model
      router_aux_loss_coef * aux / V, aux = the microbatch's load-balancing loss), backward, the
@@ -50,38 +54,21 @@ invariance tests. DP and FSDP2 give the same bits as each other, at every W.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from titan_audit import deterministic
-from titan_audit.audit import Recorder, op_log
-from titan_audit.audit.run_manifest import record_census
-from titan_audit.batch_invariant import census
+from titan_audit.audit import op_log
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
 from titan_audit.models import build, token_logprobs
-from titan_audit.trainer.checkpoint import Checkpointer
-from titan_audit.trainer.config import TrainConfig, from_dict, resume_differences, to_dict
-from titan_audit.trainer.crash import crash_point
+from titan_audit.trainer.config import RESUME_MUTABLE_KEYS, TrainConfig
+from titan_audit.trainer.engine import Run, StepKit, check_run_dir
 from titan_audit.trainer.fsdp import shard_model
-from titan_audit.trainer.optim import build_optimizer, lr_at, set_lr
-from titan_audit.trainer.reduce import TreeReducer, all_gather_single, split_point
-from titan_audit.trainer.run_dir import (
-    MetricsLog,
-    claim_run_dir,
-    has_entries,
-    package_versions,
-    prepare_run_dir,
-    read_manifest,
-    release_run_dir,
-    write_manifest,
-)
+from titan_audit.trainer.optim import build_optimizer
+from titan_audit.trainer.reduce import gather_in_index_order, tree_sum
 
 
 @dataclass
@@ -93,62 +80,19 @@ class TrainResult:
     losses: list[float]  # step losses of the steps run here
 
 
-# ---------------------------------------------------------------------------------- process group
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def init_distributed(backend: str = "auto", *, single_group: bool = False) -> tuple[int, int]:
-    """Join the process group torchrun describes in the environment (if any and not joined yet).
-    `single_group`: without one, make a one-rank group (FSDP2 needs a group even at W=1)."""
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        dist.init_process_group(backend)
-        return dist.get_rank(), dist.get_world_size()
-    if single_group:
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    return 0, 1
-
-
-def _broadcast_error(message: str | None) -> None:
-    """Rank 0's verdict reaches every rank, so all fail (or go on) together, before any work."""
-    if dist.is_initialized():
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
-    if message is not None:
-        raise ValueError(message)
-
-
-# ---------------------------------------------------------------------------------- run directory
-def check_run_dir(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool, world_size: int) -> None:
-    """Every check on user input that needs no compute; raises ValueError (the launcher runs it
-    before torchrun starts, rank 0 again): W vs V, the data vs the model (`check_data`), and on a
-    resume the saved config, the checkpoints' small files and the step it would start from."""
+# ---------------------------------------------------------------------------------- input checks
+def check_inputs(config: TrainConfig, world_size: int) -> None:
+    """The request's own checks (ValueError naming the keys): W vs V, the data vs the model."""
     config.check_world_size(world_size)
     check_data(config)
-    out = Path(out)
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite exclude each other")
-    if resume:
-        saved = read_manifest(out)
-        differences = resume_differences(saved["config"], config)
-        if differences:
-            raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
-        start, _ = Checkpointer(out, keep_last=config.checkpoint.keep_last).preflight(
-            fallback=config.checkpoint.fallback
-        )
-        if start >= config.steps:
-            raise ValueError(
-                f"{out}: already at step {start} of steps={config.steps}; nothing to run "
-                f"(--steps N or --set steps=N with N > {start} extends it)"
-            )
-    elif not overwrite and out.is_dir() and has_entries(out):
-        prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
+
+
+def check_run(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool, world_size: int) -> None:
+    """Every check `train` makes before it computes (the launcher runs it before torchrun starts,
+    rank 0 again): the run directory (engine.check_run_dir: resume compatibility, the checkpoints'
+    small files, the step a resume starts from), W vs V, the data vs the model."""
+    check_run_dir(config, Path(out), kind="train", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
+    check_inputs(config, world_size)
 
 
 def check_data(config: TrainConfig) -> None:
@@ -186,50 +130,14 @@ def check_data(config: TrainConfig) -> None:
         )
 
 
-def _prepare(config: TrainConfig, out: Path, resume: bool, overwrite: bool, world_size: int) -> tuple[Path, dict]:
-    """Rank 0 validates, claims the run directory, prepares the data and writes the manifest of a
-    new run. A resume's manifest update is returned (rank 0) and written by `_record_start` once
-    the checkpoint has loaded, so a resume that fails leaves the run's files as they were."""
-    error, claimed, manifest = None, False, {}
-    if _rank() == 0:
-        try:
-            check_run_dir(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
-            out = claim_run_dir(out, resume=resume, overwrite=overwrite)  # held until train() ends
-            claimed = True
-            if config.data.store is None and not (out / "data" / "tasks.zarr").is_dir():
-                synthetic = SyntheticConfig(num_records=config.data.synthetic_records, seed=config.data.synthetic_seed)
-                prepare_synthetic(out / "data", synthetic, overwrite=True)
-            manifest = read_manifest(out) if resume else {"created": _now(), "world_size_history": []}
-            manifest["config"] = to_dict(config)
-            manifest["seed"] = config.seed
-            with _batch_invariant(config)():  # the numerics the steps run under (BI mode on or off)
-                manifest["fingerprint"] = deterministic.fingerprint().to_dict()
-            manifest["packages"] = package_versions()
-            if not resume:
-                write_manifest(out, manifest)
-        except ValueError as e:
-            error = str(e)
-            if claimed:
-                release_run_dir(out)
-    else:
-        config.check_world_size(world_size)
-    _broadcast_error(error)
-    return Path(out), manifest
+def _synthetic_corpus(config: TrainConfig, out: Path) -> None:
+    """The built-in synthetic corpus, prepared once into RUN/data/ (rank 0, under the lock)."""
+    if config.data.store is None and not (out / "data" / "tasks.zarr").is_dir():
+        synthetic = SyntheticConfig(num_records=config.data.synthetic_records, seed=config.data.synthetic_seed)
+        prepare_synthetic(out / "data", synthetic, overwrite=True)
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-
-
-def _record_start(out: Path, manifest: dict, world_size: int, start_step: int, parallel_mode: str) -> None:
-    manifest.pop("format", None)
-    manifest["world_size_history"].append(
-        {"world_size": world_size, "start_step": start_step, "parallel_mode": parallel_mode, "time": _now()}
-    )
-    write_manifest(out, manifest)
-
-
-# ---------------------------------------------------------------------------------- pieces of a step
+# ---------------------------------------------------------------------------------- the loss
 def microbatch_loss(model: torch.nn.Module, mb, *, with_aux: bool = False):
     """sum over the microbatch's loss tokens of -log p(target), over the GLOBAL batch's loss tokens
     (float32: the logits are widened before the log-softmax, whatever the compute dtype).
@@ -243,61 +151,23 @@ def microbatch_loss(model: torch.nn.Module, mb, *, with_aux: bool = False):
     return (loss, aux) if with_aux else loss
 
 
-def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Every parameter's .grad (zeros where None) as one fresh fp32 vector, in parameter order."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-
-
-class GradBuffers:
-    """One flat fp32 gradient buffer per local microbatch, allocated once and reused every step
-    (fresh 16 MB allocations per microbatch cost page faults). A microbatch's gradient is
-    0 + autograd's gradient, accumulated in place through .grad views: the same for every W."""
-
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-        self.buffers: list[torch.Tensor] = []
-
-    def zeroed(self, j: int) -> torch.Tensor:
-        while len(self.buffers) <= j:
-            self.buffers.append(torch.empty(self.numel, dtype=torch.float32))
-        return self.buffers[j].zero_()
-
-
-def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-        offset += n
-    assert offset == flat.numel(), (offset, flat.numel())
-
-
-def clip_(flat: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """Scale `flat` in place to global norm <= max_norm (0: no clipping); returns the norm before.
-    `flat` is the full reduced gradient, identical on every rank, so every rank clips alike."""
-    norm = torch.linalg.vector_norm(flat, 2.0)
-    if max_norm > 0:
-        flat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
-
-
-def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-    """Sum of values[lo:hi] (along dim 0) in the fixed tree order of reduce.py (depends on the
-    count alone)."""
-    hi = values.shape[0] if hi is None else hi
-    if hi - lo == 1:
-        return values[lo]
-    mid = split_point(lo, hi)
-    return tree_sum(values, lo, mid) + tree_sum(values, mid, hi)
-
-
-def gather_in_index_order(local: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Concatenate every rank's block along dim 0 (rank order = microbatch index order)."""
-    if world_size == 1:
-        return local
-    out = torch.empty((local.shape[0] * world_size, *local.shape[1:]), dtype=local.dtype)
-    all_gather_single(out.view(-1), local.contiguous().view(-1))
-    return out
+def _forward_backward(kit: StepKit, model: torch.nn.Module, j: int, mb, aux_scale: float | None) -> torch.Tensor:
+    """Microbatch j's forward, records and backward into its gradient; [loss] or [loss, aux]."""
+    recorder = kit.run.recorder
+    with kit.microbatch(j, mb.index):
+        recorder.record_data(mb.tensors())
+        if aux_scale is None:
+            loss = objective = microbatch_loss(model, mb)
+            recorder.record_loss(loss)
+            figures = loss.detach().reshape(1)
+        else:  # MoE: the load-balancing loss rides along with weight coef / V (fixed by the batch)
+            loss, aux = microbatch_loss(model, mb, with_aux=True)
+            recorder.record_loss(loss)
+            recorder.record_loss(aux, name="aux_loss")
+            objective = loss + aux * aux_scale if aux_scale else loss
+            figures = torch.stack([loss.detach(), aux.detach()])
+        objective.backward()
+    return figures
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -318,259 +188,86 @@ def train(
     forward, backward, reduction and optimizer update as an op log, out/oplogs/step_N.parquet
     (audit.oplog; what `titan-audit bisect --step N` compares).
     """
-    rank, world_size = init_distributed(config.parallel.backend, single_group=config.parallel.mode == "fsdp")
-    torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
-    mode = (
-        deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads)
-        if config.determinism.enabled
-        else None
+    run = Run(
+        config,
+        out,
+        kind="train",
+        mutable=RESUME_MUTABLE_KEYS,
+        resume=resume,
+        overwrite=overwrite,
+        check=lambda world_size: check_inputs(config, world_size),
+        prepare=lambda run_dir: _synthetic_corpus(config, run_dir),
+        stop_at=stop_at,
+        quiet=quiet,
+        single_group=config.parallel.mode == "fsdp",
     )
-    out, manifest = _prepare(config, Path(out), resume, overwrite, world_size)
-    try:
-        return _train(
-            config,
-            out,
-            manifest,
-            rank,
-            world_size,
-            mode,
-            resume=resume,
-            stop_at=stop_at,
-            quiet=quiet,
-            oplog_step=oplog_step,
-        )
-    finally:
-        if rank == 0:
-            release_run_dir(out)
+    with run:
+        W = run.mesh.world_size
+        if oplog_step is not None and W != 1:
+            raise ValueError(f"an op log is recorded on one rank; this run has {W}")
+        model, sharded = _build_model(config)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(params, config.optimizer, portable=config.determinism.batch_invariant)
+        blob = run.restore(model, optimizer)
+        loader = run.closing(_loader(config, run, blob))
+        run.begin(model, optimizer)
+
+        kit = StepKit(run, params, optimizer, sharded)
+        V = loader.num_microbatches
+        assert V == config.num_microbatches, (V, config.num_microbatches)
+        with_aux = config.model.model_config().is_moe  # the aux loss is logged for every MoE model
+        aux_scale = config.model.router_aux_loss_coef / V if with_aux else None  # fixed by the batch, never by W
+        tokens = config.data.global_batch_size * config.data.seq_len
+        losses: list[float] = []
+        batches = loader.steps()
+        for step in run.steps():
+            t0 = time.perf_counter()
+            lr = kit.start(step)
+            microbatches = next(batches)
+            # step `oplog_step` (bisect --step) runs under DebugMode: every aten op hashed, in order
+            with op_log(run.out, f"step_{step}") if step == oplog_step else contextlib.nullcontext():
+                figures = [_forward_backward(kit, model, j, mb, aux_scale) for j, mb in enumerate(microbatches)]
+                grad_norm = kit.finish()
+            # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
+            step_sums = tree_sum(gather_in_index_order(torch.stack(figures), W))
+            losses.append(float(step_sums[0]))
+            seconds = time.perf_counter() - t0
+            row = {"step": step, "loss": losses[-1]}
+            row |= {"aux_loss": float(step_sums[1]) / V} if with_aux else {}  # mean per microbatch
+            row |= {"grad_norm": grad_norm, "lr": lr, "tokens": tokens, "seconds": seconds, "world_size": W}
+            line = (
+                f"step {step}/{run.last_step}  loss {losses[-1]:.4f}  grad_norm {grad_norm:.3f}  "
+                f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={W}"
+            )
+            run.end_step(step, row, line, lambda: {"loader": loader.state().to_dict()})
+        return TrainResult(run.out, W, run.start_step, run.last_step, losses)
 
 
-def _train(
-    config: TrainConfig,
-    out: Path,
-    manifest: dict,
-    rank: int,
-    world_size: int,
-    mode,
-    *,
-    resume: bool,
-    stop_at: int | None,
-    quiet: bool,
-    oplog_step: int | None,
-) -> TrainResult:
-    last_step = config.steps if stop_at is None else stop_at
-    if not 1 <= last_step <= config.steps:
-        raise ValueError(f"stop step {last_step} is outside 1..steps={config.steps}")
-    if oplog_step is not None and world_size != 1:
-        raise ValueError(f"an op log is recorded on one rank; this run has {world_size}")
-
-    model = build(
-        config.model.model_config(), seed=config.seed, activation_checkpointing=config.model.activation_checkpointing
-    )
-    compute_dtype = config.model.torch_compute_dtype
+def _build_model(config: TrainConfig):
+    """The model at the seed's init, and under FSDP2 (`parallel.mode = "fsdp"`) its sharding."""
+    ac = config.model.activation_checkpointing
+    model = build(config.model.model_config(), seed=config.seed, activation_checkpointing=ac)
+    dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
-        sharded = shard_model(model, deterministic=config.determinism.enabled, param_dtype=compute_dtype)
-    else:  # the model casts each parameter once per forward, inside the autograd graph
-        sharded = None
-        model.set_compute_dtype(compute_dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, config.optimizer, portable=config.determinism.batch_invariant)
-    checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
+        return model, shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype)
+    model.set_compute_dtype(dtype)  # the model casts each parameter once per forward, inside autograd
+    return model, None
 
-    start_step, loader_state = 0, None
-    if resume:
-        blob = checkpointer.load_latest(model, optimizer, fallback=config.checkpoint.fallback)
-        if blob is not None:
-            start_step = int(blob["step"])
-            loader_state = LoaderState.from_dict(blob["loader"], source=str(checkpointer.path(start_step)))
-    if start_step >= last_step:
-        raise ValueError(f"{out}: already at step {start_step}; nothing to run up to step {last_step}")
 
-    store = config.data.store if config.data.store is not None else str(out / "data" / "tasks.zarr")
+def _loader(config: TrainConfig, run: Run, blob: dict | None) -> ElasticLoader:
+    """This rank's elastic loader, at the resumed position when `blob` (a checkpoint's) is given."""
+    state = None
+    if blob is not None:
+        state = LoaderState.from_dict(blob["loader"], source=str(run.checkpointer.path(run.start_step)))
+    store = config.data.store if config.data.store is not None else str(run.out / "data" / "tasks.zarr")
+    d = config.data
     loader_config = LoaderConfig(
         store=store,
-        seq_len=config.data.seq_len,
-        global_batch_size=config.data.global_batch_size,
-        microbatch_size=config.data.microbatch_size,
+        seq_len=d.seq_len,
+        global_batch_size=d.global_batch_size,
+        microbatch_size=d.microbatch_size,
         seed=config.seed,
-        packing=config.data.packing,
-        workers=config.data.workers,
+        packing=d.packing,
+        workers=d.workers,
     )
-    loader = ElasticLoader(loader_config, rank=rank, world_size=world_size, state=loader_state)
-    V = loader.num_microbatches
-    assert V == config.num_microbatches, (V, config.num_microbatches)
-    reducer = TreeReducer(V)
-    recorder = Recorder(
-        out,
-        model,
-        level=config.audit.level,
-        modules=config.audit.modules,
-        flush_every_steps=config.audit.flush_every_steps,
-    )
-    metrics = MetricsLog(out) if rank == 0 else None
-    if rank == 0:
-        metrics.truncate_after(start_step)
-        _record_start(out, manifest, world_size, start_step, config.parallel.mode)
-    _barrier()
-
-    grad_buffers = GradBuffers(sum(p.numel() for p in params))
-    bi = _batch_invariant(config)
-    with_aux = config.model.model_config().is_moe  # the aux loss is logged for every MoE model
-    aux_scale = config.model.router_aux_loss_coef / V  # fixed by the global batch, never by W
-    losses: list[float] = []
-    steps = loader.steps()
-    # BI mode for the whole step loop (one install of the overrides; the census also sees the
-    # reduction, the clip and the optimizer); strict census: a native op stops the run.
-    census.reset()
-    census_off = census.off() if config.determinism.census == "off" else contextlib.nullcontext()
-    with census_off, bi(), census.strict(config.determinism.census == "strict"):
-        for step in range(start_step + 1, last_step + 1):
-            t0 = time.perf_counter()
-            recorder.start_step(step)
-            lr = lr_at(step - 1, config.optimizer, config.schedule, config.steps)
-            set_lr(optimizer, lr)
-            microbatches = next(steps)
-
-            # step `oplog_step` (bisect --step) runs under DebugMode: every aten op hashed, in order
-            with op_log(out, f"step_{step}") if step == oplog_step else contextlib.nullcontext():
-                # forward + backward, one virtual microbatch at a time, gradients into the tree
-                mb_losses = []  # per local microbatch: [loss] or [loss, aux]
-                optimizer.zero_grad(set_to_none=True)
-                for j, mb in enumerate(microbatches):
-                    if config.determinism.enabled and not sharded:
-                        leaf = grad_buffers.zeroed(j)  # autograd accumulates 0 + g into views of it
-                        set_grads(params, leaf)
-                    recorder.set_microbatch(mb.index)
-                    recorder.record_data(mb.tensors())
-                    if with_aux:
-                        loss, aux = microbatch_loss(model, mb, with_aux=True)
-                        recorder.record_loss(loss)
-                        recorder.record_loss(aux, name="aux_loss")
-                        objective = loss + aux * aux_scale if aux_scale else loss
-                        mb_losses.append(torch.stack([loss.detach(), aux.detach()]))
-                    else:
-                        loss = objective = microbatch_loss(model, mb)
-                        recorder.record_loss(loss)
-                        mb_losses.append(loss.detach().reshape(1))
-                    objective.backward()
-                    if config.determinism.enabled:
-                        reducer.add(mb.index, sharded.take_flat(params) if sharded else leaf)
-                        optimizer.zero_grad(set_to_none=True)
-                recorder.set_microbatch(-1)
-
-                # the step gradient: fixed-tree reduction (deterministic) or plain all_reduce (off)
-                if config.determinism.enabled:
-                    grad = reducer.all_reduce()
-                    # in BI mode (held by the loop): the norm by the fixed-tree sum and our sqrt
-                    grad_norm = clip_(grad, config.optimizer.grad_clip)
-                    if sharded:
-                        sharded.set_sharded(params, grad)  # this rank's shard of the full reduced gradient
-                    else:
-                        set_grads(params, grad)
-                elif sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(world_size)
-                    grad_norm = _full(
-                        torch.nn.utils.clip_grad_norm_(params, config.optimizer.grad_clip or float("inf"))
-                    )
-                else:
-                    grad = flat_grad(params)
-                    if world_size > 1:
-                        dist.all_reduce(grad)
-                    grad_norm = clip_(grad, config.optimizer.grad_clip)
-                    set_grads(params, grad)
-                recorder.record_grads()
-                optimizer.step()
-                recorder.record_optimizer(optimizer)
-                recorder.record_params()
-
-            # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
-            step_sums = tree_sum(gather_in_index_order(torch.stack(mb_losses), world_size))
-            step_loss = float(step_sums[0])
-            extra = {"aux_loss": float(step_sums[1]) / V} if with_aux else {}  # mean per microbatch
-            losses.append(step_loss)
-            seconds = time.perf_counter() - t0
-            tokens = config.data.global_batch_size * config.data.seq_len
-            if rank == 0:
-                metrics.append(
-                    {
-                        "step": step,
-                        "loss": step_loss,
-                        **extra,
-                        "grad_norm": float(grad_norm),
-                        "lr": lr,
-                        "tokens": tokens,
-                        "seconds": seconds,
-                        "world_size": world_size,
-                    }
-                )
-                metrics.flush()
-                if not quiet:
-                    print(
-                        f"step {step}/{last_step}  loss {step_loss:.4f}  grad_norm {float(grad_norm):.3f}  "
-                        f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={world_size}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            recorder.end_step()
-            crash_point("train.after_step", step)
-
-            interval = config.checkpoint.interval
-            if step == last_step or (interval and step % interval == 0):
-                recorder.flush()
-                blob = {
-                    "step": step,
-                    "loader": loader.state().to_dict(),
-                    "config": to_dict(config),
-                    "world_size": world_size,
-                }
-                checkpointer.save(step, model, optimizer, blob)
-    if config.determinism.batch_invariant and rank == 0:
-        record_census(out, config.determinism.census)
-    recorder.close()
-    loader.close()
-    if mode is not None:
-        mode.__exit__(None, None, None)
-    return TrainResult(out, world_size, start_step, last_step, losses)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _batch_invariant(config: TrainConfig):
-    if config.determinism.batch_invariant:
-        from titan_audit.batch_invariant import enabled
-
-        return enabled
-    return contextlib.nullcontext
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of one rank under torchrun: `python -m titan_audit.trainer.train CONFIG_JSON OUT
-    [resume] [overwrite] [quiet] [stop_at=N]` (the CLI writes the resolved config to a JSON file)."""
-    from titan_audit.trainer.launch import rank_main
-
-    def run(config: dict, out: str, flags: set[str]) -> None:
-        stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
-        train(
-            from_dict(config),
-            out,
-            resume="resume" in flags,
-            overwrite="overwrite" in flags,
-            stop_at=stop_at,
-            quiet="quiet" in flags,
-        )
-
-    rank_main(sys.argv[1:] if argv is None else argv, run)
-
-
-if __name__ == "__main__":
-    main()
+    return ElasticLoader(loader_config, rank=run.mesh.rank, world_size=run.mesh.world_size, state=state)

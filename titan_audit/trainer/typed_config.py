@@ -178,3 +178,30 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
             raise ValueError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
         return value
     raise AssertionError(f"unsupported config type {hint} for {key}")
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config data as {dotted key: value}; `model.overrides` stays one value (a free-form table)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key != "overrides":
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def resume_differences(saved: dict[str, Any], current: Any, mutable: frozenset[str]) -> list[str]:
+    """Dotted keys whose values differ between a run's saved config and `current` (a config
+    dataclass), other than the `mutable` keys a resume may change. Empty: the resume is allowed. A
+    key the saved config lacks (a run written before the key existed) counts as its default value:
+    new keys default to the behaviour that existed before them."""
+    a, b = flatten(saved), flatten(to_dict(current))
+    defaults = flatten(to_dict(type(current)()))
+    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults and k != "model.overrides"})
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(a.keys() | b.keys())
+        if k not in mutable and a.get(k) != b.get(k)
+    ]

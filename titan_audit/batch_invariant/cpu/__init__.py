@@ -6,9 +6,12 @@ kernel here is forward-only and works below autograd; `titan_audit.batch_invaria
 autograd and input checks on top.
 
 The backend interface (what a GPU backend must provide, by these names and signatures) is the
-`Backend` protocol in `titan_audit.batch_invariant.backend`.
+`Backend` protocol in `titan_audit.batch_invariant.backend`. `kernel_library` is the loader of the
+compiled library (which variants this CPU has, the forced variant of the cross-variant tests, its
+version); `KernelLibraryError` is what a missing, stale or foreign build raises.
 """
 
+from titan_audit.batch_invariant.cpu import _lib as kernel_library
 from titan_audit.batch_invariant.cpu import pointwise
 from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backward, attention_forward
 from titan_audit.batch_invariant.cpu.matmul import bmm, mm
@@ -24,13 +27,16 @@ from titan_audit.batch_invariant.cpu.reductions import (
 )
 
 NAME = "cpu"
+KernelLibraryError = kernel_library.KernelLibraryError  # a missing, stale or foreign kernel build
 
 __all__ = [
     "KEY_CHUNK",
     "NAME",
+    "KernelLibraryError",
     "attention_backward",
     "attention_forward",
     "bmm",
+    "kernel_library",
     "log_softmax",
     "log_softmax_backward",
     "mm",

@@ -54,7 +54,7 @@ from titan_audit import batch_invariant as bi
 from titan_audit.audit import fingerprint
 from titan_audit.models import save_pretrained
 from titan_audit.models.transformer import Transformer
-from titan_audit.rl.generator import GenerationRequest, Sample, SamplingParams
+from titan_audit.rl.generator import GenerationRequest, Sample, SamplingParams, check_weights
 from titan_audit.rl.requests import check_requests
 from titan_audit.rl.vllm import plugin
 from titan_audit.rl.vllm.model import ARCHITECTURE, CONFIG_KEY
@@ -141,7 +141,7 @@ def _unpack(value: torch.Tensor | tuple | list) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]):
+def scoped_environment(values: dict[str, str]):
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -155,7 +155,7 @@ def _environment(values: dict[str, str]):
 
 
 @contextlib.contextmanager
-def _keep_process_state():
+def keep_process_state():
     """Undo what an in-process vLLM engine changes in this process (see the module doc)."""
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     rng, py_rng = torch.random.get_rng_state(), random.getstate()
@@ -224,7 +224,7 @@ class VllmGenerator:
                 "additional_config": {CONFIG_KEY: {"batch_invariant": cfg.batch_invariant}},
             }
         owns_dist = not torch.distributed.is_initialized()
-        with _environment(env), _keep_process_state():
+        with scoped_environment(env), keep_process_state():
             llm = vllm.LLM(
                 model=self._dir.name,
                 skip_tokenizer_init=True,
@@ -285,23 +285,7 @@ class VllmGenerator:
         prefix cache; ValueError naming the first offending tensor."""
         if self.config.implementation != "titan":
             raise ValueError("load_weights needs the titan-audit model (implementation='titan')")
-        missing = sorted(set(self._names) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(self._names))
-        if missing or unexpected:
-            raise ValueError(
-                f"load_weights: state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        for name, (dtype, shape) in self._names.items():
-            source = state_dict[name]
-            if not isinstance(source, torch.Tensor) or tuple(source.shape) != shape or source.dtype != dtype:
-                got = (
-                    f"{source.dtype} {tuple(source.shape)}"
-                    if isinstance(source, torch.Tensor)
-                    else type(source).__name__
-                )
-                raise ValueError(f"load_weights: tensor {name!r} is {got}, the generator's is {dtype} {shape}")
-        if not isinstance(policy_version, int):
-            raise ValueError(f"load_weights: policy_version must be an int, got {policy_version!r}")
+        check_weights(state_dict, self._names, policy_version)
         if self.config.multiprocessing:
             state = {name: _pack(t) for name, t in state_dict.items()}
         else:

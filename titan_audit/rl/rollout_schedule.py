@@ -1,0 +1,182 @@
+"""Which rollouts an RL rank generates, from which weights, and when (on rollouts.py's worker).
+
+    schedule = RolloutSchedule(config, generator, rank_block=(lo, hi), world_size=W)
+    schedule.start(start_step, model, restored)    # jobs of steps start+1 .. start+1+lag
+    result = schedule.take(step)                   # blocks; this rank's samples of step `step`
+    groups = schedule.groups(result, step)         # [(prompt, its G samples)] in prompt order
+    schedule.submit_after(step, model)             # the job of step + 1 + lag, version `step`
+    pending = schedule.pending(step)               # every rank's rollouts in flight (for a checkpoint)
+
+Guarantees: a rank serves the prompts [lo, hi) of each step's prompt set (a pure function of
+(seed, step), rl/tasks.py), G samples each keyed (seed, step, prompt id, sample index), so its
+rollouts do not depend on W. The rollouts of step k come from policy version max(0, k - 1 - lag)
+(rollouts.py). What a checkpoint holds of the rollouts in flight is every rank's part merged in
+prompt order, so a resume at another W restores each rank's own block of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from titan_audit.models import build
+from titan_audit.rl.config import RLConfig
+from titan_audit.rl.generator import GenerationRequest, Generator, Sample, SampleKey, SamplingParams
+from titan_audit.rl.logprobs import sequence_logprobs
+from titan_audit.rl.rollouts import (
+    RolloutJob,
+    RolloutResult,
+    RolloutWorker,
+    rollout_version,
+    snapshot,
+    trainer_fingerprint,
+)
+from titan_audit.rl.tasks import TOKENIZER, Prompt, prompt_set
+
+
+def check_prompts(config: RLConfig, prompts: list[Prompt]) -> None:
+    """ValueError naming the prompt whose tokens + sampling.max_new_tokens exceed the context."""
+    context = config.model.model_config().max_position_embeddings
+    for p in prompts:
+        need = len(p.ids) + config.sampling.max_new_tokens
+        if need > context:
+            raise ValueError(
+                f"step {p.step} prompt {p.id} ({p.task}): {len(p.ids)} prompt tokens + "
+                f"sampling.max_new_tokens {config.sampling.max_new_tokens} = {need} exceed the model's "
+                f"context (max_position_embeddings {context})"
+            )
+
+
+def build_generator(kind: str, model: torch.nn.Module, batch_invariant: bool, slots: int) -> Generator:
+    """The rollout generator `kind` ("builtin" | "vllm", config key `generator`) over a copy of
+    `model`'s weights, in BI mode iff `batch_invariant`, running up to `slots` samples at once."""
+    if kind == "vllm":
+        from titan_audit.rl import vllm as rl_vllm
+
+        rl_vllm.require()
+        from titan_audit.rl.vllm.generator import VllmGenerator, VllmGeneratorConfig
+
+        return VllmGenerator(model, VllmGeneratorConfig(batch_invariant=batch_invariant, max_num_seqs=slots))
+    assert kind == "builtin", kind
+    from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
+
+    return BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=batch_invariant, max_batch_size=slots))
+
+
+class SameWeightsScorer:
+    """Worker-side (lag > 0, verify): the trainer's recomputation with the job's own weights."""
+
+    def __init__(self, config: RLConfig) -> None:
+        self.config = config
+        self.model = build(config.model.model_config(), seed=config.seed).requires_grad_(False)
+
+    def __call__(self, job: RolloutJob, samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
+        self.model.load_state_dict(job.weights)
+        G = self.config.task.samples_per_prompt
+        bi = self.config.determinism.batch_invariant
+        out: list[torch.Tensor] = []
+        for start in range(0, len(samples), G):
+            group = samples[start : start + G]
+            prompts, completions = [s.prompt_ids for s in group], [s.tokens for s in group]
+            out += sequence_logprobs(
+                self.model, prompts, completions, self.config.sampling.temperature, batch_invariant=bi
+            )
+        return {"same_weights_logprobs": out}
+
+
+class RolloutSchedule:
+    """The rollout side of an RL rank (see the module docstring); close() stops its thread."""
+
+    def __init__(self, config: RLConfig, generator: Generator, *, rank_block: tuple[int, int], world_size: int):
+        self.config, self.generator = config, generator
+        self.lo, self.hi = rank_block
+        self.world_size = world_size
+        self.lag = config.rollout.lag
+        s = config.sampling
+        self.params = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=(TOKENIZER.eos_id,),
+        )
+        scorer = SameWeightsScorer(config) if (config.verify and self.lag > 0) else None
+        self.worker = RolloutWorker(generator, max_in_flight=self.lag + 1, scorer=scorer)
+
+    def prompts(self, step: int) -> list[Prompt]:
+        """The whole prompt set of `step` (every rank's prompts, in prompt-id order)."""
+        return prompt_set(self.config.task.name, self.config.seed, step, self.config.task.prompts_per_step)
+
+    def _job(self, step: int, version: int, weights: dict[str, torch.Tensor]) -> RolloutJob:
+        prompts = self.prompts(step)
+        check_prompts(self.config, prompts)
+        G, seed = self.config.task.samples_per_prompt, self.config.seed
+        requests = [
+            GenerationRequest(p.ids, SampleKey(seed, step, p.id, j))
+            for p in prompts[self.lo : self.hi]
+            for j in range(G)
+        ]
+        return RolloutJob(step, version, weights, trainer_fingerprint(weights), requests, self.params)
+
+    def start(self, start_step: int, model: torch.nn.Module, restored: list[RolloutResult]) -> None:
+        """Put back the rollouts a checkpoint held (this rank's part) and submit the jobs of the
+        other steps start_step+1 .. start_step+1+lag, all from the current weights."""
+        for result in restored:
+            self.worker.put_result(self._my_part(result))
+        weights = snapshot(model)
+        for step in range(start_step + 1, start_step + 2 + self.lag):
+            if step not in {r.step for r in restored}:
+                assert rollout_version(step, self.lag) == start_step, (step, self.lag, start_step)
+                self.worker.submit(self._job(step, start_step, weights))
+
+    def take(self, step: int) -> RolloutResult:
+        return self.worker.take(step)
+
+    def submit_after(self, step: int, model: torch.nn.Module) -> None:
+        """After step `step`: its weights (policy version `step`) generate step + 1 + lag."""
+        self.worker.submit(self._job(step + 1 + self.lag, step, snapshot(model)))
+
+    def groups(self, result: RolloutResult, step: int) -> list[tuple[Prompt, list[Sample]]]:
+        """This rank's prompts of `step` with their G samples each, in prompt order."""
+        by_key = {(s.key.prompt_id, s.key.sample_index): s for s in result.samples}
+        groups = []
+        for p in self.prompts(step)[self.lo : self.hi]:
+            samples = [by_key[(p.id, j)] for j in range(self.config.task.samples_per_prompt)]
+            assert all(s.prompt_ids == p.ids for s in samples), p
+            groups.append((p, samples))
+        return groups
+
+    def pending(self, step: int) -> list[RolloutResult]:
+        """The rollouts of steps step+1 .. step+lag (waited for), every rank's merged in prompt
+        order, on every rank (collective when W > 1)."""
+        results = self.worker.finished(list(range(step + 1, step + 1 + self.lag)))
+        if self.world_size == 1:
+            return results
+        box: list = [None] * self.world_size
+        dist.all_gather_object(box, [r.to_state() for r in results])
+        merged = []
+        for parts in zip(*box):
+            parts = [RolloutResult.from_state(p) for p in parts]
+            first = parts[0]
+            assert all(
+                p.generator_fingerprint == first.generator_fingerprint and p.version == first.version for p in parts
+            )
+            samples = [s for p in parts for s in p.samples]
+            extra = {k: [t for p in parts for t in p.extra[k]] for k in first.extra}
+            merged.append(RolloutResult(first.step, first.version, samples, first.generator_fingerprint, extra))
+        return merged
+
+    def _my_part(self, result: RolloutResult) -> RolloutResult:
+        keep = [i for i, s in enumerate(result.samples) if self.lo <= s.key.prompt_id < self.hi]
+        return RolloutResult(
+            result.step,
+            result.version,
+            [result.samples[i] for i in keep],
+            result.generator_fingerprint,
+            {k: [v[i] for i in keep] for k, v in result.extra.items()},
+        )
+
+    def close(self) -> None:
+        self.worker.close()
+        if hasattr(self.generator, "close"):
+            self.generator.close()

@@ -1,0 +1,476 @@
+"""The run engine under `train` and `rl`: one set-up, one step kit, one close.
+
+    with Run(config, out, kind="train", resume=False, overwrite=False, check=check) as run:
+        model, optimizer = ...                      # the loop's own components
+        blob = run.restore(model, optimizer)        # on a resume: the latest verified checkpoint
+        run.begin(model, optimizer)                 # recorder, metrics log, manifest history
+        kit = StepKit(run, params, optimizer)
+        for step in run.steps():                    # start_step + 1 .. last_step
+            lr = kit.start(step)
+            for j, mb in enumerate(microbatches):   # this rank's microbatches, in index order
+                with kit.microbatch(j, mb.index):
+                    loss.backward()                 # what the loss is: the loop's own business
+            grad_norm = kit.finish()                # fixed tree, clip, AdamW, audit records
+            run.end_step(step, row, line)           # metrics row, log line, checkpoint at interval
+
+A loop says only what is its own: where its microbatches come from and what their loss is.
+
+Guarantees:
+- Set-up, in this order, identical for both loops: join the process group (the mesh: data
+  parallel over W ranks; tensor parallelism and a device type are the next axes), the intra-op
+  thread count from the config (never from W), the run's numerics (deterministic switches and
+  seeds; with `determinism.batch_invariant`, BI mode and its op census for the whole run, every
+  thread), then on rank 0 every input check (`check`, then `check_run_dir`), the run lock
+  (`claim_run_dir`, held until the run closes), the manifest with the numerics fingerprint taken
+  under the run's own numerics. Rank 0's verdict reaches every rank before any work, so all fail or
+  go on together; a new run's manifest is written at once, a resume's only after its checkpoint
+  loaded (`begin`), so a resume that fails leaves the run's files as they were.
+- Close on any exception (`__exit__`): the recorder, the metrics log and what the loop registered
+  with `closing` are closed, BI mode and the deterministic switches are restored, the lock is
+  released. The op census is written to the manifest when the run ends without an error.
+- The step kit: per-microbatch fp32 gradient buffers, the fixed-tree reduction over the V
+  microbatch gradients (reduce.py; the same bits on every rank and for every W), grad-norm clipping
+  on the full reduced vector, the optimizer step, the audit records of a step. With
+  `determinism.enabled = false` (train only) it is a conventional trainer: gradients accumulated in
+  .grad and one plain all_reduce (or FSDP2's own reduce-scatter), the negative control.
+- Checkpoints: `end_step` saves a verified checkpoint every `checkpoint.interval` steps and at the
+  last step; its rank-agnostic blob holds step, config, world size and what the loop adds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_audit import deterministic
+from titan_audit.audit import Recorder
+from titan_audit.audit.run_manifest import record_census
+from titan_audit.log import get_logger
+from titan_audit.trainer import typed_config
+from titan_audit.trainer.checkpoint import Checkpointer
+from titan_audit.trainer.crash import crash_point
+from titan_audit.trainer.optim import lr_at, set_lr
+from titan_audit.trainer.reduce import TreeReducer
+from titan_audit.trainer.run_dir import (
+    MetricsLog,
+    claim_run_dir,
+    has_entries,
+    package_versions,
+    prepare_run_dir,
+    read_manifest,
+    release_run_dir,
+    write_manifest,
+)
+
+log = get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------- the mesh
+@dataclass(frozen=True)
+class Mesh:
+    """Where this process sits. Data parallel over the whole group for now (dp = W); tensor
+    parallelism and the device type are the next axes. Recorded in the manifest's history, like the
+    world size: never part of the numerics."""
+
+    device_type: str
+    world_size: int
+    rank: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device_type": self.device_type, "dp": self.world_size}
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def init_mesh(backend: str = "auto", *, single_group: bool = False) -> Mesh:
+    """Join the process group torchrun describes in the environment (if any and not joined yet).
+    `single_group`: without one, make a one-rank group (FSDP2 needs a group even at W=1)."""
+    if not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            dist.init_process_group(backend)
+        elif single_group:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized():
+        return Mesh("cpu", dist.get_world_size(), dist.get_rank())
+    return Mesh("cpu", 1, 0)
+
+
+def broadcast_error(message: str | None) -> None:
+    """Rank 0's verdict reaches every rank, so all fail (or go on) together, before any work."""
+    if dist.is_initialized():
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        raise ValueError(message)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------- input checks
+def check_run_dir(config: Any, out: Path, *, kind: str, mutable: frozenset[str], resume: bool, overwrite: bool) -> None:
+    """The run directory against the request (ValueError; no compute, nothing written): --resume
+    and --overwrite exclude each other; a resume needs a run of the same kind whose saved config
+    differs only in `mutable` keys, checkpoints whose small files verify and a step to run; a new
+    run needs an empty (or missing) directory unless --overwrite."""
+    out = Path(out)
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if resume:
+        saved = read_manifest(out)
+        saved_kind = saved.get("kind", "train")
+        if saved_kind != kind:
+            raise ValueError(f"{out}: a {saved_kind} run, not a {kind} run (use `titan-audit {saved_kind} --resume`)")
+        differences = typed_config.resume_differences(saved["config"], config, mutable)
+        if differences:
+            raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
+        checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
+        start, _ = checkpointer.preflight(fallback=config.checkpoint.fallback)
+        if start >= config.steps:
+            raise ValueError(
+                f"{out}: already at step {start} of steps={config.steps}; nothing to run "
+                f"(--steps N or --set steps=N with N > {start} extends it)"
+            )
+    elif not overwrite and out.is_dir() and has_entries(out):
+        prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
+
+
+# ---------------------------------------------------------------------------------- the run
+class Run:
+    """One run of a loop on this rank, from set-up to close (see the module docstring).
+
+    config: a TrainConfig or RLConfig (the sections both have: seed, steps, parallel, determinism,
+    optimizer, schedule, checkpoint, audit). kind: "train" | "rl" (the manifest's kind, the crash
+    points' prefix). mutable: the config keys a resume may change. check(world_size): the loop's
+    own input checks (rank 0, after `check_run_dir`, before the lock). prepare(out): rank 0, after
+    the lock, before the manifest (the train loop's synthetic corpus). extra(): keys of a new run's
+    manifest. stop_at: the last step to run (default config.steps)."""
+
+    def __init__(
+        self,
+        config: Any,
+        out: str | os.PathLike,
+        *,
+        kind: str,
+        mutable: frozenset[str],
+        resume: bool = False,
+        overwrite: bool = False,
+        check: Callable[[int], None] | None = None,
+        prepare: Callable[[Path], None] | None = None,
+        extra: Callable[[], dict[str, Any]] | None = None,
+        stop_at: int | None = None,
+        quiet: bool = False,
+        single_group: bool = False,
+    ) -> None:
+        self.config, self.out, self.kind, self.mutable = config, Path(out), kind, mutable
+        self.resume, self.overwrite, self.quiet = resume, overwrite, quiet
+        self._check, self._prepare_out, self._extra, self._single_group = check, prepare, extra, single_group
+        self.last_step = config.steps if stop_at is None else stop_at
+        self.start_step = 0
+        self.manifest: dict[str, Any] = {}
+        self.recorder: Recorder | None = None
+        self.metrics: MetricsLog | None = None
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._stack = contextlib.ExitStack()
+        self._claimed = False
+
+    # -- set-up and close
+    def __enter__(self) -> Run:
+        try:
+            self._set_up()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None and self.config.determinism.batch_invariant and self.mesh.rank == 0:
+                record_census(self.out, self.config.determinism.census)
+        finally:
+            self._stack.close()
+
+    def _set_up(self) -> None:
+        config = self.config
+        if not 1 <= self.last_step <= config.steps:
+            raise ValueError(f"stop step {self.last_step} is outside 1..steps={config.steps}")
+        self.mesh = init_mesh(config.parallel.backend, single_group=self._single_group)
+        torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
+        self._enter_numerics()
+        self._claim()
+        self.checkpointer = Checkpointer(self.out, keep_last=config.checkpoint.keep_last)
+
+    def _enter_numerics(self) -> None:
+        """Deterministic switches and seeds; BI mode (process-wide: every thread) and its census."""
+        config, stack = self.config, self._stack
+        if config.determinism.enabled:
+            stack.enter_context(
+                deterministic.enable(config.seed, strict=config.determinism.strict, threads=config.parallel.threads)
+            )
+        if config.determinism.batch_invariant:
+            from titan_audit import batch_invariant
+
+            if config.determinism.census == "off":
+                stack.enter_context(batch_invariant.census.off())
+            stack.enter_context(batch_invariant.enabled())
+            batch_invariant.census.reset()
+            stack.enter_context(batch_invariant.census.strict(config.determinism.census == "strict"))
+
+    def _claim(self) -> None:
+        """Rank 0: checks, lock, the run's data, the manifest; the verdict and manifest to all."""
+        error = None
+        if self.mesh.rank == 0:
+            try:
+                check_run_dir(
+                    self.config,
+                    self.out,
+                    kind=self.kind,
+                    mutable=self.mutable,
+                    resume=self.resume,
+                    overwrite=self.overwrite,
+                )
+                if self._check is not None:
+                    self._check(self.mesh.world_size)
+                self.out = claim_run_dir(self.out, resume=self.resume, overwrite=self.overwrite)
+                self._stack.callback(release_run_dir, self.out)
+                if self._prepare_out is not None:
+                    self._prepare_out(self.out)
+                self.manifest = self._manifest()
+                if not self.resume:
+                    write_manifest(self.out, self.manifest)
+            except ValueError as e:
+                error = str(e)
+        else:
+            self.config.check_world_size(self.mesh.world_size)
+        broadcast_error(error)
+        if dist.is_initialized():
+            box = [(str(self.out), self.manifest)]
+            dist.broadcast_object_list(box, src=0)
+            self.out, self.manifest = Path(box[0][0]), box[0][1]
+
+    def _manifest(self) -> dict[str, Any]:
+        manifest = read_manifest(self.out) if self.resume else {"created": now(), "world_size_history": []}
+        manifest.pop("format", None)
+        manifest["kind"] = self.kind
+        manifest["config"] = typed_config.to_dict(self.config)
+        manifest["seed"] = self.config.seed
+        manifest["fingerprint"] = deterministic.fingerprint().to_dict()  # under the run's numerics
+        manifest["packages"] = package_versions()
+        if not self.resume and self._extra is not None:
+            manifest.update(self._extra())
+        return manifest
+
+    def closing(self, thing: Any) -> Any:
+        """Close `thing` (its .close()) when the run closes, whatever happens; returns it."""
+        self._stack.callback(thing.close)
+        return thing
+
+    # -- resume and start
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """On a resume: load the latest verified checkpoint into model and optimizer (falling back
+        to an older one if the config allows) and return its blob; start_step is its step."""
+        blob = None
+        if self.resume:
+            blob = self.checkpointer.load_latest(model, optimizer, fallback=self.config.checkpoint.fallback)
+            if blob is not None:
+                self.start_step = int(blob["step"])
+        if self.start_step >= self.last_step:
+            raise ValueError(
+                f"{self.out}: already at step {self.start_step}; nothing to run up to step {self.last_step}"
+            )
+        return blob
+
+    def begin(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Open the recorder (every rank) and the metrics log (rank 0, cut back to start_step),
+        append this start to the manifest's history (rank 0), and wait for every rank."""
+        self._model, self._optimizer = model, optimizer
+        audit = self.config.audit
+        self.recorder = self.closing(
+            Recorder(
+                self.out, model, level=audit.level, modules=audit.modules, flush_every_steps=audit.flush_every_steps
+            )
+        )
+        if self.mesh.rank == 0:
+            self.metrics = MetricsLog(self.out)
+            self.metrics.truncate_after(self.start_step)
+            self.manifest["world_size_history"].append(
+                {
+                    "world_size": self.mesh.world_size,
+                    "start_step": self.start_step,
+                    "parallel_mode": getattr(self.config.parallel, "mode", "dp"),
+                    "mesh": self.mesh.to_dict(),
+                    "time": now(),
+                }
+            )
+            write_manifest(self.out, self.manifest)
+        barrier()
+
+    def steps(self) -> range:
+        return range(self.start_step + 1, self.last_step + 1)
+
+    # -- the end of a step
+    def end_step(
+        self,
+        step: int,
+        row: dict[str, Any],
+        line: str,
+        blob: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """The metrics row (rank 0, flushed), the progress line (rank 0 unless quiet), the audit
+        step closed, the crash point `<kind>.after_step`, and at `checkpoint.interval` (and the last
+        step) an audit flush and a verified checkpoint whose blob adds `blob()` (called on every
+        rank at checkpoint steps only: it may be collective)."""
+        assert self.recorder is not None, "begin() before the first step"
+        if self.metrics is not None:
+            self.metrics.append(row)
+            self.metrics.flush()
+            if not self.quiet:
+                log.info("%s", line)
+        self.recorder.end_step()
+        crash_point(f"{self.kind}.after_step", step)
+        interval = self.config.checkpoint.interval
+        if step == self.last_step or (interval and step % interval == 0):
+            self.recorder.flush()
+            state = {"step": step, "config": typed_config.to_dict(self.config), "world_size": self.mesh.world_size}
+            state.update(blob() if blob is not None else {})
+            self.checkpointer.save(step, self._model, self._optimizer, state)
+
+
+# ---------------------------------------------------------------------------------- the step kit
+def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Each parameter's .grad becomes its slice of `flat` (a view, cast to the parameter's dtype)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n
+    assert offset == flat.numel(), (offset, flat.numel())
+
+
+def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Every parameter's .grad (zeros where None) as one fresh fp32 vector, in parameter order."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+
+
+def clip_(flat: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale `flat` in place to global norm <= max_norm (0: no clipping); returns the norm before.
+    `flat` is the full reduced gradient, identical on every rank, so every rank clips alike."""
+    norm = torch.linalg.vector_norm(flat, 2.0)
+    if max_norm > 0:
+        flat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+class GradBuffers:
+    """One flat fp32 gradient buffer per local microbatch, allocated once and reused every step
+    (fresh 16 MB allocations per microbatch cost page faults). A microbatch's gradient is
+    0 + autograd's gradient, accumulated in place through .grad views: the same for every W."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.buffers: list[torch.Tensor] = []
+
+    def zeroed(self, j: int) -> torch.Tensor:
+        while len(self.buffers) <= j:
+            self.buffers.append(torch.empty(self.numel, dtype=torch.float32))
+        return self.buffers[j].zero_()
+
+
+class StepKit:
+    """The part of a step both loops share, from the learning rate to the audited update.
+
+    Deterministic (always for rl): microbatch j's gradient lands in its own buffer, which goes into
+    the TreeReducer under the microbatch's GLOBAL index; `finish` reduces by the fixed tree, clips
+    the full vector, gives each parameter its slice (or, under FSDP2 (`sharded`), this rank's dim-0
+    shard) and steps the optimizer. Conventional (`determinism.enabled = false`): .grad accumulates,
+    one plain all_reduce (FSDP2: its own reduce-scatter, rescaled to the sum)."""
+
+    def __init__(self, run: Run, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, sharded=None):
+        self.run, self.params, self.optimizer, self.sharded = run, params, optimizer, sharded
+        self.config = run.config
+        self.deterministic = bool(run.config.determinism.enabled)
+        self.reducer = TreeReducer(run.config.num_microbatches) if self.deterministic else None
+        self.buffers = GradBuffers(sum(p.numel() for p in params))
+        self._leaf: torch.Tensor | None = None
+
+    def start(self, step: int) -> float:
+        """Open the step's audit records and set its learning rate (returned)."""
+        assert self.run.recorder is not None, "run.begin() before the first step"
+        self.run.recorder.start_step(step)
+        lr = lr_at(step - 1, self.config.optimizer, self.config.schedule, self.config.steps)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    @contextlib.contextmanager
+    def microbatch(self, j: int, index: int) -> Iterator[None]:
+        """Local microbatch j (global index `index`): its records and its gradient (the block's
+        backward) go under `index`; deterministic: the gradient goes into the tree under `index`."""
+        if self.deterministic and not self.sharded:
+            self._leaf = self.buffers.zeroed(j)  # autograd accumulates 0 + g into views of it
+            set_grads(self.params, self._leaf)
+        self.run.recorder.set_microbatch(index)
+        yield
+        if self.deterministic:
+            self.reducer.add(index, self.sharded.take_flat(self.params) if self.sharded else self._leaf)
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def finish(self) -> float:
+        """The step's gradient, clipping, optimizer step and their audit records; the grad norm."""
+        recorder = self.run.recorder
+        recorder.set_microbatch(-1)
+        grad_norm = self._reduce_and_clip()
+        recorder.record_grads()
+        self.optimizer.step()
+        recorder.record_optimizer(self.optimizer)
+        recorder.record_params()
+        return float(grad_norm)
+
+    def _reduce_and_clip(self) -> torch.Tensor:
+        max_norm = self.config.optimizer.grad_clip
+        if self.deterministic:  # the fixed tree; in BI mode the norm by the tree sum and our sqrt
+            grad = self.reducer.all_reduce()
+            grad_norm = clip_(grad, max_norm)
+            if self.sharded:
+                self.sharded.set_sharded(self.params, grad)  # this rank's shard of the full reduced gradient
+            else:
+                set_grads(self.params, grad)
+            return grad_norm
+        world_size = self.run.mesh.world_size
+        if self.sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(world_size)
+            return _full(torch.nn.utils.clip_grad_norm_(self.params, max_norm or float("inf")))
+        grad = flat_grad(self.params)
+        if world_size > 1:
+            dist.all_reduce(grad)
+        grad_norm = clip_(grad, max_norm)
+        set_grads(self.params, grad)
+        return grad_norm
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
