@@ -29,23 +29,12 @@ from typing import Any, Literal
 
 from titan_audit.rl.tasks import task_names
 from titan_audit.trainer import typed_config
-from titan_audit.trainer.config import AuditSection, CheckpointSection, ModelSection, ProcessSection
+from titan_audit.trainer.config import RUN_MUTABLE_KEYS, AuditSection, CheckpointSection, ModelSection, ProcessSection
 from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 
-RESUME_MUTABLE_KEYS = frozenset(
-    {
-        "steps",
-        "checkpoint.interval",
-        "checkpoint.keep_last",
-        "checkpoint.fallback",
-        "audit.flush_every_steps",
-        "parallel.backend",
-        "rollout.buffer",
-        "determinism.census",  # record or stop: never the bits of a step
-        # builtin and vllm give the same samples in BI mode (tests/rl/test_vllm_rl.py); runs before the key
-        "generator",
-    }
-)
+# rollout.buffer: how far ahead rollouts may run, not which; generator: builtin and vllm give the
+# same samples in BI mode (tests/rl/test_vllm_rl.py)
+RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"rollout.buffer", "generator"}
 
 
 @dataclass
@@ -190,11 +179,7 @@ def to_dict(config: RLConfig) -> dict[str, Any]:
 def load_rl_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> RLConfig:
     """A recipe name or a TOML file (which may name a base recipe with `recipe = "..."`), then
     `--set` overrides. Errors name the key and the file."""
-    data, origin = typed_config.load_source(source, RECIPES, overrides, what="RL recipe")
-    try:
-        return from_dict(data)
-    except ValueError as error:
-        raise ValueError(f"{origin}: {error}") from None
+    return typed_config.load(RLConfig, source, RECIPES, overrides, what="RL recipe")
 
 
 def resume_differences(saved: dict[str, Any], current: RLConfig) -> list[str]:

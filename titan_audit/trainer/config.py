@@ -43,7 +43,8 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 # Keys a resume may change: they change how long the run goes, how often it saves and what it
 # logs, never the bits of a step already defined. (With schedule.decay_steps unset the cosine
 # length follows `steps`, so extending a run changes the learning rate of the steps to come.)
-RESUME_MUTABLE_KEYS = frozenset(
+# what a resume of any run (train or rl) may change: never the bits of a step
+RUN_MUTABLE_KEYS = frozenset(
     {
         "steps",
         "checkpoint.interval",
@@ -51,11 +52,10 @@ RESUME_MUTABLE_KEYS = frozenset(
         "checkpoint.fallback",
         "audit.flush_every_steps",
         "parallel.backend",
-        "parallel.mode",
-        "data.workers",
         "determinism.census",  # record or stop: never the bits of a step (a strict run that passes is the same run)
     }
 )
+RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"parallel.mode", "data.workers"}
 
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -238,11 +238,7 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
 def load_config(source: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """A recipe name or a TOML file (which may name a base recipe with top-level `recipe = "..."`),
     then `--set` overrides. Errors name the key and the file."""
-    data, origin = typed_config.load_source(source, RECIPES, overrides, what="recipe")
-    try:
-        return from_dict(data)
-    except ValueError as error:
-        raise ValueError(f"{origin}: {error}") from None
+    return typed_config.load(TrainConfig, source, RECIPES, overrides, what="recipe")
 
 
 def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:

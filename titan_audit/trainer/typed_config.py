@@ -50,6 +50,17 @@ def load_source(
     return apply_overrides(data, list(overrides)), origin
 
 
+def load(
+    cls: type[T], source: str, recipes: dict[str, dict[str, Any]], overrides: list[str] | tuple[str, ...], what: str
+) -> T:
+    """`load_source`, then the config class built from it; errors name the key and the file."""
+    data, origin = load_source(source, recipes, overrides, what=what)
+    try:
+        return build(cls, data)
+    except ValueError as error:
+        raise ValueError(f"{origin}: {error}") from None
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], value). The value is read as a TOML value
     (`3`, `1e-3`, `true`, `"x"`, `[1, 2]`); anything that is not valid TOML is taken as a string."""
