@@ -139,7 +139,10 @@ def check_run_dir(config: Any, out: Path, *, kind: str, mutable: frozenset[str],
         saved = read_manifest(out)
         saved_kind = saved.get("kind", "train")
         if saved_kind != kind:
-            raise ValueError(f"{out}: a {saved_kind} run, not a {kind} run (use `titan-audit {saved_kind} --resume`)")
+            what = {"train": "a train run", "rl": "an RL run"}
+            raise ValueError(
+                f"{out}: {what.get(saved_kind, saved_kind)}, not {what[kind]} (use `titan-audit {saved_kind} --resume`)"
+            )
         differences = typed_config.resume_differences(saved["config"], config, mutable)
         if differences:
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
