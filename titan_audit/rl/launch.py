@@ -25,17 +25,9 @@ from titan_audit.trainer.launch import existing_run_locked, rank_main, torchrun
 
 
 def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> RLConfig:
-    from titan_audit.trainer.run_dir import read_manifest
-    from titan_audit.trainer.typed_config import apply_overrides
+    from titan_audit.trainer.engine import resolve_config
 
-    if source is not None:
-        return load_rl_config(source, list(overrides))
-    if not resume:
-        raise ValueError("--config is required (an RL recipe name or a TOML file) unless --resume")
-    try:
-        return from_dict(apply_overrides(read_manifest(out)["config"], list(overrides)))
-    except ValueError as error:
-        raise ValueError(f"{out}/manifest.json config: {error}") from None
+    return resolve_config(RLConfig, load_rl_config, source, out, kind="rl", resume=resume, overrides=overrides)
 
 
 def start_rl(

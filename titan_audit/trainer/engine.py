@@ -136,13 +136,7 @@ def check_run_dir(config: Any, out: Path, *, kind: str, mutable: frozenset[str],
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
     if resume:
-        saved = read_manifest(out)
-        saved_kind = saved.get("kind", "train")
-        if saved_kind != kind:
-            what = {"train": "a train run", "rl": "an RL run"}
-            raise ValueError(
-                f"{out}: {what.get(saved_kind, saved_kind)}, not {what[kind]} (use `titan-audit {saved_kind} --resume`)"
-            )
+        saved = _saved_manifest(out, kind)
         differences = typed_config.resume_differences(saved["config"], config, mutable)
         if differences:
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
@@ -155,6 +149,30 @@ def check_run_dir(config: Any, out: Path, *, kind: str, mutable: frozenset[str],
             )
     elif not overwrite and out.is_dir() and has_entries(out):
         prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
+
+
+def _saved_manifest(out: Path, kind: str) -> dict[str, Any]:
+    """The manifest of the run in `out`, which must be a `kind` run (ValueError naming both)."""
+    saved = read_manifest(out)
+    saved_kind = saved.get("kind", "train")
+    if saved_kind != kind:
+        what = {"train": "a train run", "rl": "an RL run"}
+        raise ValueError(
+            f"{out}: {what.get(saved_kind, saved_kind)}, not {what[kind]} (use `titan-audit {saved_kind} --resume`)"
+        )
+    return saved
+
+
+def resolve_config(cls: type, load: Callable, source: str | None, out: Path, *, kind: str, resume: bool, overrides):
+    """The config of a launch: `load(source, overrides)` (a recipe name or a TOML file); with no
+    source on a resume, the config saved in the `kind` run's manifest with the overrides applied."""
+    if source is not None:
+        return load(source, list(overrides))
+    if not resume:
+        recipe = "an RL recipe" if kind == "rl" else "a recipe"
+        raise ValueError(f"--config is required ({recipe} name or a TOML file) unless --resume")
+    saved = _saved_manifest(Path(out), kind)["config"]
+    return typed_config.build(cls, typed_config.apply_overrides(saved, list(overrides)), f"{out}/manifest.json config")
 
 
 # ---------------------------------------------------------------------------------- the run

@@ -47,14 +47,9 @@ from titan_audit.trainer.config import TrainConfig, from_dict, load_config, to_d
 def resolve_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> TrainConfig:
     """`source` (a recipe name or a TOML file) with `overrides` (KEY=VALUE); with no source on a
     resume, the config saved in `out`'s manifest with the overrides applied."""
-    from titan_audit.trainer.run_dir import read_manifest
-    from titan_audit.trainer.typed_config import apply_overrides
+    from titan_audit.trainer.engine import resolve_config as resolve
 
-    if source is not None:
-        return load_config(source, list(overrides))
-    if not resume:
-        raise ValueError("--config is required (a recipe name or a TOML file) unless --resume")
-    return from_dict(apply_overrides(read_manifest(out)["config"], list(overrides)), f"{out}/manifest.json config")
+    return resolve(TrainConfig, load_config, source, out, kind="train", resume=resume, overrides=overrides)
 
 
 def start_run(
