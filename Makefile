@@ -19,74 +19,34 @@ EXTRAS     ?= test,vllm
 setup: $(STAMP) kernels
 
 # The batch-invariant CPU kernels (C++17, batch_invariant/cpu/kernels/): every source is compiled
-# once per ISA variant and all variants go into one shared library; Python picks one at run time.
-# -ffp-contract=off and no fast-math keep each kernel's operation order the one in its source.
-# Only the system compiler is needed (no torch headers, no isolated build environment).
-CXX        ?= g++
-KERNEL_DIR := titan_audit/batch_invariant/cpu/kernels
-KERNEL_LIB := titan_audit/batch_invariant/cpu/_titan_bi.so
-KERNEL_OBJ := build/kernels
-KERNEL_SRC := $(wildcard $(KERNEL_DIR)/*.cpp)
-KERNEL_HDR := $(wildcard $(KERNEL_DIR)/*.h)
-KERNEL_CXXFLAGS := -std=c++17 -O3 -fPIC -fopenmp -ffp-contract=off -fno-fast-math -fno-math-errno \
-                   -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter -Wno-unused-function
-ifeq ($(shell uname -m),x86_64)
-KERNEL_ISAS := scalar avx2 avx512
-else
-KERNEL_ISAS := scalar
-endif
-ISA_FLAGS_scalar := -DTA_ISA_SCALAR $(if $(filter x86_64,$(shell uname -m)),-mno-fma -mno-avx)
-ISA_FLAGS_avx2   := -DTA_ISA_AVX2 -mavx2 -mfma
-ISA_FLAGS_avx512 := -DTA_ISA_AVX512 -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx2 -mfma -mprefer-vector-width=512
-KERNEL_OBJS := $(foreach isa,$(KERNEL_ISAS),$(patsubst $(KERNEL_DIR)/%.cpp,$(KERNEL_OBJ)/%.$(isa).o,$(KERNEL_SRC)))
+# once per ISA variant (x86_64: scalar, avx2, avx512; else scalar) and all variants go into one
+# shared library; Python picks one at run time. The flags (-ffp-contract=off, no fast-math, the
+# per-ISA flags) live only in batch_invariant/cpu/kernel_build.py, which these targets run and
+# which the package build (setup.py: `pip install .`, `pip wheel`) uses too. It rebuilds what is
+# stale (objects in build/kernels). Only the system compiler is needed (no torch headers).
+CXX          ?= g++
+KERNEL_BUILD := $(PYTHON) -I titan_audit/batch_invariant/cpu/kernel_build.py
 
-kernels: $(KERNEL_LIB)
-
-$(KERNEL_LIB): $(KERNEL_OBJS)
-	$(CXX) -shared -fopenmp -o $@.tmp $^ && mv $@.tmp $@
-
-define KERNEL_RULE
-$(KERNEL_OBJ)/%.$(1).o: $(KERNEL_DIR)/%.cpp $(KERNEL_HDR) Makefile
-	@mkdir -p $(KERNEL_OBJ)
-	$(CXX) $(KERNEL_CXXFLAGS) $(ISA_FLAGS_$(1)) -c $$< -o $$@
-endef
-$(foreach isa,$(KERNEL_ISAS),$(eval $(call KERNEL_RULE,$(isa))))
+kernels:
+	$(KERNEL_BUILD) library --cxx "$(CXX)"
 
 # The kernel battery (batch_invariant/cpu/battery/battery.cpp): a program without torch that runs
 # every kernel of every variant on inputs made from integers and writes the raw outputs, which
 # `titan-audit golden kernels` hashes against tests/golden/kernels.json. Linked from the same
-# objects as the library, with the same flag discipline (-ffp-contract=off, no fast-math).
-BATTERY_SRC := titan_audit/batch_invariant/cpu/battery/battery.cpp
-BATTERY_BIN := build/battery/battery
-BATTERY_CXXFLAGS := -std=c++17 -O2 -fopenmp -ffp-contract=off -fno-fast-math -Wall -Wextra -Wno-unused-parameter
-
-battery: $(BATTERY_BIN)
-
-$(BATTERY_BIN): $(BATTERY_SRC) $(KERNEL_OBJS) Makefile
-	@mkdir -p $(@D)
-	$(CXX) $(BATTERY_CXXFLAGS) -o $@.tmp $(BATTERY_SRC) $(KERNEL_OBJS) && mv $@.tmp $@
+# objects as the library (build/battery/battery).
+battery:
+	$(KERNEL_BUILD) battery --cxx "$(CXX)"
 
 # The same battery for arm64 (the portable scalar variant), cross-compiled with Debian's
 # g++-aarch64-linux-gnu and linked statically, so `qemu-aarch64 build/aarch64/battery` runs it
 # (`titan-audit golden kernels --arch aarch64`). Only this target needs the cross toolchain.
-AARCH64_CXX     ?= aarch64-linux-gnu-g++
-AARCH64_DIR     := build/aarch64
-AARCH64_OBJS    := $(patsubst $(KERNEL_DIR)/%.cpp,$(AARCH64_DIR)/kernels/%.scalar.o,$(KERNEL_SRC))
-AARCH64_BATTERY := $(AARCH64_DIR)/battery
-CROSS_HINT      := install the arm64 cross toolchain and emulator: apt-get install -y g++-aarch64-linux-gnu qemu-user
+AARCH64_CXX ?= aarch64-linux-gnu-g++
 
-battery-aarch64: $(AARCH64_BATTERY)
-
-$(AARCH64_DIR)/kernels/%.scalar.o: $(KERNEL_DIR)/%.cpp $(KERNEL_HDR) Makefile
-	@command -v $(AARCH64_CXX) >/dev/null 2>&1 || { echo "$(AARCH64_CXX) not found; $(CROSS_HINT)" >&2; exit 1; }
-	@mkdir -p $(@D)
-	$(AARCH64_CXX) $(KERNEL_CXXFLAGS) -DTA_ISA_SCALAR -c $< -o $@
-
-$(AARCH64_BATTERY): $(BATTERY_SRC) $(AARCH64_OBJS) Makefile
-	$(AARCH64_CXX) $(BATTERY_CXXFLAGS) -static -o $@.tmp $(BATTERY_SRC) $(AARCH64_OBJS) && mv $@.tmp $@
+battery-aarch64:
+	$(KERNEL_BUILD) battery --arch aarch64 --cxx "$(AARCH64_CXX)"
 
 clean-kernels:
-	rm -rf $(KERNEL_OBJ) $(KERNEL_LIB) build/battery $(AARCH64_DIR)
+	rm -rf build/kernels titan_audit/batch_invariant/cpu/_titan_bi.so build/battery build/aarch64
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

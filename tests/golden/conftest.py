@@ -1,4 +1,5 @@
-"""Small run directories for the golden tests, built without the trainer.
+"""Small run directories for the golden tests, built without the trainer; and where the committed
+goldens are (fixture `golden_directory`: titan_audit/goldens/, package data, unless --golden-dir).
 
 `build_run(path, ...)` (fixture `make_run`) trains a tiny nn.Linear for a few steps with the audit
 Recorder (phases data, loss, grad, optim, param), writes metrics.parquet and a manifest with this
@@ -19,6 +20,8 @@ import torch
 from titan_audit import deterministic
 from titan_audit.audit import AuditLogWriter, Recorder, read_audit_log
 from titan_audit.audit.log import part_files
+from titan_audit.golden.pytest_plugin import golden_dir
+from titan_audit.goldens import GOLDENS_DIR
 from titan_audit.trainer.run_dir import write_manifest
 
 STEPS = 3
@@ -98,6 +101,12 @@ def rewrite_audit(run: Path, transform) -> None:
 def copy_run(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+@pytest.fixture
+def golden_directory(request) -> Path:
+    """The committed goldens ship in the package (titan_audit/goldens/); --golden-dir still wins."""
+    return golden_dir(request.config) if request.config.getoption("--golden-dir") else GOLDENS_DIR
 
 
 @pytest.fixture(scope="module")

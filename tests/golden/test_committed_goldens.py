@@ -1,4 +1,5 @@
-"""The project's committed goldens (tests/golden/<recipe>/), checked through the pytest plugin.
+"""The project's committed goldens (titan_audit/goldens/<recipe>/, package data; conftest.py points
+the plugin's `golden_directory` there), checked through the pytest plugin.
 
 Each runs the recipe with `titan-audit train` for a few steps. On this machine type (same numerics
 fingerprint as the goldens) the check is bitwise: every audit hash of the data, loss, grad,
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from titan_audit.golden import check_golden
+from titan_audit.goldens import GOLDENS_DIR
 
 STEPS = 4
 
@@ -70,7 +72,7 @@ def test_bi_golden_is_exact_on_another_cpu_and_the_plain_one_is_not(tmp_path):
     control: the plain (non-BI) golden cannot, and --require-exact fails it."""
     from titan_audit.golden.pytest_plugin import train_recipe
 
-    golden = Path(__file__).parent
+    golden = GOLDENS_DIR
     train_recipe(tmp_path / "bi", "tiny-dense", steps=STEPS, overrides=BI)
     bi = check_golden(
         _as_if_on_another_cpu(tmp_path / "bi", tmp_path / "bi-amd"), golden / "tiny-dense-bi", require_exact=True

@@ -19,10 +19,10 @@ every S/2 steps; S = 8, or 4 with --quick):
 - G2 batch invariance: spot-checks of attention (batch, decode, chunked prefill), matmul,
   log_softmax and rms_norm at several head dims including 128, and the model's KV-cache decode;
   native ops as the (reported, not counted) control.
-- G1 run to run: the committed goldens (tests/golden/tiny-dense and tiny-dense-bi, recorded
-  earlier, elsewhere) check against runs made now: exact when the numerics fingerprints are
-  compatible (the BI golden must be exact on any CPU). Negative control: a run with another seed
-  fails the BI golden.
+- G1 run to run: the committed goldens (titan_audit/goldens/tiny-dense and tiny-dense-bi, shipped
+  as package data; recorded earlier, elsewhere) check against runs made now: exact when the
+  numerics fingerprints are compatible (the BI golden must be exact on any CPU). Negative control:
+  a run with another seed fails the BI golden.
 Then OUT/demo.json (the verdicts, runs and timings) and the run report OUT/reports/report.html
 and report.md (titan_audit.report). A stage that fails is a FAIL row with its reason (and log);
 the stages that need it are FAIL rows too ("needs ..."); nothing is skipped silently.
@@ -47,13 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from titan_audit.atomic import write_json_atomic
+from titan_audit.goldens import GOLDENS_DIR as GOLDEN_DIR
 
 RECIPE, RL_RECIPE = "tiny-dense", "rl-tiny"
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
 DEMO_FILE = "demo.json"
 NEEDS_W2 = ("elastic", "control_w2")  # the stages that wait for the background 2-rank run
 
@@ -125,7 +126,8 @@ class Demo:
         result = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
         self.rows.append(Row(guarantee, checked, result, detail, str(evidence)))
         color = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}[result]
-        self.say(f"  [{color}]{result}[/] {guarantee}: {checked}" + (f" [dim]({detail})[/]" if detail else ""))
+        text = f"{escape(guarantee)}: {escape(checked)}" + (f" [dim]({escape(detail)})[/]" if detail else "")
+        self.say(f"  [{color}]{result}[/] {text}")  # escaped: a detail such as ".[vllm]" is no markup
 
     def needs(self, *stages: str) -> str | None:
         missing = [s for s in stages if s in self.failed]
@@ -190,10 +192,10 @@ class Demo:
     def train_here(self, out: Path, overrides: list[str], resume: bool = False) -> None:
         from titan_audit.trainer.config import load_config
         from titan_audit.trainer.launch import launch
-        from titan_audit.trainer.train import check_run_dir
+        from titan_audit.trainer.train import check_run
 
         config = load_config(RECIPE, overrides)
-        check_run_dir(config, out, resume=resume, overwrite=False, world_size=1)
+        check_run(config, out, resume=resume, overwrite=False, world_size=1)
         rc = launch(config, out, nproc=None, resume=resume, quiet=not self.verbose)
         if rc:
             raise RuntimeError(f"training into {out} exited {rc}")
@@ -253,7 +255,8 @@ class Demo:
                 "G3 elastic",
                 f"{RECIPE} {self.plan.steps} steps, W=2 == W=1, every audit record",
                 same.identical,
-                f"{same.compared} records compared, {same.differing} differ, {same.only_in_a + same.only_in_b} in one run only",
+                f"{same.compared} records compared, {same.differing} differ, "
+                f"{same.only_in_a + same.only_in_b} in one run only",
                 f"titan-audit compare {w2} {w1}",
             )
         why = self.needs("train_w2")
@@ -289,7 +292,8 @@ class Demo:
         detail = (
             "identical: the check proves nothing here"
             if fd is None
-            else f"differs, first at step {fd['step']} phase {fd['phase']} ({fd['name']}); {control.differing} records differ"
+            else f"differs, first at step {fd['step']} phase {fd['phase']} ({fd['name']}); "
+            f"{control.differing} records differ"
         )
         self.row(
             "G3 control",
@@ -443,7 +447,7 @@ class Demo:
 
         if not (GOLDEN_DIR / "tiny-dense-bi" / "golden.json").is_file():
             raise RuntimeError(
-                f"{GOLDEN_DIR}: the committed goldens are not there (run the demo from a clone of the repository)"
+                f"{GOLDEN_DIR}: the committed goldens are not there (package data of titan-audit: reinstall it)"
             )
         results = self.extra.setdefault("goldens", [])
 
@@ -537,23 +541,14 @@ class Demo:
 
 
 def vllm_status() -> tuple[bool, str]:
-    """(usable, why not): `titan_audit.rl.vllm.available()` (bool, or (bool, reason), or a reason)."""
-    try:
-        from titan_audit.rl import vllm as rl_vllm
-    except ImportError as error:
-        return False, f"skipped: the vLLM generator (titan_audit.rl.vllm) is not in this build ({error})"
-    try:
-        status = rl_vllm.available()
-    except Exception as error:  # a broken optional extra must not stop the demo
-        return False, f"skipped: titan_audit.rl.vllm.available() raised {type(error).__name__}: {error}"
-    if isinstance(status, tuple):
-        ok, reason = bool(status[0]), str(status[1]) if len(status) > 1 else ""
-    elif isinstance(status, str):
-        ok, reason = False, status
-    else:
-        ok, reason = bool(status), ""
-    hint = reason or getattr(rl_vllm, "INSTALL_HINT", "") or "pip install -e '.[vllm]'"
-    return ok, ("" if ok else f"skipped: vLLM is not available here ({hint})")
+    """(usable, why not): usable iff `titan_audit.rl.vllm.available()` (a bool: the `vllm` extra is
+    installed); otherwise the reason is a SKIP row's text with `INSTALL_HINT`. An extra that is
+    installed but broken is not hidden here: the vLLM stage then fails with vLLM's own error."""
+    from titan_audit.rl import vllm as rl_vllm
+
+    if rl_vllm.available():
+        return True, ""
+    return False, f"skipped: vLLM is not installed here ({rl_vllm.INSTALL_HINT})"
 
 
 def _order(row: Row) -> tuple[str, bool]:
@@ -561,15 +556,16 @@ def _order(row: Row) -> tuple[str, bool]:
 
 
 def verdict_table(rows: list[Row], out: Path) -> Table:
-    """The rows by guarantee (controls after their checks); evidence paths relative to OUT."""
+    """The rows by guarantee (controls after their checks); evidence paths relative to OUT (runs) and
+    to the working directory (the goldens, when under it: a checkout)."""
     table = Table(title=f"titan-audit demo: verdicts (evidence under {out}/)", title_justify="left")
     for column in ("guarantee", "what was checked", "result", "evidence"):
         table.add_column(column, overflow="fold")
     colors = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}
     for r in sorted(rows, key=_order):
-        result = f"[{colors[r.result]}]{r.result}[/]" + (f" {r.detail}" if r.detail else "")
-        evidence = r.evidence.replace(f"{out}/", "").replace(f"{GOLDEN_DIR.parent.parent}/", "")
-        table.add_row(r.guarantee, r.checked, result, evidence)
+        result = f"[{colors[r.result]}]{r.result}[/]" + (f" {escape(r.detail)}" if r.detail else "")
+        evidence = r.evidence.replace(f"{out}/", "").replace(f"{Path.cwd()}/", "")
+        table.add_row(escape(r.guarantee), escape(r.checked), result, escape(evidence))
     return table
 
 

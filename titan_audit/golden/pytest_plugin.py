@@ -11,7 +11,9 @@
         golden_run("my-model", run=lambda out: my_train(out_dir=out, steps=3))
 
 A golden named NAME lives in `<golden dir>/NAME/`; the golden dir is `--golden-dir`, else the ini
-option `golden_dir`, else `tests/golden`, relative to pytest's rootdir.
+option `golden_dir`, else `tests/golden`, relative to pytest's rootdir. It is the fixture
+`golden_directory`, so a conftest.py can point its directory's tests elsewhere (this project's
+tests/golden/conftest.py points at the goldens shipped in the package, titan_audit/goldens/).
 
 Guarantees:
 - The run goes into the test's tmp_path and is checked with `golden.check_golden`: exact when
@@ -127,11 +129,11 @@ def train_recipe(
 class GoldenRunner:
     """The `golden_run` fixture's callable: run, then check against (or update) a golden."""
 
-    def __init__(self, config: pytest.Config, tmp_path: Path, nodeid: str = "") -> None:
+    def __init__(self, config: pytest.Config, tmp_path: Path, nodeid: str = "", directory: Path | None = None) -> None:
         self.config = config
         self.nodeid = nodeid
         self.tmp_path = tmp_path
-        self.directory = golden_dir(config)
+        self.directory = golden_dir(config) if directory is None else Path(directory)
         self.update = bool(config.getoption("--golden-update"))
         self.require_exact = bool(config.getoption("--golden-require-exact"))
         self._count = 0
@@ -175,14 +177,16 @@ class GoldenRunner:
                 changes = update_golden(out, golden, source=source)
                 verb = "updated" if changes["rewritten"] else "unchanged (not rewritten)"
                 warnings.warn(
-                    GoldenUpdatedWarning(f"golden {golden} {verb}: {json.dumps(_brief(changes), default=str)}")
+                    GoldenUpdatedWarning(f"golden {golden} {verb}: {json.dumps(_brief(changes), default=str)}"),
+                    stacklevel=2,
                 )
             else:
                 summary = record_golden(out, golden, source=source)
                 warnings.warn(
                     GoldenUpdatedWarning(
                         f"golden {golden} recorded: {summary['records']} records, {summary['bytes']} bytes"
-                    )
+                    ),
+                    stacklevel=2,
                 )
             return None
         if not golden.exists():
@@ -203,7 +207,8 @@ class GoldenRunner:
                 GoldenToleranceWarning(
                     f"golden {golden} passed in TOLERANCE mode, not bitwise; numerics fingerprint fields that differ: "
                     + "; ".join(result.fingerprint_differences)
-                )
+                ),
+                stacklevel=2,
             )
         return result
 
@@ -220,10 +225,16 @@ def _brief(changes: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def golden_run(request: pytest.FixtureRequest, tmp_path: Path):
+def golden_directory(request: pytest.FixtureRequest) -> Path:
+    """Where `golden_run` reads and writes goldens (see the module doc); override it in a conftest.py."""
+    return golden_dir(request.config)
+
+
+@pytest.fixture
+def golden_run(request: pytest.FixtureRequest, tmp_path: Path, golden_directory: Path):
     """A `GoldenRunner`; on a test marked `@pytest.mark.golden(name, ...)`, the GoldenCheck of that
     marker's run (done before the test body; None under --golden-update)."""
-    runner = GoldenRunner(request.config, tmp_path, request.node.nodeid)
+    runner = GoldenRunner(request.config, tmp_path, request.node.nodeid, golden_directory)
     marker = request.node.get_closest_marker("golden")
     if marker is None:
         return runner

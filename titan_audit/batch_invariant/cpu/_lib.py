@@ -1,10 +1,14 @@
-"""The compiled kernel library (`_titan_bi.so`, built by `make` from `cpu/kernels/*.cpp`) and the
-choice of its ISA variant.
+"""The compiled kernel library (`_titan_bi.so`, compiled from `cpu/kernels/*.cpp` by
+`kernel_build.py`: `make kernels` in a checkout, the package build in `pip install .` or a wheel)
+and the choice of its ISA variant.
 
 Guarantees:
-- Loading never falls back to anything: a missing library, a library older than its sources
-  (edited kernels, not rebuilt) or one whose version disagrees with this package raises
-  `KernelLibraryError` saying what to run. A batch-variant op never stands in for a kernel.
+- Loading never falls back to anything: a missing library, one whose version disagrees with this
+  package, or -- where the kernel sources are present (a checkout, an editable install) -- one
+  built from other sources or flags than those (edited kernels, not rebuilt: the library carries
+  `kernel_build.source_hash()` of what it was built from) raises `KernelLibraryError` saying what
+  to run. An installed wheel ships the library without its sources and checks the version only.
+  A batch-variant op never stands in for a kernel.
 - Every kernel exists in the variants `scalar` (portable C++, std::fma), `avx2` (AVX2 + FMA) and
   `avx512`; all give identical bits (tests force each one the CPU has). The variant in use is
   `TITAN_AUDIT_CPU_ISA` (`auto`, `scalar`, `avx2`, `avx512`; read at import) or what `set_isa`
@@ -26,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-LIB_PATH = Path(__file__).with_name("_titan_bi.so")
+from titan_audit.batch_invariant.cpu import kernel_build
+
+LIB_PATH = Path(__file__).with_name(kernel_build.LIB_NAME)
 SOURCE_DIR = Path(__file__).with_name("kernels")
 ISAS = ("scalar", "avx2", "avx512")
 ENV_VAR = "TITAN_AUDIT_CPU_ISA"
@@ -44,19 +50,32 @@ class KernelLibraryError(RuntimeError):
 
 
 def _build_hint() -> str:
-    return f"build it with `make kernels` in the titan-audit checkout (it compiles {SOURCE_DIR})"
+    if kernel_build.inputs(SOURCE_DIR):
+        return f"build it with `make kernels` in the titan-audit checkout (it compiles {SOURCE_DIR})"
+    return "reinstall titan-audit (`pip install` compiles the kernels; it needs g++)"
 
 
-def _check_fresh() -> None:
-    if not LIB_PATH.exists():
-        raise KernelLibraryError(f"batch_invariant: the CPU kernel library {LIB_PATH} is missing; {_build_hint()}")
-    if SOURCE_DIR.is_dir():
+def _check_built_from_sources(lib: ctypes.CDLL) -> None:
+    """Where the sources are here: the library must carry their hash (see the module doc)."""
+    sources = kernel_build.inputs(SOURCE_DIR)
+    if not sources:
+        return
+    try:
+        built_from = getattr(lib, kernel_build.HASH_SYMBOL)
+    except AttributeError:
+        raise KernelLibraryError(
+            f"batch_invariant: {LIB_PATH} does not say what it was built from (an older build); {_build_hint()}"
+        ) from None
+    built_from.restype, built_from.argtypes = ctypes.c_char_p, []
+    if built_from().decode() != kernel_build.source_hash(SOURCE_DIR):
         built = LIB_PATH.stat().st_mtime
-        stale = sorted(p.name for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h") and p.stat().st_mtime > built)
-        if stale:
-            raise KernelLibraryError(
-                f"batch_invariant: {LIB_PATH} is older than its sources ({', '.join(stale)}); {_build_hint()}"
-            )
+        newer = sorted(p.name for p in sources if p.stat().st_mtime > built)
+        what = (
+            f"is older than its sources ({', '.join(newer)})"
+            if newer
+            else f"was built from other kernel sources or flags than those in {SOURCE_DIR}"
+        )
+        raise KernelLibraryError(f"batch_invariant: {LIB_PATH} {what}; {_build_hint()}")
 
 
 def library() -> ctypes.CDLL:
@@ -66,7 +85,10 @@ def library() -> ctypes.CDLL:
         return _lib
     with _LOCK:
         if _lib is None:
-            _check_fresh()
+            if not LIB_PATH.exists():
+                raise KernelLibraryError(
+                    f"batch_invariant: the CPU kernel library {LIB_PATH} is missing; {_build_hint()}"
+                )
             try:
                 lib = ctypes.CDLL(str(LIB_PATH))
             except OSError as exc:
@@ -77,6 +99,7 @@ def library() -> ctypes.CDLL:
                     f"batch_invariant: {LIB_PATH} has kernels version {version}, this package expects "
                     f"{KERNELS_VERSION}; {_build_hint()}"
                 )
+            _check_built_from_sources(lib)
             _lib = lib
     return _lib
 
