@@ -4,7 +4,7 @@
 `check_golden(RUN, GOLDEN)` compares bitwise when the numerics fingerprints are compatible and in
 an explicit, reported tolerance mode otherwise; `update_golden` replaces a golden deliberately and
 says what changed. The pytest plugin (`titan_audit.golden.pytest_plugin`, entry point `pytest11`)
-runs recipes and checks them against `tests/golden/<name>/` in CI.
+runs recipes and checks them against the committed `titan_audit/goldens/<name>/` in CI.
 """
 
 from titan_audit.golden.check import GoldenCheck, check_golden, parse_steps, record_golden, update_golden
