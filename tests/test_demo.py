@@ -1,7 +1,9 @@
 """The demo (the README's main job): `titan-audit demo --quick` end to end proves every guarantee
 and writes the report, which renders in headless Chromium; a failing guarantee exits 1; its
-checks can fail (negative controls)."""
+checks can fail (negative controls). The job (titan_audit.demo.job) reports to a Listener and
+returns a Result; the terminal view (rich) is titan_audit.cli.demo_view."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -63,7 +65,35 @@ def test_a_failing_guarantee_makes_the_demo_exit_1(tmp_path, monkeypatch):
     assert (tmp_path / "d" / "reports" / "report.html").is_file()
 
 
+class Recorder(job.Listener):
+    def __init__(self):
+        self.events = []
+
+    def on_start(self, out, quick, numerics, steps):
+        self.events.append(("start", quick, steps))
+
+    def on_stage(self, name, title, background=False):
+        self.events.append(("stage", name, background))
+
+    def on_status(self, text):
+        self.events.append(("status", text))
+
+    def on_done(self, name, seconds):
+        self.events.append(("done", name))
+
+    def on_row(self, row):
+        self.events.append(("row", row.guarantee, row.result))
+
+    def on_message(self, text):
+        self.events.append(("message", text))
+
+    def on_output(self, stage, line):
+        self.events.append(("output", stage, line))
+
+
 def test_a_stage_that_raises_is_a_fail_row_not_a_crash(tmp_path, monkeypatch):
+    """The job (no CLI, no terminal) returns the verdicts and tells its listener what happens."""
+
     def boom(self):
         raise RuntimeError("torchrun exited 1")
 
@@ -79,8 +109,20 @@ def test_a_stage_that_raises_is_a_fail_row_not_a_crash(tmp_path, monkeypatch):
     ):
         monkeypatch.setattr(job.Demo, name, lambda self: None)
     monkeypatch.setattr(job.Demo, "train_w2", boom)
-    assert demo.run(tmp_path / "d", quick=True) is False
+    recorder = Recorder()
+    result = demo.run(tmp_path / "d", quick=True, listener=recorder)
+    assert result.passed is False and not result and result.quick and result.out == tmp_path / "d"
+    assert result.report is not None and result.report["html"].endswith("report.html")
+    assert [s["name"] for s in result.stages][-1] == "elastic" and len(result.stages) == 8  # --quick: no control
     rows = json.loads((tmp_path / "d" / "demo.json").read_text())["rows"]
+    assert rows == [r.__dict__ for r in result.rows]
+    events = recorder.events
+    assert events[0] == ("start", True, 9) and events[-1] == ("done", "report")
+    assert ("stage", "train_w2", True) in events and ("row", "G3", "FAIL") in events
+    assert [e[1] for e in events if e[0] == "done"].count("train_w2") == 1
+    assert sum(e[0] == "done" for e in events) == 9
+    assert ("status", "writing the report") in events
+    assert not [e for e in events if e[0] in ("message", "output")]  # not verbose: no traceback, no output
     assert rows == [
         {
             "guarantee": "G3",
@@ -117,11 +159,46 @@ def test_verdict_table_prints_bracketed_text_as_it_is(tmp_path):
     """Row text is not rich markup: the install hint's `.[vllm]` survives (it once vanished)."""
     from rich.console import Console
 
+    from titan_audit.cli.demo_view import verdict_table
+
     console = Console(record=True, width=240)
     rows = [job.Row("G4 zero gap", "vLLM [generator]", "SKIP", "pip install -e '.[vllm]'", "[x]/y")]
-    console.print(job.verdict_table(rows, tmp_path))
+    console.print(verdict_table(rows, tmp_path))
     text = console.export_text()
     assert ".[vllm]" in text and "vLLM [generator]" in text and "[x]/y" in text
+
+
+def test_demo_view_prints_rows_messages_and_output_as_they_are(tmp_path):
+    from rich.console import Console
+
+    from titan_audit.cli.demo_view import DemoView
+
+    console = Console(record=True, width=240)
+    with DemoView(console) as view:
+        view.on_start(tmp_path, True, "numerics: [n]", 2)
+        view.on_stage("s", "G4: stage [t]")
+        view.on_row(job.Row("G4 zero gap", "vLLM [generator]", "SKIP", "pip install -e '.[vllm]'"))
+        view.on_message("  trained [m] -> x")
+        view.on_output("rl-vllm", "INFO [engine] started")
+        view.on_done("s", 0.1)
+    lines = console.export_text().splitlines()
+    assert "titan-audit demo --quick" in lines[0] and lines[1] == f"numerics: [n]; runs go to {tmp_path}"
+    for line in (
+        "G4: stage [t]",
+        "  SKIP G4 zero gap: vLLM [generator] (pip install -e '.[vllm]')",
+        "  trained [m] -> x",
+        "rl-vllm> INFO [engine] started",
+    ):
+        assert line in lines, lines
+
+
+def test_the_demo_job_imports_no_rich():
+    """Terminal presentation lives in titan_audit/cli/: the job imports no rich, at the top or in a function."""
+    tree = ast.parse(open(job.__file__).read())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert "titan_audit.log" in names  # it logs instead
+    assert not [m for m in names if m.split(".")[0] == "rich"], names
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`titan-audit demo`: the main job (see titan_audit.demo)."""
+"""`titan-audit demo`: the main job (see titan_audit.demo); its terminal view is titan_audit.cli.demo_view."""
 
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ def demo(ctx: click.Context, out: Path | None, quick: bool) -> None:
     """Train on 2 ranks and 1, replay a checkpoint, kill -9 and resume, RL with the zero-gap check,
     batch-invariance spot-checks, committed goldens; a verdict table and OUT/reports/report.html.
     Exit 1 if any guarantee fails (-v: every stage's output)."""
-    from titan_audit import demo as demo_job
+    from titan_audit.cli.demo_view import DemoView
+    from titan_audit.demo import job
 
     verbose = bool(ctx.obj and ctx.obj.get("verbose"))
-    if not demo_job.run(out, quick=quick, verbose=verbose):
+    with DemoView() as view:
+        result = job.run(out, quick=quick, verbose=verbose, listener=view)
+        view.finish(result)
+    if not result.passed:
         raise SystemExit(EXIT_DIFFERENT)

@@ -1,6 +1,6 @@
 """`titan-audit demo`: every guarantee proven on this machine, end to end, then a verdict table.
 
-    ok = run(Path("runs/demo"), quick=False)     # False: a guarantee failed (the CLI exits 1)
+    result = run(Path("runs/demo"), quick=False)   # result.passed False: a guarantee failed (the CLI exits 1)
 
 Stages (S steps of `tiny-dense` on the built-in synthetic corpus, full audit: data, forward and
 backward of every module, loss, reduced gradients, optimizer state, parameters; a checkpoint
@@ -27,8 +27,14 @@ Then OUT/demo.json (the verdicts, runs and timings) and the run report OUT/repor
 and report.md (titan_audit.report). A stage that fails is a FAIL row with its reason (and log);
 the stages that need it are FAIL rows too ("needs ..."); nothing is skipped silently.
 
-Subprocess stages write their output to OUT/logs/<stage>.log (streamed to the terminal with -v);
-in-process stages run quiet unless -v.
+Subprocess stages write their output to OUT/logs/<stage>.log (passed on line by line with
+`verbose`: the CLI's -v streams it); in-process stages run quiet unless `verbose`.
+
+No terminal presentation here: the demo reports what happens to a `Listener` (plain callbacks: a
+stage starts, a step is done, a verdict row, a message, a line of a stage's output) and returns a
+`Result` (the verdict rows, timings, the report's paths). The default `Listener` logs through
+`titan_audit.log` (INFO: stages, rows, messages; DEBUG: stage output); `titan_audit.cli.demo_view`
+draws them in the terminal (progress bar, verdict table).
 """
 
 from __future__ import annotations
@@ -46,13 +52,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 from titan_audit.atomic import write_json_atomic
 from titan_audit.goldens import GOLDENS_DIR as GOLDEN_DIR
+from titan_audit.log import get_logger
+
+log = get_logger(__name__)
 
 RECIPE, RL_RECIPE = "tiny-dense", "rl-tiny"
 DEMO_FILE = "demo.json"
@@ -101,18 +105,69 @@ class Row:
     evidence: str = ""
 
 
+class Listener:
+    """What the demo reports as it runs; subclass it and override what you show. This default logs
+    through `titan_audit.log`. Calls come from the main thread and from the thread of the 2-rank
+    run that runs in the background (its stage, rows, messages and output lines)."""
+
+    def on_start(self, out: Path, quick: bool, numerics: str, steps: int) -> None:
+        """The demo starts writing into `out`; `steps` calls of `on_done` will follow (the stages, then the report)."""
+        log.info("titan-audit demo%s: %s; runs go to %s", " --quick" if quick else "", numerics, out)
+
+    def on_stage(self, name: str, title: str, background: bool = False) -> None:
+        """Stage `name` starts (`title`: what it does; `background`: it runs alongside the next ones)."""
+        log.info("%s%s", title, " (in the background)" if background else "")
+
+    def on_status(self, text: str) -> None:
+        """What the demo is doing between stages: "waiting for the 2-rank run", "writing the report"."""
+        log.debug("%s", text)
+
+    def on_done(self, name: str, seconds: float) -> None:
+        """One of the `steps` is done: a stage (failed or not; a failure is a FAIL row), or "report"."""
+        log.debug("%s done in %.1f s", name, seconds)
+
+    def on_row(self, row: Row) -> None:
+        """A verdict."""
+        log.info("  %s %s: %s%s", row.result, row.guarantee, row.checked, f" ({row.detail})" if row.detail else "")
+
+    def on_message(self, text: str) -> None:
+        """A line about what a stage did (or, with `verbose`, the traceback of a stage that failed)."""
+        log.info("%s", text)
+
+    def on_output(self, stage: str, line: str) -> None:
+        """A line (no newline) of a subprocess stage's output; only with `verbose` (it is in OUT/logs/ always)."""
+        log.debug("%s> %s", stage, line)
+
+
+@dataclass
+class Result:
+    """What `run` returns: the verdicts in table order (controls after their checks), the stages'
+    timings, the report's paths (None if writing it failed: then a FAIL row says why)."""
+
+    out: Path
+    quick: bool
+    passed: bool
+    rows: list[Row]
+    seconds: float
+    numerics: str
+    stages: list[dict[str, Any]]
+    report: dict[str, str] | None
+
+    def __bool__(self) -> bool:  # `if not run(...)` reads as it did when run returned a bool
+        return self.passed
+
+
 @dataclass
 class Demo:
     out: Path
     plan: Plan
-    console: Console
     verbose: bool
+    listener: Listener = field(default_factory=Listener)
     rows: list[Row] = field(default_factory=list)
     stages: list[dict[str, Any]] = field(default_factory=list)
     runs: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # stage -> why
     extra: dict[str, Any] = field(default_factory=dict)
-    progress: Progress | None = None
 
     # ---------------------------------------------------------------- helpers
     def path(self, role: str, name: str) -> Path:
@@ -120,14 +175,13 @@ class Demo:
         return self.out / name
 
     def say(self, text: str) -> None:
-        (self.progress.console if self.progress else self.console).print(text)
+        self.listener.on_message(text)
 
     def row(self, guarantee: str, checked: str, ok: bool | None, detail: str = "", evidence: str | Path = "") -> None:
         result = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
-        self.rows.append(Row(guarantee, checked, result, detail, str(evidence)))
-        color = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}[result]
-        text = f"{escape(guarantee)}: {escape(checked)}" + (f" [dim]({escape(detail)})[/]" if detail else "")
-        self.say(f"  [{color}]{result}[/] {text}")  # escaped: a detail such as ".[vllm]" is no markup
+        row = Row(guarantee, checked, result, detail, str(evidence))
+        self.rows.append(row)
+        self.listener.on_row(row)
 
     def needs(self, *stages: str) -> str | None:
         missing = [s for s in stages if s in self.failed]
@@ -140,7 +194,7 @@ class Demo:
         env: dict[str, str] | None = None,
         on_start: Callable[[subprocess.Popen], None] | None = None,
     ) -> int:
-        """Run `command`, its output to OUT/logs/NAME.log (and the terminal with -v); its exit code."""
+        """Run `command`, its output to OUT/logs/NAME.log (and, with `verbose`, to `on_output`); its exit code."""
         log = self.out / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as sink:
@@ -155,7 +209,7 @@ class Demo:
                 for line in proc.stdout:  # type: ignore[union-attr]
                     sink.write(line)
                     if self.verbose:
-                        self.say(f"[dim]{name}> {line.rstrip()}[/]")
+                        self.listener.on_output(name, line.rstrip())
 
             reader = threading.Thread(target=pump, daemon=True)
             reader.start()
@@ -203,11 +257,7 @@ class Demo:
     def stage(
         self, name: str, title: str, fn: Callable[[], None], log: str | None = None, background: bool = False
     ) -> None:
-        assert self.progress is not None
-        task = self.progress.tasks[0].id
-        if not background:
-            self.progress.update(task, description=title)
-        self.say(f"[bold]{title}[/]" + (" [dim](in the background)[/]" if background else ""))
+        self.listener.on_stage(name, title, background)
         start = time.perf_counter()
         try:
             fn()
@@ -225,8 +275,9 @@ class Demo:
                 import traceback
 
                 self.say(traceback.format_exc())
-        self.stages.append({"name": name, "seconds": time.perf_counter() - start, "log": log})
-        self.progress.advance(task)
+        seconds = time.perf_counter() - start
+        self.stages.append({"name": name, "seconds": seconds, "log": log})
+        self.listener.on_done(name, seconds)
 
     # ---------------------------------------------------------------- stages
     def train_w2(self) -> None:
@@ -529,7 +580,7 @@ class Demo:
             "seconds": seconds,
             "numerics": numerics,
             "passed": self.passed,
-            "rows": [r.__dict__ for r in sorted(self.rows, key=_order)],
+            "rows": [r.__dict__ for r in ordered(self.rows)],
             "stages": self.stages,
             "runs": self.runs,
             **self.extra,
@@ -555,25 +606,21 @@ def _order(row: Row) -> tuple[str, bool]:
     return (row.guarantee.split()[0] if row.guarantee.startswith("G") else "Z", row.guarantee.endswith("control"))
 
 
-def verdict_table(rows: list[Row], out: Path) -> Table:
-    """The rows by guarantee (controls after their checks); evidence paths relative to OUT (runs) and
-    to the working directory (the goldens, when under it: a checkout)."""
-    table = Table(title=f"titan-audit demo: verdicts (evidence under {out}/)", title_justify="left")
-    for column in ("guarantee", "what was checked", "result", "evidence"):
-        table.add_column(column, overflow="fold")
-    colors = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}
-    for r in sorted(rows, key=_order):
-        result = f"[{colors[r.result]}]{r.result}[/]" + (f" {escape(r.detail)}" if r.detail else "")
-        evidence = r.evidence.replace(f"{out}/", "").replace(f"{Path.cwd()}/", "")
-        table.add_row(escape(r.guarantee), escape(r.checked), result, escape(evidence))
-    return table
+def ordered(rows: list[Row]) -> list[Row]:
+    """The rows by guarantee, controls after their checks (the order of demo.json and the verdict table)."""
+    return sorted(rows, key=_order)
 
 
-def run(out: Path | None = None, console: Console | None = None, *, quick: bool = False, verbose: bool = False) -> bool:
-    """Run the demo into `out` (a new directory); True iff every guarantee held."""
+def run(
+    out: Path | None = None, *, quick: bool = False, verbose: bool = False, listener: Listener | None = None
+) -> Result:
+    """Run the demo into `out` (a new directory); `result.passed` iff every guarantee held. What
+    happens goes to `listener` (default: the `titan_audit.demo.job` log); `verbose`: stages run
+    with their output on (subprocess lines to `listener.on_output`, tracebacks of failed stages
+    to `on_message`)."""
     from titan_audit.deterministic import fingerprint as numerics_fingerprint
 
-    console = console or Console()
+    listener = listener or Listener()
     out = out or default_out_dir()
     if out.exists():
         raise ValueError(f"{out}: already exists; the demo writes new runs only (pick another --out)")
@@ -585,9 +632,7 @@ def run(out: Path | None = None, console: Console | None = None, *, quick: bool 
         f"numerics: torch {fp.torch_version} on {fp.device_kind} ({fp.device_name}), ISA {fp.cpu_capability}, "
         f"BLAS {fp.blas}"
     )
-    console.rule(f"[bold]titan-audit demo{' --quick' if quick else ''}")
-    console.print(f"{numerics}; runs go to {out}")
-    demo = Demo(out, plan, console, verbose)
+    demo = Demo(out, plan, verbose, listener)
     stages: list[tuple[str, str, Callable[[], None], str | None]] = [
         ("train_w2", f"G3: train {RECIPE} on 2 ranks (torchrun)", demo.train_w2, "train-w2"),
         ("train_w1", f"G3: train {RECIPE} on 1 rank", demo.train_w1, None),
@@ -600,48 +645,29 @@ def run(out: Path | None = None, console: Console | None = None, *, quick: bool 
     ]
     if plan.controls:
         stages.append(("control_w2", "G3 control: W=2 with determinism off", demo.control_w2, "control-w2"))
-    columns = (
-        SpinnerColumn(),
-        TextColumn("[bold blue]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as progress:
-        demo.progress = progress
-        progress.add_task("starting", total=len(stages) + 1)
-        # the 2-rank run (torchrun start-up, two rank processes) overlaps the 1-rank stages that need
-        # nothing from it; the stages that compare with it wait for it
-        first, *rest = stages
-        worker = threading.Thread(target=demo.stage, args=first, kwargs={"background": True}, daemon=True)
-        worker.start()
-        for name, title, fn, log in rest:
-            if name in NEEDS_W2 and worker.is_alive():
-                progress.update(progress.tasks[0].id, description="waiting for the 2-rank run")
-                worker.join()
-            demo.stage(name, title, fn, log)
-        worker.join()
-        progress.update(progress.tasks[0].id, description="writing the report")
-        seconds = time.perf_counter() - start
-        write_json_atomic(out / DEMO_FILE, demo.summary(seconds, numerics))
-        report = None
-        try:
-            from titan_audit.report import write_report
+    listener.on_start(out, quick, numerics, len(stages) + 1)
+    # the 2-rank run (torchrun start-up, two rank processes) overlaps the 1-rank stages that need
+    # nothing from it; the stages that compare with it wait for it
+    first, *rest = stages
+    worker = threading.Thread(target=demo.stage, args=first, kwargs={"background": True}, daemon=True)
+    worker.start()
+    for name, title, fn, log_name in rest:
+        if name in NEEDS_W2 and worker.is_alive():
+            listener.on_status("waiting for the 2-rank run")
+            worker.join()
+        demo.stage(name, title, fn, log_name)
+    worker.join()
+    listener.on_status("writing the report")
+    report_start = time.perf_counter()
+    write_json_atomic(out / DEMO_FILE, demo.summary(time.perf_counter() - start, numerics))
+    report = None
+    try:
+        from titan_audit.report import write_report
 
-            report = write_report(out)
-        except Exception as error:  # the verdicts stand; the report's failure is one more FAIL
-            demo.row("report", "RUN/reports/report.html", False, f"{type(error).__name__}: {error}")
-        seconds = time.perf_counter() - start
-        write_json_atomic(out / DEMO_FILE, demo.summary(seconds, numerics))
-        progress.advance(progress.tasks[0].id)
-    demo.progress = None
-    console.print(verdict_table(demo.rows, out))
-    ok = demo.passed
-    console.rule(
-        f"[green]demo passed: every guarantee held ({seconds:.0f} s)"
-        if ok
-        else f"[red]demo FAILED: see the FAIL rows ({seconds:.0f} s)"
-    )
-    if report is not None:
-        console.print(f"report: {report['html']}  (markdown: {report['md']}; rebuild: titan-audit report {out})")
-    return ok
+        report = write_report(out)
+    except Exception as error:  # the verdicts stand; the report's failure is one more FAIL
+        demo.row("report", "RUN/reports/report.html", False, f"{type(error).__name__}: {error}")
+    seconds = time.perf_counter() - start
+    write_json_atomic(out / DEMO_FILE, demo.summary(seconds, numerics))
+    listener.on_done("report", time.perf_counter() - report_start)
+    return Result(out, quick, demo.passed, ordered(demo.rows), seconds, numerics, demo.stages, report)
