@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -344,6 +345,11 @@ class Run:
                 }
             )
             write_manifest(self.out, self.manifest)
+        if self.start_step:
+            log.info("resumed %s from step %d at W=%d", self.out, self.start_step, self.mesh.world_size)
+        log.debug(
+            "%s run %s: steps %d..%d, mesh %s", self.kind, self.out, self.start_step + 1, self.last_step, self.mesh
+        )
         barrier()
 
     def steps(self) -> range:
@@ -365,8 +371,8 @@ class Run:
         if self.metrics is not None:
             self.metrics.append(row)
             self.metrics.flush()
-            if not self.quiet:
-                log.info("%s", line)
+        if not self.quiet:
+            log.log(logging.INFO if self.mesh.rank == 0 else logging.DEBUG, "%s", line)  # other ranks: -v
         self.recorder.end_step()
         crash_point(f"{self.kind}.after_step", step)
         interval = self.config.checkpoint.interval
