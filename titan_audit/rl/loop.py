@@ -93,17 +93,16 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
     check_prompts(config, prompt_set(config.task.name, config.seed, 1, config.task.prompts_per_step))
 
 
-def _check_request(config: RLConfig, out: Path, init, resume: bool, world_size: int) -> None:
+def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool, world_size: int) -> None:
+    """Everything `rl_train` checks before it computes (the launcher runs it before torchrun, rank
+    0 again): the request (`check_inputs`), the run directory (engine.check_run_dir), and on a
+    resume that an --init given names the run's own."""
+    out = Path(out)
     check_inputs(config, init, world_size)
+    check_run_dir(config, out, kind="rl", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
     saved_init = read_manifest(out).get("init", {}).get("source") if resume else None
     if resume and init is not None and str(init) != saved_init:
         raise ValueError(f"{out}: --init {init} differs from the run's ({saved_init})")
-
-
-def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool, world_size: int) -> None:
-    """Everything `rl_train` checks before it computes (the launcher runs it before torchrun)."""
-    check_run_dir(config, Path(out), kind="rl", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
-    _check_request(config, Path(out), init, resume, world_size)
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -123,10 +122,11 @@ def rl_train(
         config,
         out,
         kind="rl",
-        mutable=RESUME_MUTABLE_KEYS,
+        check=lambda world_size: check_run(
+            config, out, init=init, resume=resume, overwrite=overwrite, world_size=world_size
+        ),
         resume=resume,
         overwrite=overwrite,
-        check=lambda world_size: _check_request(config, Path(out), init, resume, world_size),
         extra=lambda: {"init": {"source": None if init is None else str(init), "kind": init_kind(init)[0]}},
         quiet=quiet,
     )

@@ -1,6 +1,6 @@
 """The run engine under `train` and `rl`: one set-up, one step kit, one close.
 
-    with Run(config, out, kind="train", resume=False, overwrite=False, check=check) as run:
+    with Run(config, out, kind="train", check=check) as run:
         model, optimizer = ...                      # the loop's own components
         blob = run.restore(model, optimizer)        # on a resume: the latest verified checkpoint
         run.begin(model, optimizer)                 # recorder, metrics log, manifest history
@@ -182,10 +182,11 @@ class Run:
 
     config: a TrainConfig or RLConfig (the sections both have: seed, steps, parallel, determinism,
     optimizer, schedule, checkpoint, audit). kind: "train" | "rl" (the manifest's kind, the crash
-    points' prefix). mutable: the config keys a resume may change. check(world_size): the loop's
-    own input checks (rank 0, after `check_run_dir`, before the lock). prepare(out): rank 0, after
-    the lock, before the manifest (the train loop's synthetic corpus). extra(): keys of a new run's
-    manifest. stop_at: the last step to run (default config.steps)."""
+    points' prefix). check(world_size): every input check of the loop, ValueError (rank 0, before
+    the lock; the loop's `check_run`, which its launcher runs too, and which calls
+    `check_run_dir`). prepare(out): rank 0, after the lock, before the manifest (the train loop's
+    synthetic corpus). extra(): keys of a new run's manifest. stop_at: the last step to run
+    (default config.steps)."""
 
     def __init__(
         self,
@@ -193,17 +194,16 @@ class Run:
         out: str | os.PathLike,
         *,
         kind: str,
-        mutable: frozenset[str],
+        check: Callable[[int], None],
         resume: bool = False,
         overwrite: bool = False,
-        check: Callable[[int], None] | None = None,
         prepare: Callable[[Path], None] | None = None,
         extra: Callable[[], dict[str, Any]] | None = None,
         stop_at: int | None = None,
         quiet: bool = False,
         single_group: bool = False,
     ) -> None:
-        self.config, self.out, self.kind, self.mutable = config, Path(out), kind, mutable
+        self.config, self.out, self.kind = config, Path(out), kind
         self.resume, self.overwrite, self.quiet = resume, overwrite, quiet
         self._check, self._prepare_out, self._extra, self._single_group = check, prepare, extra, single_group
         self.last_step = config.steps if stop_at is None else stop_at
@@ -263,16 +263,7 @@ class Run:
         error = None
         if self.mesh.rank == 0:
             try:
-                check_run_dir(
-                    self.config,
-                    self.out,
-                    kind=self.kind,
-                    mutable=self.mutable,
-                    resume=self.resume,
-                    overwrite=self.overwrite,
-                )
-                if self._check is not None:
-                    self._check(self.mesh.world_size)
+                self._check(self.mesh.world_size)  # the loop's check_run: the same as its launcher's
                 self.out = claim_run_dir(self.out, resume=self.resume, overwrite=self.overwrite)
                 self._stack.callback(release_run_dir, self.out)
                 if self._prepare_out is not None:

@@ -89,10 +89,10 @@ def check_inputs(config: TrainConfig, world_size: int) -> None:
 
 def check_run(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool, world_size: int) -> None:
     """Every check `train` makes before it computes (the launcher runs it before torchrun starts,
-    rank 0 again): the run directory (engine.check_run_dir: resume compatibility, the checkpoints'
-    small files, the step a resume starts from), W vs V, the data vs the model."""
-    check_run_dir(config, Path(out), kind="train", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
+    rank 0 again): W vs V, the data vs the model, then the run directory (engine.check_run_dir:
+    resume compatibility, the checkpoints' small files, the step a resume starts from)."""
     check_inputs(config, world_size)
+    check_run_dir(config, Path(out), kind="train", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
 
 
 def check_data(config: TrainConfig) -> None:
@@ -192,10 +192,9 @@ def train(
         config,
         out,
         kind="train",
-        mutable=RESUME_MUTABLE_KEYS,
+        check=lambda world_size: check_run(config, out, resume=resume, overwrite=overwrite, world_size=world_size),
         resume=resume,
         overwrite=overwrite,
-        check=lambda world_size: check_inputs(config, world_size),
         prepare=lambda run_dir: _synthetic_corpus(config, run_dir),
         stop_at=stop_at,
         quiet=quiet,
