@@ -148,9 +148,9 @@ def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc,
 
         print_json(verdict)
     else:
-        from titan_audit.rl.report import _verdict
+        from titan_audit.rl.report import gap_verdict
 
-        click.echo(_verdict(bi))
+        click.echo(gap_verdict(bi))
         click.echo(f"report: {report['md']}, {report['html']}")
     if not bi["zero_gap"]:
         sys.exit(EXIT_DIFFERENT)

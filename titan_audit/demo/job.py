@@ -425,7 +425,7 @@ class Demo:
         return onpolicy_summary(out)
 
     def zero_gap(self) -> None:
-        from titan_audit.rl.report import _verdict
+        from titan_audit.rl.report import gap_verdict
 
         s = self._rl("rl_builtin", "rl-builtin", [])
         self.row(
@@ -440,7 +440,7 @@ class Demo:
             "G4 control",
             "native ops (BI off) must show a gap",
             control["tokens_differing"] > 0,
-            _verdict(control),
+            gap_verdict(control),
             self.out / "rl-native-control",
         )
         self.extra.setdefault("divergence", []).append(

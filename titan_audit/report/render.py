@@ -223,7 +223,7 @@ def section_curves(doc: Doc, series: list[tuple[str, list[dict[str, Any]]]], rl:
 
 def section_zero_gap(doc: Doc, runs: list[tuple[str, Path]]) -> list[dict[str, Any]]:
     """The zero-gap verdict, per-step table and plot of each RL run (rl.report's summary)."""
-    from titan_audit.rl.report import _verdict, onpolicy_summary
+    from titan_audit.rl.report import gap_verdict, onpolicy_summary
 
     summaries = []
     for label, run in runs:
@@ -231,7 +231,7 @@ def section_zero_gap(doc: Doc, runs: list[tuple[str, Path]]) -> list[dict[str, A
         summaries.append((label, summary))
         ok = summary["zero_gap"]
         cls = "pass" if ok else ("skip" if not summary["verified"] else "fail")
-        doc.p(f"{label} ({run}): {_verdict(summary)}", cls if label == runs[0][0] or ok else None)
+        doc.p(f"{label} ({run}): {gap_verdict(summary)}", cls if label == runs[0][0] or ok else None)
     doc.image(plots.gap([(label, s["per_step"]) for label, s in summaries]), "zero-gap figures per RL step")
     for label, summary in summaries:
         if summary["verified"]:

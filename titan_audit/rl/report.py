@@ -186,7 +186,7 @@ def _png(fig, plt) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _verdict(summary: dict[str, Any]) -> str:
+def gap_verdict(summary: dict[str, Any]) -> str:
     if summary["zero_gap"]:
         return (
             f"ZERO GAP: {summary['tokens_compared']} sampled tokens over {summary['steps']} steps, every "
@@ -214,7 +214,7 @@ def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
         f"Run `{bi['run']}`: task {bi['task']}, {bi['steps']} steps, lag {bi['lag']}, batch-invariant mode "
         f"{'on' if bi['batch_invariant'] else 'off'}.",
         "",
-        f"**{_verdict(bi)}**",
+        f"**{gap_verdict(bi)}**",
         "",
     ]
     if bi["reward_first10"] is not None:
@@ -224,7 +224,7 @@ def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
             "",
         ]
     if default is not None:
-        lines += [f"Control, native ops (`{default['run']}`): {_verdict(default)}", ""]
+        lines += [f"Control, native ops (`{default['run']}`): {gap_verdict(default)}", ""]
     for summary, title in ((bi, "Per step"), (default, "Per step, native ops")):
         if summary is None:
             continue
@@ -253,10 +253,10 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
         "<h1>On-policy verification (zero gap)</h1>",
         f"<p>Run <code>{esc(bi['run'])}</code>: task {esc(bi['task'])}, {bi['steps']} steps, lag {bi['lag']}, "
         f"batch-invariant mode {'on' if bi['batch_invariant'] else 'off'}.</p>",
-        f"<p class='{'ok' if ok else 'bad'}'><b>{esc(_verdict(bi))}</b></p>",
+        f"<p class='{'ok' if ok else 'bad'}'><b>{esc(gap_verdict(bi))}</b></p>",
     ]
     if default is not None:
-        parts.append(f"<p>Control, native ops (<code>{esc(default['run'])}</code>): {esc(_verdict(default))}</p>")
+        parts.append(f"<p>Control, native ops (<code>{esc(default['run'])}</code>): {esc(gap_verdict(default))}</p>")
     if bi["reward_first10"] is not None:
         parts.append(
             f"<p>Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps {bi['reward_last10']:.4f}.</p>"
