@@ -20,13 +20,14 @@ Guarantees:
   parallel over W ranks; tensor parallelism and a device type are the next axes), the intra-op
   thread count from the config (never from W), the run's numerics (deterministic switches and
   seeds; with `determinism.batch_invariant`, BI mode and its op census for the whole run, every
-  thread), then on rank 0 every input check (`check`, then `check_run_dir`), the run lock
+  thread), then on rank 0 every input check (`check`: the loop's check_run, which its launcher runs too,
+  and which ends with `check_run_dir`), the run lock
   (`claim_run_dir`, held until the run closes), the manifest with the numerics fingerprint taken
   under the run's own numerics. Rank 0's verdict reaches every rank before any work, so all fail or
   go on together; a new run's manifest is written at once, a resume's only after its checkpoint
   loaded (`begin`), so a resume that fails leaves the run's files as they were.
-- Close on any exception (`__exit__`): the recorder, the metrics log and what the loop registered
-  with `closing` are closed, BI mode and the deterministic switches are restored, the lock is
+- Close on any exception (`__exit__`): the recorder and what the loop registered with `closing`
+  are closed, BI mode and the deterministic switches are restored, the lock is
   released. The op census is written to the manifest when the run ends without an error.
 - The step kit: per-microbatch fp32 gradient buffers, the fixed-tree reduction over the V
   microbatch gradients (reduce.py; the same bits on every rank and for every W), grad-norm clipping
@@ -214,7 +215,6 @@ class Run:
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._stack = contextlib.ExitStack()
-        self._claimed = False
 
     # -- set-up and close
     def __enter__(self) -> Run:
