@@ -336,7 +336,7 @@ class Run:
                 }
             )
             write_manifest(self.out, self.manifest)
-        if self.start_step:
+        if self.start_step and not self.quiet:
             log.info("resumed %s from step %d at W=%d", self.out, self.start_step, self.mesh.world_size)
         log.debug(
             "%s run %s: steps %d..%d, mesh %s", self.kind, self.out, self.start_step + 1, self.last_step, self.mesh
