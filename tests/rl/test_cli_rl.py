@@ -126,7 +126,46 @@ def test_verify_onpolicy_report_and_verdict(tmp_path):
     assert "ZERO GAP" in md and "Control, native ops" in md and "GAP:" in md
     assert page.count("data:image/png;base64,") == 2
     assert not re.search(r"(src|href)=['\"](https?:|//|file:)", page)  # self-contained
+    assert "rolling mean over 10 steps" in page
+    _assert_reward_plot_draws_rolling_means(out, out / "compare-default")
     _render_in_chromium(out / "reports" / "onpolicy.html", tmp_path)
+
+
+def _assert_reward_plot_draws_rolling_means(run: Path, default_run: Path) -> None:
+    """The reward figure of the report draws, per run, the per-step reward and its rolling mean
+    over 10 steps (legend entries and the drawn data)."""
+    import matplotlib.pyplot as plt
+
+    from titan_audit.rl.report import onpolicy_summary, reward_figure, rolling_mean
+
+    bi, default = onpolicy_summary(run), onpolicy_summary(default_run)
+    fig = reward_figure(bi, default)
+    ax = fig.axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [
+        "batch-invariant",
+        "batch-invariant, rolling mean (10 steps)",
+        "native ops (default)",
+        "native ops (default), rolling mean (10 steps)",
+    ]
+    drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    for summary, label in ((bi, "batch-invariant"), (default, "native ops (default)")):
+        rewards = [r["reward_mean"] for r in summary["per_step"]]
+        assert drawn[label] == rewards
+        assert drawn[f"{label}, rolling mean (10 steps)"] == rolling_mean(rewards, 10)
+    plt.close(fig)
+
+
+def test_rolling_mean_is_the_trailing_window_mean():
+    from titan_audit.rl.report import rolling_mean
+
+    values = [float(v) for v in range(1, 13)]  # 1 .. 12
+    means = rolling_mean(values, 10)
+    assert means[:3] == [1.0, 1.5, 2.0]  # a partial window at the start
+    assert means[9] == sum(values[:10]) / 10 and means[11] == sum(values[2:12]) / 10
+    assert rolling_mean(values, 1) == values and rolling_mean([], 10) == []
+    with pytest.raises(ValueError, match="window"):
+        rolling_mean(values, 0)
 
 
 def test_verify_onpolicy_exits_1_without_batch_invariant_mode(tmp_path):
