@@ -1,11 +1,20 @@
-"""How user errors reach the terminal: one line, exit code 2, no traceback (unless -v).
+"""How errors reach the terminal: one line, no traceback (unless -v).
 
-A missing or stale build of the CPU kernels (`KernelLibraryError`) counts as one: it says what to run."""
+- Bad input (ValueError and the path errors FileNotFoundError, NotADirectoryError,
+  IsADirectoryError): 'Error: <message>', exit 2.
+- A missing or stale build of the CPU kernels (`KernelLibraryError`) counts as one: it says what
+  to run.
+- A fault of the user's machine (any other OSError: a read-only directory, a full disk, too many
+  open files): one line naming the path and the errno, exit 2; the traceback is saved to a log
+  file next to the run it concerns, or in the system temp dir, and the line names it
+  (titan_audit/faults.py).
+With -v the original exception propagates, traceback and all."""
 
 from __future__ import annotations
 
 import click
 
+from titan_audit import faults
 from titan_audit.batch_invariant.cpu import KernelLibraryError
 
 EXIT_OK = 0
@@ -20,12 +29,13 @@ class UserError(click.ClickException):
 
 
 class AuditGroup(click.Group):
-    """A click group that turns library ValueErrors (bad input) into UserError."""
+    """A click group that turns library ValueErrors (bad input) and OS faults into UserError."""
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, KernelLibraryError) as error:
+        except (ValueError, KernelLibraryError, OSError) as error:
             if ctx.obj and ctx.obj.get("verbose"):
                 raise
-            raise UserError(str(error)) from None
+            message = faults.describe(error) if isinstance(error, OSError) else str(error)
+            raise UserError(message) from None

@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -252,9 +253,21 @@ def _rank_error(errors: Path) -> str | None:
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
+    """What a rank reports as one line (cli/errors.py says the same at the CLI): bad input, a stale
+    kernel build, and the machine's faults (OSError: a read-only run directory, a full disk)."""
     from titan_audit.batch_invariant.cpu import KernelLibraryError
 
-    return (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, KernelLibraryError)
+    return (ValueError, KernelLibraryError, OSError)
+
+
+def _error_message(error: BaseException, out: str) -> str:
+    """The line a rank's error becomes: an OSError names its path and errno, its traceback saved
+    in the run's logs/ (or the system temp dir) and named (titan_audit/faults.py)."""
+    from titan_audit import faults
+
+    if not isinstance(error, OSError):
+        return str(error)
+    return faults.describe(error, error.filename if error.filename is not None else out)
 
 
 def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object]) -> None:
@@ -264,7 +277,7 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
     the error is printed once (rank 0) and exits 2. The process group is destroyed either way."""
     import torch.distributed as dist
 
-    from titan_audit.log import configure
+    from titan_audit.log import configure, verbose_from_env
 
     if LAUNCHER_ENV in os.environ:
         die_with_parent(int(os.environ[LAUNCHER_ENV]))
@@ -273,16 +286,17 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
     try:
         run(config, argv[1], set(argv[2:]))
     except _user_error_types() as error:
+        if verbose_from_env():
+            traceback.print_exc()
+        message = _error_message(error, argv[1])
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
         error_dir = os.environ.get(ERROR_DIR_ENV)
         if error_dir:
             from titan_audit.atomic import write_json_atomic
 
-            write_json_atomic(
-                Path(error_dir) / f"rank-{rank}.json", {"rank": rank, "message": str(error)}, overwrite=True
-            )
+            write_json_atomic(Path(error_dir) / f"rank-{rank}.json", {"rank": rank, "message": message}, overwrite=True)
         elif rank == 0:
-            print(f"Error: {error}", file=sys.stderr, flush=True)
+            print(f"Error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_available() and dist.is_initialized():
