@@ -26,6 +26,19 @@ Guarantees (shared by `titan-audit train` and `titan-audit rl`, both go through 
 - Ranks die with their launcher: torchrun and every rank get PR_SET_PDEATHSIG = SIGKILL
   (Linux prctl), torchrun for the launcher, each rank for torchrun, and a rank whose launcher is
   already gone when it starts exits at once; `kill -9` of the launcher leaves nothing running.
+- A stopped launcher stops its ranks and cleans up: on SIGTERM, SIGHUP or SIGINT (Ctrl-C) it sends
+  SIGTERM to torchrun (which sends it to the ranks), waits for it a bounded time
+  (`STOP_GRACE_S`) and then kills it (the ranks die with it), drops what torchrun and the ranks
+  print from then on, removes its temporary directory, releases the run's lock and prints one line
+  (`Error: stopped by SIGTERM; the run in RUN can be resumed with --resume (from its last
+  checkpoint, step N)`, or that there is nothing to resume yet); it exits 128 + the signal number
+  (143 for SIGTERM, 129 for SIGHUP, 130 for Ctrl-C) by raising SystemExit. The run resumes from
+  its last checkpoint like after any crash (checkpoints are atomic, G5).
+- No temporary directory outlives its launcher for long: a launcher's `titan-audit-launch-*`
+  directory holds a `pid` file (its pid and process start time); SIGKILL cannot be handled, so
+  every launcher first removes the `titan-audit-launch-*` directories (its own user's, in the
+  system temp dir) whose owner process is gone, and never one whose owner is alive (a directory
+  without a `pid` file is kept: its owner may be writing it).
 """
 
 from __future__ import annotations
@@ -34,10 +47,12 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -60,7 +75,7 @@ def start_run(
     nproc: int | None,
     steps: int | None,
     resume: bool,
-    overwrite: bool,
+    overwrite: bool | str,
     overrides: Sequence[str],
 ) -> int:
     """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code."""
@@ -100,7 +115,7 @@ def launch(
     *,
     nproc: int | None,
     resume: bool = False,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     stop_at: int | None = None,
     quiet: bool = False,
 ) -> int:
@@ -173,52 +188,83 @@ def torchrun(
     nproc: int,
     threads: int,
     resume: bool = False,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
 ) -> int:
     """`python -m torch.distributed.run --standalone --nproc-per-node N -m MODULE CONFIG_JSON OUT
     FLAGS...` with the resolved config in a temporary JSON file and OMP_NUM_THREADS = `threads`,
     under this process's lock of `out` (claimed with `resume` / `overwrite`); torchrun's exit code,
     or a ValueError with a rank's user error (see the module docstring). MODULE's `main` reads
-    those arguments (see `rank_main`)."""
+    those arguments (see `rank_main`). Stopped by SIGTERM, SIGHUP or SIGINT: one line on stderr and
+    SystemExit(128 + signal number), after the ranks are gone and the temporary directory removed."""
+    remove_stale_launch_dirs()
+    signals = _StopSignals()
+    try:
+        with signals:
+            return _torchrun(
+                module, config, out, flags, signals, nproc=nproc, threads=threads, resume=resume, overwrite=overwrite
+            )
+    except _Stopped as stop:
+        print(f"Error: {stopped_message(stop.signum, out)}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stop.signum) from None
+
+
+def _torchrun(
+    module: str,
+    config: dict,
+    out: str | os.PathLike,
+    flags: Sequence[str],
+    signals: _StopSignals,
+    *,
+    nproc: int,
+    threads: int,
+    resume: bool,
+    overwrite: bool | str,
+) -> int:
     from titan_audit.trainer.run_dir import LOCK_ENV, run_lock
 
-    with (
-        tempfile.TemporaryDirectory(prefix="titan-audit-launch-") as tmp,
-        run_lock(out, resume=resume, overwrite=overwrite),
-    ):
-        config_file = Path(tmp) / "config.json"
-        config_file.write_text(json.dumps(config))
-        errors = Path(tmp) / "errors"
-        errors.mkdir()
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            module,
-            str(config_file),
-            os.fspath(out),
-            *flags,
-        ]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            ERROR_DIR_ENV: str(errors),
-            LAUNCHER_ENV: str(os.getpid()),
-            LOCK_ENV: os.path.realpath(out),
-        }
-        rc = _run_filtered(command, env, errors)
-        message = _rank_error(errors)
-        if message is not None:
-            raise ValueError(message)
-        return rc
+    with signals.held():  # a stop now would leave a directory without its pid file
+        tmp = Path(tempfile.mkdtemp(prefix=LAUNCH_DIR_PREFIX))
+        (tmp / LAUNCH_PID_FILE).write_text(_owner_token(os.getpid()))
+    try:
+        with run_lock(out, resume=resume, overwrite=overwrite):
+            config_file = tmp / "config.json"
+            config_file.write_text(json.dumps(config))
+            errors = tmp / "errors"
+            errors.mkdir()
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                "-m",
+                module,
+                str(config_file),
+                os.fspath(out),
+                *flags,
+            ]
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": str(threads),
+                ERROR_DIR_ENV: str(errors),
+                LAUNCHER_ENV: str(os.getpid()),
+                LOCK_ENV: os.path.realpath(out),
+            }
+            rc = _run_filtered(command, env, errors)
+            message = _rank_error(errors)
+            if message is not None:
+                raise ValueError(message)
+            return rc
+    finally:
+        with signals.held():  # removed whole: never a directory left without its pid file
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run_filtered(command: list[str], env: dict[str, str], errors: Path) -> int:
     """Run torchrun with its stderr passed through as it comes, until a rank reports a user error
-    (a file in `errors`): from then on torchrun's report of the failure is dropped."""
+    (a file in `errors`): from then on torchrun's report of the failure is dropped. Stopped
+    (`_Stopped`, from a signal): torchrun gets SIGTERM and `STOP_GRACE_S` to end, then SIGKILL;
+    its output from then on is dropped; `_Stopped` propagates."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, preexec_fn=_torchrun_preexec(os.getpid()))
     assert proc.stderr is not None
     out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
@@ -233,11 +279,151 @@ def _run_filtered(command: list[str], env: dict[str, str], errors: Path) -> int:
             else:
                 sys.stderr.write(chunk.decode(errors="replace"))
         return proc.wait()
+    except _Stopped:
+        _stop_torchrun(proc)
+        raise
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+STOP_GRACE_S = 20.0  # how long a stopped launcher waits for torchrun (and its ranks) after SIGTERM
+LAUNCH_DIR_PREFIX = "titan-audit-launch-"
+LAUNCH_PID_FILE = "pid"
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class _Stopped(BaseException):
+    """A stop signal reached the launcher (BaseException: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopSignals:
+    """While entered (main thread only; elsewhere nothing changes): SIGTERM, SIGHUP and SIGINT
+    raise `_Stopped` once; later ones are ignored while the launcher stops. Inside `held()` a
+    signal waits until the block ends. The previous handlers come back on exit."""
+
+    def __init__(self) -> None:
+        self._old: dict[int, object] = {}
+        self._holding = 0
+        self._pending: int | None = None
+        self._stopping = False
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in _STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+        self._old = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._stopping:
+            return
+        if self._holding:
+            self._pending = signum
+            return
+        self._stopping = True
+        raise _Stopped(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if not self._holding and self._pending is not None and not self._stopping:
+            self._stopping = True
+            raise _Stopped(self._pending)
+
+
+def _stop_torchrun(proc: subprocess.Popen) -> None:
+    """SIGTERM to torchrun (it forwards it to the ranks), its output drained and dropped for at
+    most STOP_GRACE_S, then SIGKILL (the ranks die with it: PDEATHSIG)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def stopped_message(signum: int, out: str | os.PathLike) -> str:
+    """What a stopped launch tells the user about the run in `out`: where a resume starts."""
+    from titan_audit.trainer.checkpoint import Checkpointer
+    from titan_audit.trainer.run_dir import is_run_dir
+
+    name = signal.Signals(signum).name
+    out = Path(out)
+    if not is_run_dir(out):
+        return f"stopped by {name} before the run in {out} wrote its manifest; nothing to resume: start it again"
+    try:
+        steps = Checkpointer(out).steps()
+    except OSError:
+        steps = []
+    where = f"from its last checkpoint, step {steps[-1]}" if steps else "no checkpoint yet: from step 0"
+    return f"stopped by {name}; the run in {out} can be resumed with --resume ({where})"
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process `pid` (Linux: /proc/PID/stat field 22), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _owner_token(pid: int) -> str:
+    start = _process_start(pid)
+    return f"{pid} {start}\n" if start is not None else f"{pid}\n"
+
+
+def _owner_alive(token: str) -> bool:
+    """Whether the process a launch directory's pid file names is still running (a reused pid,
+    seen by a different start time, is not)."""
+    parts = token.split()
+    pid = int(parts[0])
+    if not _alive(pid):
+        return False
+    if len(parts) > 1:
+        start = _process_start(pid)
+        return start is None or start == parts[1]
+    return True
+
+
+def remove_stale_launch_dirs(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the `titan-audit-launch-*` directories in `root` (default: the system temp dir) of
+    this user whose launcher is gone (see the module docstring); the directories removed."""
+    from titan_audit.log import get_logger
+
+    root = Path(root if root is not None else tempfile.gettempdir())
+    removed = []
+    for path in root.glob(f"{LAUNCH_DIR_PREFIX}*"):
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            token = (path / LAUNCH_PID_FILE).read_text()
+            if _owner_alive(token):
+                continue
+        except (OSError, ValueError, IndexError):  # no pid file (yet), unreadable: kept
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            get_logger(__name__).info("removed %s: its launcher (pid %s) is gone", path, token.split()[0])
+    return removed
 
 
 def _rank_error(errors: Path) -> str | None:
