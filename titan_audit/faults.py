@@ -10,8 +10,9 @@ Guarantees:
   or to the system temp directory when there is none or the run directory cannot be written (the
   usual case of a read-only run); it returns the file written, or None when nothing could be.
 - `describe(error)`: the line the user sees, with where the traceback went. A path the user
-  named wrongly (ENOENT, ENOTDIR, EISDIR, or a message without an errno) is one line and no file:
-  there is nothing more to read.
+  named wrongly (ENOENT, ENOTDIR, EISDIR, or our own message without an errno) is one line and no
+  file: there is nothing more to read. An error translated from a library's (one raised `from`
+  its cause) keeps its traceback, the cause's included.
 
 No titan_audit imports: it sits below every layer, like atomic.py.
 """
@@ -93,7 +94,8 @@ def save_traceback(error: BaseException, path: str | os.PathLike | None = None) 
 def describe(error: BaseException, path: str | os.PathLike | None = None) -> str:
     """`error_line`, and for a fault of the machine or a library where its traceback was saved."""
     line = error_line(error)
-    if isinstance(error, OSError) and (error.errno is None or error.errno in _USER_PATH_ERRNOS):
-        return line
+    if error.__cause__ is None and isinstance(error, OSError):
+        if error.errno is None or error.errno in _USER_PATH_ERRNOS:
+            return line
     saved = save_traceback(error, path)
     return f"{line} (traceback in {saved}; -v prints it)" if saved is not None else line

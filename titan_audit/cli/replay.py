@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT
+from titan_audit.cli.options import overwrite_option
 from titan_audit.cli.output import print_json
 
 
@@ -16,10 +17,10 @@ from titan_audit.cli.output import print_json
 @click.option("--nproc", type=int, default=1, show_default=True, help="World size W of the replay.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The new run directory.")
 @click.option("--verify-to", "verify_to", type=int, default=None, help="Stop (and compare) at this step.")
-@click.option("--overwrite", is_flag=True, help="Move a run already in --out aside.")
+@overwrite_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def replay(
-    run: Path, from_step: int, nproc: int, out: Path, verify_to: int | None, overwrite: bool, as_json: bool
+    run: Path, from_step: int, nproc: int, out: Path, verify_to: int | None, overwrite: bool | str, as_json: bool
 ) -> None:
     """Exit 0: identical from the checkpoint on; 1: a difference (first divergence shown); 2: bad input."""
     from titan_audit.trainer.replay import elastic_replay

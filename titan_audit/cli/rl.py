@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
+from titan_audit.cli.options import overwrite_option
 
 _INIT_HELP = (
     "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; "
@@ -46,7 +47,7 @@ def _guard(fn):
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
-@click.option("--overwrite", is_flag=True, help="Move a run already in --out aside and start anew.")
+@overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. rollout.lag=2.")
 @click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
 def rl(source, out, init, nproc, steps, resume, overwrite, overrides, generator) -> None:
@@ -73,7 +74,7 @@ def rl(source, out, init, nproc, steps, resume, overwrite, overrides, generator)
 @click.option("--compare-default", is_flag=True, help="Also run with native ops (RUN/compare-default) and plot both.")
 @click.option("--init", "init", default=None, help=_INIT_HELP)
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
-@click.option("--overwrite", is_flag=True, help="Move a run already in --out aside and start anew.")
+@overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
 def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc, overwrite, overrides, as_json) -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from titan_audit.cli.options import overwrite_option
+
 
 @click.command(short_help="Train; the same trajectory at every world size.")
 @click.option(
@@ -16,7 +18,7 @@ import click
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
-@click.option("--overwrite", is_flag=True, help="Move a run already in --out aside and start anew.")
+@overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. optimizer.lr=1e-3.")
 def train(
     source: str | None,
@@ -24,7 +26,7 @@ def train(
     nproc: int | None,
     steps: int | None,
     resume: bool,
-    overwrite: bool,
+    overwrite: bool | str,
     overrides: tuple[str, ...],
 ) -> None:
     """Train (tiny recipes run in seconds on a CPU); see docs in titan_audit/trainer/train.py."""

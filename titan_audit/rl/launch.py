@@ -38,7 +38,7 @@ def start_rl(
     nproc: int | None,
     steps: int | None,
     resume: bool,
-    overwrite: bool,
+    overwrite: bool | str,
     overrides: Sequence[str],
     quiet: bool = False,
 ) -> int:
@@ -64,7 +64,7 @@ def launch_rl(
     init: str | None = None,
     nproc: int | None = None,
     resume: bool = False,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     quiet: bool = False,
 ) -> int:
     if nproc is None:

@@ -50,7 +50,7 @@ from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator, ch
 from titan_audit.rl.rollouts import RolloutResult, random_delay
 from titan_audit.rl.step_metrics import group_stats, metrics_row
 from titan_audit.rl.tasks import TOKENIZER, completion_text, prompt_set, score
-from titan_audit.trainer.engine import Run, StepKit, check_run_dir
+from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, rank_block
 from titan_audit.trainer.run_dir import read_manifest
@@ -70,6 +70,7 @@ class RLResult:
 def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: int) -> None:
     """Every check of the RL request that needs no compute (ValueError naming the key)."""
     config.check_world_size(world_size)
+    check_backend(config)
     if config.generator == "vllm":
         from titan_audit.rl import vllm as rl_vllm
 
@@ -93,7 +94,7 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
     check_prompts(config, prompt_set(config.task.name, config.seed, 1, config.task.prompts_per_step))
 
 
-def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool, world_size: int) -> None:
+def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool | str, world_size: int) -> None:
     """Everything `rl_train` checks before it computes (the launcher runs it before torchrun, rank
     0 again): the request (`check_inputs`), the run directory (engine.check_run_dir), and on a
     resume that an --init given names the run's own."""
@@ -112,7 +113,7 @@ def rl_train(
     *,
     init: str | os.PathLike | None = None,
     resume: bool = False,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     quiet: bool = False,
     generator_factory=None,
 ) -> RLResult:

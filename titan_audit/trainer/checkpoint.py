@@ -10,7 +10,12 @@ Guarantees:
   then falls back to the newest older checkpoint that verifies, says so on stderr (rank 0) and
   moves the corrupt ones aside to `corrupt-step_NNNNNNNN` (kept, never deleted; the resumed run
   writes its own `step_NNNNNNNN` again). With checkpoints present but none that verifies it
-  raises: a resume never silently restarts from step 0.
+  raises: a resume never silently restarts from step 0. Every error names the checkpoint in one
+  line (DCP's own errors carry the failed ranks' tracebacks in their text: `dcp_reason` keeps the
+  first exception's type and first line; the traceback is logged at DEBUG, -v).
+- A save that fails (a full disk, a read-only run directory) removes its partial directory and
+  raises an OSError naming the checkpoint and the errno: ENOSPC for a full device, whose symptom
+  in DCP's writer is a RuntimeError 'unexpected pos'.
 - Checked before any rank starts. `preflight(fallback)` reads only the small files (trainer.json,
   hashes.json, DCP .metadata present) and names the step a resume would start from, or raises
   the error the ranks would raise, so the launcher reports it before torchrun.
@@ -29,6 +34,7 @@ Layout of one checkpoint:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -45,6 +51,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from titan_audit import faults
 from titan_audit.atomic import write_json_atomic
 from titan_audit.audit.fingerprint import fingerprint
 from titan_audit.log import get_logger
@@ -58,6 +65,24 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint directory exists but its contents do not verify."""
+
+
+_FULL_DISK_BYTES = 1 << 20  # less free than this after a failed save: the disk was full
+
+
+def dcp_reason(error: BaseException) -> str:
+    """One line for an error of torch.distributed.checkpoint: its CheckpointException carries each
+    failed rank's exception with a traceback in its text; this is the first rank's exception,
+    its type and first line (the traceback goes to the -v log)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(sorted(error.failures.items())))
+        more = len(error.failures) - 1
+        return f"rank {rank}: {dcp_reason(cause)}" + (f" (and {more} more rank(s))" if more else "")
+    if isinstance(error, OSError) and error.errno is not None:
+        return faults.error_line(error)
+    text = str(error).strip()
+    first = text.splitlines()[0].strip() if text else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def _distributed() -> bool:
@@ -147,26 +172,44 @@ class Checkpointer:
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _quiet_dcp():
-            dcp.save(
-                {"model": model_sd, "optim": optim_sd},
-                checkpoint_id=partial / "model_optim",
-                no_dist=not _distributed(),
-            )
-        hashes, groups = _tensor_hashes(model, optimizer)
+        try:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            with _quiet_dcp():
+                dcp.save(
+                    {"model": model_sd, "optim": optim_sd},
+                    checkpoint_id=partial / "model_optim",
+                    no_dist=not _distributed(),
+                )
+            hashes, groups = _tensor_hashes(model, optimizer)
+            if _rank() == 0:
+                write_json_atomic(partial / "trainer.json", {"format": FORMAT_VERSION, "step": step, **trainer_state})
+                write_json_atomic(
+                    partial / "hashes.json",
+                    {"format": FORMAT_VERSION, "step": step, "tensors": hashes, "param_groups": groups},
+                )
+                _fsync_tree(partial)
+                crash_point("checkpoint.before_rename", step, partial)
+                os.replace(partial, final)
+        except (Exception, CheckpointException) as error:  # a full disk, a read-only run, DCP's own errors
+            raise self._save_failed(error, final, partial) from error
         if _rank() == 0:
-            write_json_atomic(partial / "trainer.json", {"format": FORMAT_VERSION, "step": step, **trainer_state})
-            write_json_atomic(
-                partial / "hashes.json",
-                {"format": FORMAT_VERSION, "step": step, "tensors": hashes, "param_groups": groups},
-            )
-            _fsync_tree(partial)
-            crash_point("checkpoint.before_rename", step)
-            os.replace(partial, final)
             self._retain()
         _barrier()
         return final
+
+    @staticmethod
+    def _save_failed(error: BaseException, final: Path, partial: Path) -> OSError:
+        """The error a failed save raises: an OSError naming the checkpoint, its errno when the
+        cause says it (or the device is full: DCP's writer reports ENOSPC as 'unexpected pos'),
+        after its partial directory is removed (rank 0), so nothing half-written stays."""
+        free = shutil.disk_usage(final.parent).free if final.parent.is_dir() else None
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(error, OSError) and error.errno is not None:
+            return OSError(error.errno, error.strerror, error.filename or str(final))
+        if free is not None and free < _FULL_DISK_BYTES:
+            return OSError(errno.ENOSPC, "no space left on device", str(final))
+        return OSError(f"{final}: the checkpoint could not be written ({dcp_reason(error)})")
 
     def _retain(self) -> None:
         for step in self.steps()[: -self.keep_last]:
@@ -184,7 +227,9 @@ class Checkpointer:
             with _quiet_dcp():
                 dcp.load(state, checkpoint_id=path / "model_optim", no_dist=not _distributed())
         except (Exception, CheckpointException) as error:  # DCP's error types vary; name the checkpoint
-            raise CorruptCheckpointError(f"{path}: cannot read model/optimizer tensors ({error})") from error
+            log.debug("reading %s failed", path, exc_info=error)
+            reason = dcp_reason(error)
+            raise CorruptCheckpointError(f"{path}: cannot read model/optimizer tensors ({reason})") from error
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         actual, groups = _tensor_hashes(model, optimizer)
         differing = sorted(

@@ -63,10 +63,9 @@ from titan_audit.trainer.optim import lr_at, set_lr
 from titan_audit.trainer.reduce import TreeReducer
 from titan_audit.trainer.run_dir import (
     MetricsLog,
+    check_out_path,
     claim_run_dir,
-    has_entries,
     package_versions,
-    prepare_run_dir,
     read_manifest,
     release_run_dir,
     write_manifest,
@@ -129,11 +128,29 @@ def now() -> str:
 
 
 # ---------------------------------------------------------------------------------- input checks
-def check_run_dir(config: Any, out: Path, *, kind: str, mutable: frozenset[str], resume: bool, overwrite: bool) -> None:
+def check_backend(config: Any) -> None:
+    """`parallel.backend` against this build of torch and this machine (ValueError naming the key):
+    NCCL needs a torch built with it and a CUDA device; gloo is in every build."""
+    backend = config.parallel.backend
+    if backend != "nccl":
+        return
+    if not dist.is_nccl_available():
+        raise ValueError(
+            f"parallel.backend = 'nccl': this torch build ({torch.__version__}) has no NCCL; "
+            f"use parallel.backend = 'gloo' (or 'auto': NCCL where there is a GPU, else gloo)"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError("parallel.backend = 'nccl' needs a CUDA device and none is visible; use 'gloo' or 'auto'")
+
+
+def check_run_dir(
+    config: Any, out: Path, *, kind: str, mutable: frozenset[str], resume: bool, overwrite: bool | str
+) -> None:
     """The run directory against the request (ValueError; no compute, nothing written): --resume
     and --overwrite exclude each other; a resume needs a run of the same kind whose saved config
     differs only in `mutable` keys, checkpoints whose small files verify and a step to run; a new
-    run needs an empty (or missing) directory unless --overwrite."""
+    run needs an empty (or missing) directory unless --overwrite, outside any other run's
+    directory and without runs below it (run_dir.check_out_path)."""
     out = Path(out)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
@@ -149,8 +166,8 @@ def check_run_dir(config: Any, out: Path, *, kind: str, mutable: frozenset[str],
                 f"{out}: already at step {start} of steps={config.steps}; nothing to run "
                 f"(--steps N or --set steps=N with N > {start} extends it)"
             )
-    elif not overwrite and out.is_dir() and has_entries(out):
-        prepare_run_dir(out, resume=False, overwrite=False)  # raises with the standard message
+    else:
+        check_out_path(out, overwrite=overwrite)
 
 
 def _saved_manifest(out: Path, kind: str) -> dict[str, Any]:
@@ -197,7 +214,7 @@ class Run:
         kind: str,
         check: Callable[[int], None],
         resume: bool = False,
-        overwrite: bool = False,
+        overwrite: bool | str = False,
         prepare: Callable[[Path], None] | None = None,
         extra: Callable[[], dict[str, Any]] | None = None,
         stop_at: int | None = None,

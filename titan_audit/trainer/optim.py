@@ -45,6 +45,12 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.grad_clip < 0:
             raise ValueError(f"optimizer.grad_clip must be >= 0, got {self.grad_clip}")
+        if not self.eps > 0:
+            raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr * self.weight_decay >= 1:  # p *= 1 - lr*wd: would flip or zero every weight
+            raise ValueError(f"optimizer.lr * optimizer.weight_decay must be < 1, got {self.lr} * {self.weight_decay}")
 
 
 @dataclass
@@ -56,6 +62,8 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
             raise ValueError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"schedule.decay_steps must be >= 1 (or unset: the run's steps), got {self.decay_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 

@@ -53,7 +53,9 @@ def last_recorded_step(run: Path) -> int:
     return int(pc.max(table["step"]).as_py())
 
 
-def prepare_replay(run: str | os.PathLike, from_step: int, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def prepare_replay(
+    run: str | os.PathLike, from_step: int, out: str | os.PathLike, *, overwrite: bool | str = False
+) -> Path:
     run, out = Path(run), Path(out)
     config, ckpt_dir, _ = source_checkpoint(run, from_step)
     if out.resolve() == run.resolve():
@@ -108,7 +110,7 @@ def elastic_replay(
     *,
     nproc: int = 1,
     verify_to: int | None = None,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     quiet: bool = False,
 ) -> tuple[CompareResult, int]:
     """Resume `run`'s checkpoint `from_step` on `nproc` ranks into `out`, run to `verify_to` (default:

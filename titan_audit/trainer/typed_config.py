@@ -2,13 +2,15 @@
 
 Guarantee: a config either builds exactly as written or fails before any work with a ValueError
 that names the key (as a dotted path) and, for files, the file. Unknown keys, wrong types
-(bool is not an int, an int is accepted where a float is expected), and malformed overrides are
-all errors; nothing is silently dropped or coerced.
+(bool is not an int, an int is accepted where a float is expected), a float that is not finite
+(nan, inf: TOML and `--set` both accept them), and malformed overrides are all errors; nothing is
+silently dropped or coerced. Ranges are each section's own `__post_init__` checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -183,6 +185,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):  # nan and inf: no config key means either (and nan != nan breaks resume)
+            raise ValueError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if hint in (int, bool, str):
         if type(value) is not hint:
