@@ -5,7 +5,10 @@ worker count. Work units (Parquet row groups, JSONL line-aligned byte ranges) ar
 pool of `workers` processes (0 = in this process) and their results are written strictly in unit
 order (`Executor.map` yields in submission order), at most `workers * 2` units in flight. The
 output appears atomically (temporary directory, then rename); an existing output is refused
-unless `overwrite=True`. Progress (documents tokenized) is shown with tqdm when `progress=True`.
+unless `overwrite=True`. The output's lock is held throughout (`store_output_lock`): a second
+`prepare` of the same output is refused at once, and the `.NAME.XXXX.tmp` directories a killed
+`prepare` left are removed first (an INFO log line names each). Progress (documents tokenized)
+is shown with tqdm when `progress=True`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from tqdm import tqdm
 
 from titan_audit.atomic import atomic_output_dir
 from titan_audit.data.sources import TextSource, WorkUnit, open_text_source, read_unit
-from titan_audit.data.token_store import StoreInfo, TokenStore, TokenStoreWriter
+from titan_audit.data.token_store import StoreInfo, TokenStore, TokenStoreWriter, store_output_lock
 from titan_audit.data.tokenizer import TokenizerSpec
 
 
@@ -77,6 +80,11 @@ def _results(source: TextSource, units: list[WorkUnit], config: PrepareConfig) -
 
 def prepare(config: PrepareConfig, *, progress: bool = False) -> StoreInfo:
     """Tokenize `config.sources` into the token store `config.out`; returns the store's info."""
+    with store_output_lock(config.out):
+        return _prepare(config, progress=progress)
+
+
+def _prepare(config: PrepareConfig, *, progress: bool) -> StoreInfo:
     out = Path(config.out)
     if out.exists() and not config.overwrite:
         raise ValueError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")

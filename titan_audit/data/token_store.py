@@ -12,15 +12,19 @@ the format and the invariants (offsets start at 0, never decrease, end at len(to
 ValueError naming the store and the key at fault. Offsets are loaded into memory once (8 bytes per
 document: the dataset's index, identical on every rank); tokens are read on demand by range,
 chunk by chunk through a small LRU cache of decoded chunks; for the layout this writer makes, a
-chunk is decoded straight from its file (`_direct_reader`), zarr's own path otherwise.
+chunk is decoded straight from its file (`_direct_reader`), zarr's own path otherwise. A store
+is written under its output's lock (`store_output_lock`: `.NAME.lock` next to it), which refuses
+a second writer of the same store and removes what a killed writer left (`.NAME.XXXX.tmp`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,9 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from titan_audit.data.manifest import FileEntry, SourceManifest, hash_file
+from titan_audit.log import get_logger
+
+log = get_logger(__name__)
 
 FORMAT = "titan-audit.tokens.v1"
 CHUNK_TOKENS = 1 << 16
@@ -124,6 +131,19 @@ class TokenStoreWriter:
         self.group.attrs.update({**self.attrs, "num_docs": self.num_docs, "num_tokens": self.num_tokens})
 
 
+@contextlib.contextmanager
+def store_output_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold the lock of token store output `path` (atomic.output_lock) while it is written: a
+    second writer is refused, and the temporaries (`.NAME.XXXX.tmp`) a killed writer left are
+    removed first, each named in an INFO log line."""
+    from titan_audit.atomic import output_lock
+
+    with output_lock(path) as removed:
+        for stale in removed:
+            log.info("removed %s: left by an interrupted write of %s", stale, path)
+        yield
+
+
 def write_token_store(
     path: str | os.PathLike,
     docs: list[np.ndarray],
@@ -138,7 +158,7 @@ def write_token_store(
     """Write already-tokenized documents as a token store, atomically (tests, small tools)."""
     from titan_audit.atomic import atomic_output_dir
 
-    with atomic_output_dir(path, overwrite=overwrite) as tmp:
+    with store_output_lock(path), atomic_output_dir(path, overwrite=overwrite) as tmp:
         writer = TokenStoreWriter(
             tmp, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, origin=origin
         )
