@@ -17,7 +17,7 @@ of (config, seed).
 
 from titan_audit.models.build import build, resolve_config
 from titan_audit.models.config import ModelConfig
-from titan_audit.models.hf import from_pretrained, load_config, save_pretrained, to_hf_state_dict
+from titan_audit.models.hf import check_pretrained, from_pretrained, load_config, save_pretrained, to_hf_state_dict
 from titan_audit.models.kv_cache import ContiguousKVCache, PagedKVCache
 from titan_audit.models.logprobs import token_logprobs
 from titan_audit.models.presets import PRESETS, get_preset
@@ -30,6 +30,7 @@ __all__ = [
     "PagedKVCache",
     "Transformer",
     "build",
+    "check_pretrained",
     "from_pretrained",
     "get_preset",
     "load_config",

@@ -123,9 +123,15 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
     return config_from_hf(data, str(file))
 
 
-def from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Transformer:
-    """The model stored at `path` (HF layout); see the module doc."""
-    directory = Path(path)
+def check_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
+    """The model config stored at `path` (HF layout), after checking what can be checked without
+    reading a tensor: config.json, the safetensors headers, every tensor's name and shape
+    (ValueError naming the file). What `from_pretrained` checks before it loads."""
+    return _matched_checkpoint(Path(path))[0]
+
+
+def _matched_checkpoint(directory: Path) -> tuple[ModelConfig, _Checkpoint, dict[str, tuple[int, ...]], str | None]:
+    """(config, checkpoint, expected shapes, tied head name or None), checked against each other."""
     config = load_config(directory)
     checkpoint = _Checkpoint(directory)
     with torch.device("meta"):
@@ -150,7 +156,14 @@ def from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype | None = No
             if items:
                 parts.append(f"{label} tensors ({len(items)}): " + ", ".join(items))
         raise ValueError(f"{checkpoint.description}: checkpoint does not match config.json; " + "; ".join(parts))
+    return config, checkpoint, expected, tied_head
 
+
+def from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Transformer:
+    """The model stored at `path` (HF layout); see the module doc."""
+    config, checkpoint, expected, tied_head = _matched_checkpoint(Path(path))
+    with torch.device("meta"):
+        model = Transformer(config)
     tensors = checkpoint.load(sorted(expected) + ([tied_head] if tied_head else []))
     if tied_head and not bitwise_equal(tensors[tied_head], tensors["model.embed_tokens.weight"]):
         raise ValueError(

@@ -45,11 +45,18 @@ def init_kind(init: str | os.PathLike | None) -> tuple[str, ModelConfig | None]:
         section = build_typed(ModelSection, model, f"--init {path} model")
         if not Checkpointer(path).steps():
             raise ValueError(f"--init {path}: the run has no checkpoint")
+        try:  # the newest checkpoint's small files, as load_latest will read them (no fallback)
+            Checkpointer(path).preflight(fallback=False)
+        except ValueError as error:
+            raise ValueError(f"--init {path}: {error}") from None
         return "run", section.model_config()
     if (path / "config.json").is_file():
-        from titan_audit.models import load_config
+        from titan_audit.models import check_pretrained
 
-        return "hf", load_config(path)
+        try:  # config.json, the safetensors headers, every tensor's name and shape
+            return "hf", check_pretrained(path)
+        except ValueError as error:
+            raise ValueError(f"--init {path}: {error}") from None
     raise ValueError(f"--init {path}: neither a run directory (manifest.json) nor an HF model directory (config.json)")
 
 
