@@ -12,34 +12,39 @@ from titan_audit.cli.main import cli
 
 
 class Scale(nn.Module):
-    def __init__(self, factor: float) -> None:
+    def __init__(self, factor: float, noise: bool = False) -> None:
         super().__init__()
         self.factor = factor
+        self.noise = noise
 
     def forward(self, x):
+        if self.noise:  # the global RNG: the same inputs give other outputs under another seed
+            x = x + torch.rand_like(x)
         return x * self.factor
 
 
 class Net(nn.Module):
-    def __init__(self, factor: float = 2.0) -> None:
+    def __init__(self, factor: float = 2.0, noise: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(4, 8)
-        self.scale = Scale(factor)
+        self.scale = Scale(factor, noise)
         self.fc2 = nn.Linear(8, 3)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.scale(self.fc1(x))))
 
 
-def _step(factor: float = 2.0, bump_fc2: bool = False):
+def _step(factor: float = 2.0, bump_fc2: bool = False, noise_seed: int | None = None):
     torch.manual_seed(0)
-    net = Net(factor)
+    net = Net(factor, noise=noise_seed is not None)
     if bump_fc2:
         with torch.no_grad():
             net.fc2.bias[0] = torch.nextafter(net.fc2.bias[0], torch.tensor(1.0))
     x = torch.randn(5, 4)
 
     def step():
+        if noise_seed is not None:
+            torch.manual_seed(noise_seed)
         loss = net(x).square().mean()
         loss.backward()
         return loss
@@ -69,7 +74,25 @@ def test_identical_runs_compare_equal(tmp_path):
 
 
 def test_names_the_op_that_is_not_reproducible(tmp_path):
-    # same inputs, a different scalar inside Net.scale: aten::mul's output differs from identical inputs
+    # the same inputs (tensors and scalars), another RNG state: aten::rand_like's output differs
+    _, a = record_op_log(_step(noise_seed=1), tmp_path / "a", "s")
+    _, b = record_op_log(_step(noise_seed=2), tmp_path / "b", "s")
+    result = compare_op_logs(a, b)
+    assert (result.kind, result.op, result.module, result.phase) == (
+        "output",
+        "aten::rand_like",
+        "Net.scale",
+        "forward",
+    )
+    assert result.inputs_identical is True and result.differing_scalars == []
+    assert result.cause.endswith("this op is not reproducible")
+    rows = read_op_log(a)
+    assert rows[result.index]["op"] == "aten::rand_like"
+
+
+def test_a_differing_scalar_argument_is_a_differing_input(tmp_path):
+    # the same tensors, a different scalar inside Net.scale: aten::mul's scalar argument differs,
+    # so the op is not the origin (the number came from outside the logged ops)
     _, a = record_op_log(_step(2.0), tmp_path / "a", "s")
     _, b = record_op_log(_step(2.0000002), tmp_path / "b", "s")
     result = compare_op_logs(a, b)
@@ -79,7 +102,9 @@ def test_names_the_op_that_is_not_reproducible(tmp_path):
         "Net.scale",
         "forward",
     )
-    assert result.inputs_identical is True
+    assert result.inputs_identical is False and result.tensor_inputs_identical is True
+    assert result.differing_scalars == [{"argument": "args[1]", "a": "2.0", "b": "2.0000002"}]
+    assert "this op is not the origin" in result.cause and "not reproducible" not in result.cause
     rows = read_op_log(a)
     assert rows[result.index]["op"] == "aten::mul.Tensor"
     assert all(r["op"] != "aten::mul.Tensor" for r in rows[: result.index])
@@ -128,9 +153,12 @@ def test_cli_bisect(tmp_path):
     record_op_log(_step(2.0), tmp_path / "c", "step_3")
     result = _bisect(tmp_path / "a", tmp_path / "b", "--step", "3")
     assert result.exit_code == 1, result.output
-    assert "aten::mul.Tensor in module Net.scale" in result.output and "not reproducible" in result.output
+    assert "aten::mul.Tensor in module Net.scale (forward)" in result.output
+    assert "scalar argument differs (args[1]: 2.0 in A, 2.0000002 in B)" in result.output
+    assert "not reproducible" not in result.output
     data = json.loads(_bisect(tmp_path / "a" / "oplogs" / "step_3.parquet", tmp_path / "b", "--json").output)
-    assert (data["op"], data["module"], data["inputs_identical"]) == ("aten::mul.Tensor", "Net.scale", True)
+    assert (data["op"], data["module"], data["inputs_identical"]) == ("aten::mul.Tensor", "Net.scale", False)
+    assert data["tensor_inputs_identical"] is True
     same = _bisect(tmp_path / "a", tmp_path / "c")
     assert same.exit_code == 0 and "identical" in same.output
 

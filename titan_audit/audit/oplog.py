@@ -8,17 +8,30 @@ Guarantees:
   `record_nn_module=True` and `DebugMode.log_tensor_hashes(hash_fn=audit.fingerprint,
   hash_inputs=True)`: every aten op on real tensors (forward and backward) is logged in execution
   order with the xxh3-128 fingerprint of each output and input tensor (raw bits, as everywhere in
-  titan-audit), the op's arguments as DebugMode renders them, and the module it ran in: the
-  innermost module of DebugMode's ModTracker at that moment, forward or backward (`phase`).
-  Module paths are ModTracker's: the root module's class name, then the `named_modules` path.
+  titan-audit), the op's arguments as DebugMode renders them, the exact value of
+  every non-tensor argument (`scalar_paths` / `scalar_values`: `args[1]`, `alpha`, ... with
+  Python's round-trip `repr`, so a learning rate that differs in its last bit shows), and where it
+  ran: `module`, the innermost module of DebugMode's ModTracker at that moment, and `phase`:
+  `backward` (inside autograd's backward), `optimizer` (inside any `torch.optim.Optimizer.step`,
+  seen through torch's global step hooks), `forward` (inside a module's forward), else `other`
+  (outside any module, backward and optimizer step: a loss computed outside the model, gradient
+  reduction, clipping). Module paths are ModTracker's: the root module's class name, then the
+  `named_modules` path.
 - The log is saved as `RUN/oplogs/<label>.parquet`, atomically (temp + rename), and never
   overwritten (an existing label is a ValueError).
 - `compare_op_logs` walks two logs in order. If the sequences of ops part (another op at the
   same index, or one log ends early), that is reported as a structural divergence at that index.
-  Otherwise the first op whose output fingerprints differ is named, with its module path, and
-  with whether its inputs were bitwise identical in both logs: identical inputs and different
-  outputs mean that op itself is not reproducible; different inputs mean the difference came in
-  from outside the recorded region (an input, a parameter) and this is its first consumer.
+  Otherwise the first op whose output fingerprints differ is named, with its module path and
+  phase, and with whether its inputs were identical in both logs. Inputs are the tensor arguments
+  (by hash) and the scalar ones (by value): identical inputs and different outputs mean that op
+  itself is not reproducible; a differing tensor input means the difference came in from outside
+  the recorded region (an input, a parameter) and this is its first consumer; a differing scalar
+  argument (both values given in `differing_scalars`) means the op is not the origin either: the
+  value was computed upstream, outside the logged ops (e.g. the optimizer's learning rate from
+  the schedule). `cause` says which, in words.
+- Two logs without a single op are bad input (ValueError), never "identical".
+- Op logs written before scalar arguments were recorded still read; their scalars count as
+  unknown (`scalars_recorded` False) and only tensor inputs are compared.
 - Per-rank: on a DTensor program each rank logs the ops on its local tensors; compare the logs of
   the same rank.
 """
@@ -28,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +64,45 @@ OPLOG_SCHEMA = pa.schema(
         pa.field("output_paths", pa.list_(pa.string()), nullable=False),
         pa.field("output_hashes", pa.list_(pa.string()), nullable=False),
         pa.field("input_hashes", pa.list_(pa.string()), nullable=False),
+        pa.field("scalar_paths", pa.list_(pa.string()), nullable=False),  # non-tensor arguments: args[1], alpha
+        pa.field("scalar_values", pa.list_(pa.string()), nullable=False),  # their values (repr)
     ],
-    metadata={b"titan-audit.oplog": b"1"},
+    metadata={b"titan-audit.oplog": b"2"},
 )
+_SCALAR_COLUMNS = ("scalar_paths", "scalar_values")  # absent from version-1 logs
+OPLOG_PHASES = ("forward", "backward", "optimizer", "other")
+
+
+_PLAIN = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _scalar_text(value: Any) -> str:
+    """A number as its exact round-trip repr, a dtype/device/... as str; any other object (a
+    Generator, a SymInt) by its type alone: its repr would name a memory address."""
+    if isinstance(value, (bool, int, float, complex)):
+        return repr(value)
+    if isinstance(value, _PLAIN):
+        return str(value)
+    return f"<{type(value).__name__}>"
+
+
+def _scalars(args: Any, kwargs: Any) -> tuple[list[str], list[str]]:
+    """(paths, values) of an op call's non-tensor arguments: `args[1]`, `alpha`, ...; values as
+    `_scalar_text`. None arguments are skipped."""
+    paths, values = [], []
+    for prefix, tree in (("args", tuple(args)), ("kwargs", dict(kwargs or {}))):
+        flat, _ = tree_flatten_with_path(tree)
+        for path, leaf in flat:
+            if leaf is None or isinstance(leaf, torch.Tensor):
+                continue
+            key = keystr(path)
+            if prefix == "kwargs":  # "['alpha']" -> "alpha", "['size'][0]" -> "size[0]"
+                name, _, rest = key[2:].partition("']")
+                paths.append(name + rest)
+            else:
+                paths.append(prefix + key)
+            values.append(_scalar_text(leaf))
+    return paths, values
 
 
 def _hash(value: Any) -> str | None:
@@ -129,17 +178,39 @@ def op_log(run_dir: str | os.PathLike, label: str) -> Iterator[Path]:
     tracker = mode.module_tracker
     assert tracker is not None
 
+    in_optimizer = [0]  # nesting depth of Optimizer.step calls (any optimizer)
+
     def where(func, types, args, kwargs, result) -> dict[str, Any]:
         parents = [p for p in tracker.parents if p != "Global"]
         innermost = max(parents, key=lambda p: (p.count("."), len(p)), default="")
-        return {"module": innermost, "phase": "backward" if tracker.is_bw else "forward"}
+        if tracker.is_bw:
+            phase = "backward"
+        elif in_optimizer[0]:
+            phase = "optimizer"
+        else:
+            phase = "forward" if innermost else "other"
+        paths, values = _scalars(args, kwargs)
+        return {"module": innermost, "phase": phase, "scalar_paths": paths, "scalar_values": values}
 
-    with (
-        mode,
-        DebugMode.dispatch_hooks(record_hook=where),
-        DebugMode.log_tensor_hashes(hash_fn=_hash, hash_inputs=True),
-    ):
-        yield path
+    def enter_step(*_: Any) -> None:
+        in_optimizer[0] += 1
+
+    def leave_step(*_: Any) -> None:
+        in_optimizer[0] = max(in_optimizer[0] - 1, 0)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    handles = [register_optimizer_step_pre_hook(enter_step), register_optimizer_step_post_hook(leave_step)]
+    try:
+        with (
+            mode,
+            DebugMode.dispatch_hooks(record_hook=where),
+            DebugMode.log_tensor_hashes(hash_fn=_hash, hash_inputs=True),
+        ):
+            yield path
+    finally:
+        for handle in handles:
+            handle.remove()
 
     columns: dict[str, list] = {name: [] for name in OPLOG_SCHEMA.names}
     index = 0
@@ -154,12 +225,14 @@ def op_log(run_dir: str | os.PathLike, label: str) -> Iterator[Path]:
         columns["index"].append(index)
         columns["op"].append(_op_name(call.op))
         columns["module"].append(info.get("module", ""))
-        columns["phase"].append(info.get("phase", "forward"))
+        columns["phase"].append(info.get("phase", "other"))
         columns["depth"].append(call.call_depth)
         columns["call"].append(rendering.split("  # {", 1)[0])
         columns["output_paths"].append(out_paths)
         columns["output_hashes"].append(out_hashes)
         columns["input_hashes"].append(in_hashes)
+        columns["scalar_paths"].append(info.get("scalar_paths", []))
+        columns["scalar_values"].append(info.get("scalar_values", []))
         index += 1
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -185,10 +258,14 @@ def read_op_log(path: str | os.PathLike) -> list[dict[str, Any]]:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as error:
         raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
-    missing = [n for n in OPLOG_SCHEMA.names if n not in table.schema.names]
+    missing = [n for n in OPLOG_SCHEMA.names if n not in table.schema.names and n not in _SCALAR_COLUMNS]
     if missing:
         raise ValueError(f"{path}: not an op log (missing columns {', '.join(missing)})")
-    return table.to_pylist()
+    rows = table.to_pylist()
+    if any(c not in table.schema.names for c in _SCALAR_COLUMNS):  # a version-1 log: scalars unknown
+        for row in rows:
+            row["scalar_paths"] = row["scalar_values"] = None
+    return rows
 
 
 @dataclass
@@ -202,21 +279,69 @@ class OpLogComparison:
     index: int | None
     op: str | None
     module: str | None
-    phase: str | None
-    inputs_identical: bool | None
+    phase: str | None  # forward | backward | optimizer | other (OPLOG_PHASES)
+    inputs_identical: bool | None  # tensor inputs (hashes) and scalar arguments (values)
     differing_outputs: list[str]
     call_a: str | None
     call_b: str | None
     differing_ops: int
+    tensor_inputs_identical: bool | None = None
+    differing_scalars: list[dict[str, Any]] = field(default_factory=list)  # {"argument", "a", "b"}
+    scalars_recorded: bool = True  # False for op logs written before scalars were recorded
+    cause: str | None = None  # what the first difference means, in words
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def _scalar_differences(ra: dict[str, Any], rb: dict[str, Any]) -> list[dict[str, Any]]:
+    pa_, pb = ra["scalar_paths"] or [], rb["scalar_paths"] or []
+    va, vb = ra["scalar_values"] or [], rb["scalar_values"] or []
+    a, b = dict(zip(pa_, va)), dict(zip(pb, vb))
+    order = list(dict.fromkeys([*pa_, *pb]))
+    return [{"argument": k, "a": a.get(k), "b": b.get(k)} for k in order if a.get(k) != b.get(k)]
+
+
+_UPSTREAM = {
+    "optimizer": "the optimizer's learning rate from the schedule, or another hyper-parameter",
+    "backward": "a loss scale or another number computed in Python",
+    "forward": "a config value or another number computed in Python",
+    "other": "a config value or another number computed in Python",
+}
+
+
+def _cause(phase: str, tensors_same: bool, scalars: list[dict[str, Any]], recorded: bool) -> str:
+    if not tensors_same:
+        return (
+            "its inputs already differ: the difference came from outside the recorded ops "
+            "(this op is the first to read it)"
+        )
+    if scalars:
+        shown = "; ".join(f"{d['argument']}: {d['a']} in A, {d['b']} in B" for d in scalars[:3])
+        noun = "argument differs" if len(scalars) == 1 else "arguments differ"
+        upstream = _UPSTREAM.get(phase, _UPSTREAM["other"])
+        return (
+            f"its tensor inputs are bitwise identical, but its scalar {noun} ({shown}): this op is not the "
+            f"origin; the value was computed upstream, outside the logged ops (e.g. {upstream})"
+        )
+    if not recorded:
+        return (
+            "its tensor inputs are bitwise identical in both logs (these logs do not record scalar arguments): "
+            "this op is not reproducible, or a scalar argument differs"
+        )
+    return "its inputs (tensors and scalar arguments) are bitwise identical in both logs: this op is not reproducible"
+
+
 def compare_op_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> OpLogComparison:
     """The first op at which two op logs part (see the module docstring)."""
     a, b = read_op_log(path_a), read_op_log(path_b)
+    if not a and not b:
+        raise ValueError(
+            f"{path_a} and {path_b}: neither op log holds a single op; nothing to compare "
+            "(record the ops of a step with titan_audit.audit.op_log, or bisect --step N on two runs)"
+        )
     base = {"log_a": str(path_a), "log_b": str(path_b), "ops_a": len(a), "ops_b": len(b)}
+    recorded = all(r["scalar_paths"] is not None for r in (a[:1] + b[:1]))
     first: dict[str, Any] | None = None
     differing = 0
     for i, (ra, rb) in enumerate(zip(a, b)):
@@ -234,6 +359,8 @@ def compare_op_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> OpL
                 call_a=ra["call"],
                 call_b=rb["call"],
                 differing_ops=differing,
+                scalars_recorded=recorded,
+                cause="the op sequences part: the two runs ran different code here (another op, module or outputs)",
             )
         if ra["output_hashes"] != rb["output_hashes"]:
             differing += 1
@@ -241,16 +368,22 @@ def compare_op_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> OpL
                 outs = [
                     p for p, ha, hb in zip(ra["output_paths"], ra["output_hashes"], rb["output_hashes"]) if ha != hb
                 ]
+                tensors_same = ra["input_hashes"] == rb["input_hashes"]
+                scalars = _scalar_differences(ra, rb) if recorded else []
                 first = dict(
                     kind="output",
                     index=i,
                     op=ra["op"],
                     module=ra["module"],
                     phase=ra["phase"],
-                    inputs_identical=ra["input_hashes"] == rb["input_hashes"],
+                    inputs_identical=tensors_same and not scalars,
                     differing_outputs=outs,
                     call_a=ra["call"],
                     call_b=rb["call"],
+                    tensor_inputs_identical=tensors_same,
+                    differing_scalars=scalars,
+                    scalars_recorded=recorded,
+                    cause=_cause(ra["phase"], tensors_same, scalars, recorded),
                 )
     if first is None and len(a) != len(b):
         i = min(len(a), len(b))
@@ -268,6 +401,8 @@ def compare_op_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> OpL
             call_a=a[i]["call"] if i < len(a) else None,
             call_b=b[i]["call"] if i < len(b) else None,
             differing_ops=differing,
+            scalars_recorded=recorded,
+            cause="one log ends before the other: the two runs ran different code",
         )
     if first is None:
         return OpLogComparison(
@@ -283,5 +418,6 @@ def compare_op_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> OpL
             call_a=None,
             call_b=None,
             differing_ops=0,
+            scalars_recorded=recorded,
         )
     return OpLogComparison(**base, identical=False, differing_ops=differing, **first)

@@ -4,8 +4,10 @@ A and B are op-log files (`RUN/oplogs/<label>.parquet`, written by
 `titan_audit.audit.oplog.record_op_log`) or run directories holding one. With `--step N` and two
 run directories, a run without a recorded log for step N has that step re-run from its latest
 checkpoint before N, on one rank, under DebugMode (`titan_audit.trainer.op_bisect`; the runs are
-only read). Thin wrapper over `compare_op_logs` / `bisect_step`.
-Exit 0 identical, 1 different, 2 bad input.
+only read). Thin wrapper over `compare_op_logs` / `bisect_step`: the first differing op, its phase
+(forward, backward, optimizer, other) and what its inputs say (`cause`: tensor inputs already
+different, a scalar argument that differs, or identical inputs: the op is not reproducible).
+Exit 0 identical, 1 different, 2 bad input (also two op logs without a single op).
 """
 
 from __future__ import annotations
@@ -47,16 +49,11 @@ def bisect(a: Path, b: Path, step: int | None, label: str | None, as_json: bool)
         click.echo(f"the op sequences part at op #{data['index']}: {data['op']} (module {data['module'] or '-'})")
         click.echo(f"  A: {data['call_a']}\n  B: {data['call_b']}")
     else:
-        cause = (
-            "its inputs are bitwise identical in both logs: this op is not reproducible"
-            if data["inputs_identical"]
-            else "its inputs already differ: the difference came from outside the recorded ops"
-        )
-        click.echo(
-            f"first differing op: #{data['index']} {data['op']} in module {data['module'] or '-'} "
-            f"({data['phase']}); {cause}"
-        )
+        where = f"in module {data['module']}" if data["module"] else "outside any module"
+        click.echo(f"first differing op: #{data['index']} {data['op']} {where} ({data['phase']}); {data['cause']}")
         click.echo(f"  call: {data['call_a']}")
+        if data["differing_scalars"]:
+            click.echo(f"  call in B: {data['call_b']}")
         click.echo(f"  {data['differing_ops']} of {data['ops_a']} ops have differing outputs")
     if not result.identical:
         raise SystemExit(EXIT_DIFFERENT)

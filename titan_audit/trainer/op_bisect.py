@@ -11,9 +11,13 @@ Guarantees:
   outputs and the module it ran in.
 - One rank is enough for any run: by G3 the step's bits are those of every world size dividing V,
   so two runs are compared on the same footing whatever W they were trained at.
-- Both logs are compared with audit.compare_op_logs: the first op whose outputs differ, and whether
-  its inputs were identical (the op itself is not reproducible) or already different (the
-  difference came from the checkpoint or the data: that op is its first consumer).
+- Both logs are compared with audit.compare_op_logs: the first op whose outputs differ, the phase it
+  ran in (forward, backward, optimizer: inside the optimizer's step, or other: loss, reduction,
+  clipping outside any module) and what its inputs say: identical tensors and scalar arguments (the
+  op itself is not reproducible), tensor inputs already different (the difference came from the
+  checkpoint or the data: that op is its first consumer), or a scalar argument that differs, with
+  both values (the op is not the origin: the number was computed upstream, outside the logged ops,
+  e.g. the learning rate of a changed schedule).
 - Bad input (no such run, N outside the run's recorded steps, no checkpoint before N) is a
   ValueError before any work.
 """
