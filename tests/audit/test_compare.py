@@ -207,6 +207,7 @@ def test_json_is_one_object_with_stable_keys(baseline):
         "only_in_b_examples",
         "fingerprint_warnings",
         "fingerprint_note",
+        "config_differences",
         "phase_order",
     ]
     assert data["phase_order"] == [

@@ -46,6 +46,7 @@ STABLE_KEYS = {
     "only_in_b_examples",
     "fingerprint_warnings",
     "fingerprint_note",
+    "config_differences",
     "phase_order",
 }
 

@@ -23,8 +23,15 @@ Guarantees:
   that holds only the steps after its checkpoint compares with its source run without the early
   steps counting as `only_in_a`. `parse_steps` turns the CLI text into the pair (ValueError naming
   the value). The range is reported under `filters.steps` ([first, last], null for an open end).
+- `config_differences` lists, before anything else, the keys in which the two runs' configs (their
+  manifests' `config`) differ, as "key: A's value -> B's value" (audit.config_diff, the same rule as
+  `golden check`: keys that never change the bits of a step are left out). Information only: the
+  verdict is the records'.
+- An empty selection is bad input, never "identical": when neither run holds a record under the
+  filters (or at all), a ValueError names the selection and what the runs hold (their steps, phases
+  or record names), so a typo in `--steps`, `--phase` or `--names` cannot pass as a green check.
 - Bad input (missing directory, a directory without an audit log, an unreadable part) raises
-  ValueError naming the path.
+  ValueError naming the path (for a damaged part: the part file).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from titan_audit.audit.config_diff import change_text, config_changes
 from titan_audit.audit.dumps import has_dump, read_dump
 from titan_audit.audit.log import read_audit_log
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest
@@ -75,6 +83,7 @@ class CompareResult:
     only_in_b_examples: list[dict[str, Any]]
     fingerprint_warnings: list[str] = field(default_factory=list)
     fingerprint_note: str | None = None
+    config_differences: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -102,6 +111,7 @@ class CompareResult:
                 "only_in_b_examples": self.only_in_b_examples,
                 "fingerprint_warnings": self.fingerprint_warnings,
                 "fingerprint_note": self.fingerprint_note,
+                "config_differences": self.config_differences,
                 "phase_order": list(PHASES),
             }
         )
@@ -234,6 +244,101 @@ def fingerprint_check(run_a: Path, run_b: Path) -> tuple[list[str], str | None]:
     return incompatibilities(a, b), None
 
 
+def _read_config(run_dir: Path) -> dict[str, Any] | None:
+    if not (run_dir / MANIFEST).is_file():
+        return None
+    config = read_manifest(run_dir).get("config")
+    return config if isinstance(config, dict) else None
+
+
+def config_differences(run_a: str | os.PathLike, run_b: str | os.PathLike) -> list[str]:
+    """The config keys in which two runs differ, "key: A's value -> B's value" (audit.config_diff;
+    keys that never change the bits of a step left out); [] when either run has no config."""
+    config_a, config_b = _read_config(Path(run_a)), _read_config(Path(run_b))
+    if config_a is None or config_b is None:
+        return []
+    return [change_text(change) for change in config_changes(config_a, config_b)]
+
+
+def steps_text(steps: list[int]) -> str:
+    """[1, 2, 3, 7, 8] -> '1..3, 7..8'; [] -> 'none'."""
+    if not steps:
+        return "none"
+    runs: list[list[int]] = []
+    for step in sorted(set(steps)):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in runs)
+
+
+def _range_text(steps: StepRange) -> str:
+    first, last = steps
+    if first is not None and first == last:
+        return str(first)
+    return f"{'' if first is None else first}:{'' if last is None else last}"
+
+
+def _holds(what: str, a: str, b: str) -> str:
+    return f"A and B have {what} {a}" if a == b else f"A has {what} {a}, B has {what} {b}"
+
+
+def empty_selection_message(run_a: Path, run_b: Path, *, phase: str | None, names: str | None, steps: StepRange) -> str:
+    """Why no record of either run is selected: the filter(s) that select nothing, and what exists."""
+    cols = ["step", "phase", "name"]
+    all_a, all_b = read_audit_log(run_a, columns=cols), read_audit_log(run_b, columns=cols)
+    if all_a.num_rows == 0 and all_b.num_rows == 0:
+        return f"{run_a} and {run_b} hold no audit records: nothing to compare"
+
+    def phase_order(p: str) -> tuple[int, str]:
+        return (PHASES.index(p) if p in PHASES else len(PHASES), p)
+
+    held = {
+        side: {
+            "step": sorted(set(pc.unique(table["step"]).to_pylist())),
+            "phase": sorted(set(pc.unique(table["phase"]).to_pylist()), key=phase_order),
+            "name": sorted(set(pc.unique(table["name"]).to_pylist())),
+        }
+        for side, table in (("a", all_a), ("b", all_b))
+    }
+    both = {
+        k: sorted(set(held["a"][k]) | set(held["b"][k]), key=phase_order if k == "phase" else None) for k in held["a"]
+    }
+    lo, hi = steps
+    filters = {
+        "steps": (
+            None
+            if steps == (None, None)
+            else (
+                f"--steps {_range_text(steps)}",
+                lambda r: (lo is None or r >= lo) and (hi is None or r <= hi),
+                "step",
+            )
+        ),
+        "phase": None if phase is None else (f"--phase {phase}", lambda p: p == phase, "phase"),
+        "names": None if names is None else (f"--names {names!r}", lambda n: fnmatch.fnmatchcase(n, names), "name"),
+    }
+    given = {k: f for k, f in filters.items() if f is not None}
+    step_clause = _holds("steps", steps_text(held["a"]["step"]), steps_text(held["b"]["step"]))
+    phase_clause = _holds("phases", ", ".join(held["a"]["phase"]) or "none", ", ".join(held["b"]["phase"]) or "none")
+    clauses = []
+    for key, (text, keep, column) in given.items():
+        if any(keep(v) for v in both[column]):
+            continue
+        if key == "steps":
+            clauses.append(f"{text} selects no records: {step_clause}")
+        elif key == "phase":
+            clauses.append(f"{text} selects no records: {phase_clause}")
+        else:
+            shown = ", ".join(both["name"][:6])
+            clauses.append(f"{text} matches no record name; names look like: {shown} ({len(both['name'])} names)")
+    if clauses:
+        return "; ".join(clauses)
+    selection = " ".join(text for text, _, _ in given.values())
+    return f"{selection} select no records together (each matches some on its own): {step_clause}; {phase_clause}"
+
+
 def _check_run(run_dir: Path) -> None:
     if not run_dir.exists():
         raise ValueError(f"{run_dir}: no such directory")
@@ -298,7 +403,10 @@ def compare_runs(
     if first is not None and last is not None and first > last:
         raise ValueError(f"steps ({first}, {last}): first is after last")
     warnings, note = fingerprint_check(run_a, run_b)
+    config_diff = config_differences(run_a, run_b)
     raw_a, raw_b = _load(run_a, phase, names, step_range), _load(run_b, phase, names, step_range)
+    if raw_a.num_rows == 0 and raw_b.num_rows == 0:
+        raise ValueError(empty_selection_message(run_a, run_b, phase=phase, names=names, steps=step_range))
     joined = _join(raw_a, raw_b)
     counts = {name: int(pc.sum(joined[f"_{name}"]).as_py() or 0) for name in FLAGS}
     differ, only_a, only_b = (pc.cast(joined[f"_{n}"], pa.bool_()) for n in ("differing", "only_in_a", "only_in_b"))
@@ -342,6 +450,7 @@ def compare_runs(
         only_in_b_examples=examples["b"],
         fingerprint_warnings=warnings,
         fingerprint_note=note,
+        config_differences=config_diff,
     )
 
 

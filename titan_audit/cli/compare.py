@@ -1,7 +1,9 @@
 """`titan-audit compare RUN_A RUN_B`: are two runs' audit logs identical, and if not, where did they part?
 
-Thin wrapper over `titan_audit.audit.compare.compare_runs`. Exit 0 identical, 1 different
-(including records present in one run only), 2 bad input.
+Thin wrapper over `titan_audit.audit.compare.compare_runs`. Config differences between the runs are
+listed first (information: the verdict is the records'). Exit 0 identical, 1 different (including
+records present in one run only), 2 bad input (also a selection, `--steps`/`--phase`/`--names`,
+that selects no record).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def compare(run_a: Path, run_b: Path, as_json: bool, phase: str | None, names: s
     if as_json:
         print_json(data)
     else:
-        click.echo("\n".join(compare_report(data)))
+        configs = [f"config differs: {line}" for line in data["config_differences"]]  # first: context for the verdict
+        click.echo("\n".join(configs + compare_report(data)))
     if not result.identical:
         raise SystemExit(EXIT_DIFFERENT)

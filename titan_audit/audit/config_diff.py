@@ -1,0 +1,70 @@
+"""The differences between two runs' configs (the `config` of their manifests), key by key.
+
+    config_changes(manifest_a["config"], manifest_b["config"])  # [("seed", 0, 1), ...]
+
+Guarantees:
+- Nested sections are flattened to dotted keys (`schedule.decay_steps`); a key one config lacks
+  counts as a difference (its value None). Keys are listed in sorted order, so the output is stable.
+- By default the keys in `CONFIG_KEYS_IGNORED` are left out: they never change the bits of a step
+  (how long a run goes, how often it saves or flushes, how it launches). A prefix ending in "." leaves
+  out a whole section. `golden check` and `compare` report differences through this one function.
+- `model_changes` is the same for the `model` section alone (what `golden update` refuses to change
+  silently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Config keys that never change the bits of a step (how long, how often it saves or flushes, how
+# it launches). Differences elsewhere are reported.
+CONFIG_KEYS_IGNORED: tuple[str, ...] = (
+    "steps",
+    "checkpoint.",
+    "audit.flush_every_steps",
+    "parallel.backend",
+    "data.workers",
+    "determinism.census",  # record | strict | off: never the bits of a step
+)
+
+
+def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; an empty section stays a key of its own ({} value)."""
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _ignored(key: str, ignored: tuple[str, ...]) -> bool:
+    return any(key == i or (i.endswith(".") and key.startswith(i)) for i in ignored)
+
+
+def config_changes(
+    config_a: Any, config_b: Any, *, ignored: tuple[str, ...] = CONFIG_KEYS_IGNORED
+) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) for every key whose values differ, sorted by key."""
+    a, b = flatten_config(config_a or {}), flatten_config(config_b or {})
+    return [
+        (k, a.get(k), b.get(k))
+        for k in sorted(a.keys() | b.keys())
+        if not _ignored(k, ignored) and a.get(k) != b.get(k)
+    ]
+
+
+def model_changes(config_a: Any, config_b: Any) -> list[tuple[str, Any, Any]]:
+    """`config_changes` of the `model` sections alone (keys as `model.preset`, ...)."""
+    a = (config_a or {}).get("model") if isinstance(config_a, dict) else None
+    b = (config_b or {}).get("model") if isinstance(config_b, dict) else None
+    return config_changes({"model": a or {}}, {"model": b or {}}, ignored=())
+
+
+def change_text(change: tuple[str, Any, Any]) -> str:
+    """'seed: 0 -> 1' (values as repr, so a string and a number of the same digits differ)."""
+    key, a, b = change
+    return f"{key}: {a!r} -> {b!r}"
