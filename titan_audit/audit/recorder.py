@@ -37,6 +37,10 @@ Guarantees:
   record is written by the lowest rank of the mesh.
 - Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
+- Opening a run whose audit log already has parts (a resume appends to it) reads every existing
+  part in full first (audit.log.verify_audit_log, on every rank: all ranks fail alike): a damaged
+  part raises ValueError naming it ("RUN/audit/part-...: unreadable (...); the audit log of this
+  run is damaged: ...") before anything is appended.
 - Optionally (`dump_names`, `dump_steps`) full tensor values go to RUN/dumps.zarr (audit.dumps).
 - `absmax`/`mean` (informational, never compared) are computed for the phases in `stats`
   (default: all but grad, optim, param and ckpt, where they would cost three extra passes over
@@ -131,8 +135,8 @@ class Recorder:
         self._params: list[tuple[str, torch.nn.Parameter]] = []
         self._writer: AuditLogWriter | None = None
         self._dumps: DumpWriter | None = None
-        if level != "off":
-            self._writer = AuditLogWriter(self.run_dir, rank=self.rank)
+        if level != "off":  # an existing log (a resume) is read in full first: never append to a damaged one
+            self._writer = AuditLogWriter(self.run_dir, rank=self.rank, verify=True)
         if module is not None:
             self._params = list(module.named_parameters())
             self._param_names = {id(p): name for name, p in self._params}
