@@ -77,8 +77,8 @@ def test_directory_sources_are_sorted_by_relative_path(tmp_path):
         (lambda d: _parquet(d / "z.parquet", pa.array([], pa.string())), r"z\.parquet: empty file \(0 rows\)"),
         (lambda d: _parquet(d / "i.parquet", [1, 2]), r"i\.parquet: column 'text' has type int64"),
         (lambda d: _bytes(d / "e.jsonl", b"\n\n"), r"e\.jsonl: empty file"),
-        (lambda d: _jsonl(d / "k.jsonl", ["a"], key="body"), r"k\.jsonl line 1: no key 'text'"),
-        (lambda d: _bytes(d / "b.jsonl", b"{not json\n"), r"b\.jsonl line 1: not valid JSON"),
+        (lambda d: _jsonl(d / "k.jsonl", ["a"], key="body"), r"k\.jsonl:1: no key 'text'"),
+        (lambda d: _bytes(d / "b.jsonl", b"{not json\n"), r"b\.jsonl:1: not valid JSON"),
         (lambda d: _bytes(d / "x.txt", b"hi"), r"x\.txt: unknown source type"),
     ],
 )
@@ -93,7 +93,7 @@ def test_null_text_and_late_bad_jsonl_lines_are_named_when_read(tmp_path):
         _all_texts(source)
     path = tmp_path / "late.jsonl"
     path.write_text('{"text": "ok"}\n{"text": 5}\n')
-    with pytest.raises(ValueError, match=r"late\.jsonl line 2 .*'text' is int"):
+    with pytest.raises(ValueError, match=r"late\.jsonl:2: 'text' is int, expected a string"):
         _all_texts(open_text_source(path))
 
 

@@ -10,7 +10,8 @@ Pieces, one concern per module: sources (Parquet/JSONL), manifest (what the data
 (byte-level or HF tokenizer.json), token_store (zarr v3), prepare (text -> store, parallel),
 packing (concat / best_fit), permutation (Feistel, O(1) state), plan (global batch -> ranks),
 batches (pure (epoch, step, microbatch) -> arrays), prefetch (ordered workers), loader, state,
-microbatch, synthetic (verifiable-task corpora as Parquet), builtin (synthetic corpus + store).
+microbatch, synthetic (verifiable-task corpora as Parquet), builtin (synthetic corpus + store),
+textio (UTF-8 / JSON input whose errors name the file and line).
 """
 
 import importlib

@@ -9,12 +9,16 @@ Guarantees:
 - The documents of a source, in order, are: for each file, for each unit, the unit's rows in
   file order. That order does not depend on who reads the units or how many readers there are.
 - Bad input is a ValueError naming the file (and row group, line or column): a missing file, an
-  empty file, a corrupt Parquet file, a missing or non-string text column, a JSONL line that is
-  not an object with a string under the key, a null text value.
+  empty file, a corrupt Parquet file, a missing or non-string text column, a null text value. A
+  bad JSONL line is named by file and line number, wherever the unit that reads it starts
+  (`corpus.jsonl:3: not UTF-8 (byte 0xe9 at column 17, offset 120 in the file)`, `...:5: not
+  valid JSON (MSG: column C)`, `...: no key 'text' in the record`, `...: 'text' is int,
+  expected a string`). Lines are read as UTF-8 (a leading BOM is dropped), never guessed.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from titan_audit.data.manifest import FileEntry, SourceManifest, hash_file
+from titan_audit.data.textio import line_number, not_utf8
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -142,10 +147,15 @@ def _validate(kind: str, name: str, path: Path, text_column: str) -> None:
             raise ValueError(f"{name}: empty file (0 rows)")
     else:
         with open(path, "rb") as f:
+            offset = 0
             for number, line in enumerate(f, start=1):
                 if line.strip():
-                    _jsonl_text(line, name, number, text_column)
+                    try:
+                        _jsonl_text(line, text_column, offset)
+                    except _BadRecord as error:
+                        raise ValueError(f"{name}:{number}: {error}") from None
                     return
+                offset += len(line)
         raise ValueError(f"{name}: empty file (no records)")
 
 
@@ -172,16 +182,28 @@ def _jsonl_splits(path: Path) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _jsonl_text(line: bytes, name: str, number: int | str, key: str) -> str:
+class _BadRecord(ValueError):
+    """What is wrong with one JSONL line; the caller adds where (`NAME:LINE: ...`)."""
+
+
+def _jsonl_text(line: bytes, key: str, offset: int | None = None) -> str:
+    """The text under `key` of one JSONL line (its bytes; `offset`: where it starts in the file)."""
+    if line.startswith(codecs.BOM_UTF8):
+        line = line[len(codecs.BOM_UTF8) :]
+        offset = offset + len(codecs.BOM_UTF8) if offset is not None else None
     try:
-        record = json.loads(line)
+        decoded = line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise _BadRecord(not_utf8(line, error, offset)) from None
+    try:
+        record = json.loads(decoded)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{name} line {number}: not valid JSON ({error.msg})") from None
+        raise _BadRecord(f"not valid JSON ({error.msg}: column {error.colno})") from None
     if not isinstance(record, dict) or key not in record:
-        raise ValueError(f"{name} line {number}: no key {key!r} in the record")
+        raise _BadRecord(f"no key {key!r} in the record")
     text = record[key]
     if not isinstance(text, str):
-        raise ValueError(f"{name} line {number}: {key!r} is {type(text).__name__}, expected a string")
+        raise _BadRecord(f"{key!r} is {type(text).__name__}, expected a string")
     return text
 
 
@@ -201,7 +223,13 @@ def read_unit(unit: WorkUnit, text_column: str) -> list[str]:
         f.seek(unit.start)
         data = f.read(unit.stop - unit.start)
     texts = []
-    for number, line in enumerate(data.splitlines(), start=1):
+    offset = unit.start
+    for raw in data.splitlines(keepends=True):
+        line = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith((b"\n", b"\r")) else raw
         if line.strip():
-            texts.append(_jsonl_text(line, unit.path, f"{number} of bytes {unit.start}-{unit.stop}", text_column))
+            try:
+                texts.append(_jsonl_text(line, text_column, offset))
+            except _BadRecord as error:  # the line number is counted only now, on the error path
+                raise ValueError(f"{unit.path}:{line_number(unit.path, offset)}: {error}") from None
+        offset += len(raw)
     return texts

@@ -3,7 +3,8 @@
 State = (epoch, step) of the next step to deliver, the batch spec that fixes the batches, and the
 source manifest (its digest plus the entries, so a change can be named file by file). It holds
 nothing per rank or per worker, so a checkpoint stores it once and any W dividing V resumes it.
-`save`/`load` use JSON, written atomically.
+`save`/`load` use JSON, written atomically; a file that is not UTF-8 JSON is a ValueError naming
+its line (data/textio.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from titan_audit.atomic import write_bytes_atomic
 from titan_audit.data.manifest import SourceManifest
+from titan_audit.data.textio import load_json
 
 STATE_FORMAT = "titan-audit.loader-state.v1"
 
@@ -63,9 +65,8 @@ class LoaderState:
     def load(cls, path: str | os.PathLike) -> LoaderState:
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            raw = path.read_bytes()
         except FileNotFoundError:
             raise ValueError(f"{path}: no such loader state file") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON ({error.msg})") from None
+        data = load_json(raw, path)  # a bad byte or line: ValueError naming the line
         return cls.from_dict(data, source=str(path))

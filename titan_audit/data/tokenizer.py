@@ -9,6 +9,7 @@ Guarantees:
 ByteTokenizer: token = UTF-8 byte value (0..255), EOS = 256, PAD = 257, vocab 258.
 HFTokenizer: `tokenizers.Tokenizer.from_file(path)`; EOS is `eos_token` when given, otherwise the
 first of `EOS_CANDIDATES` found in the vocabulary (else a ValueError naming the file); PAD = EOS.
+A tokenizer.json that is not UTF-8 is a ValueError naming the file and line (data/textio.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 import xxhash
+
+from titan_audit.data.textio import decode_utf8
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 
@@ -57,8 +60,9 @@ class HFTokenizer:
         if not path.is_file():
             raise ValueError(f"{path}: no such tokenizer file")
         data = path.read_bytes()
+        text = decode_utf8(data, path)  # a bad byte: ValueError naming its line
         try:
-            self._tok = _HF.from_str(data.decode("utf-8"))
+            self._tok = _HF.from_str(text)
         except Exception as error:  # tokenizers raises its own Exception type
             raise ValueError(f"{path}: not a valid tokenizer.json ({error})") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
