@@ -4,7 +4,9 @@ Thin wrappers over `titan_audit.golden`. Exit codes: 0 ok (check: the run matche
 says in which mode), 1 the check found a difference (or only tolerance mode was possible under
 --require-exact), 2 bad input: a missing directory, a directory that is not a golden or not a run,
 a golden from a newer format version, and a corrupt golden (a file whose size or sha256 does not
-match golden.json): corruption is bad input, never reported as a numerics mismatch.
+match golden.json): corruption is bad input, never reported as a numerics mismatch. Also bad input:
+`record`/`update` of a run a live process is still writing, `update` by a run of another model
+(both unless --force), and `check` of a run holding none of the golden's steps.
 """
 
 from __future__ import annotations
@@ -83,10 +85,17 @@ def golden() -> None:
 @click.argument("run", type=click.Path(path_type=Path))
 @click.argument("golden_dir", type=click.Path(path_type=Path))
 @_selection_options
-def record(run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool) -> None:
-    """Write GOLDEN_DIR from RUN; refuses an existing GOLDEN_DIR (use `golden update`)."""
+@click.option("--force", is_flag=True, help="Record even while a live process is still writing RUN.")
+def record(
+    run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool, force: bool
+) -> None:
+    """Write GOLDEN_DIR from RUN; refuses an existing GOLDEN_DIR (use `golden update`) and a run still being written."""
     summary = record_golden(
-        run, golden_dir, **_selection(steps, phases, metrics, rtol, atol), max_failures=max_failures or 0
+        run,
+        golden_dir,
+        **_selection(steps, phases, metrics, rtol, atol),
+        max_failures=max_failures or 0,
+        force=force,
     )
     if as_json:
         print_json(summary)
@@ -114,11 +123,17 @@ def check(run: Path, golden_dir: Path, require_exact: bool, as_json: bool) -> No
 @click.argument("run", type=click.Path(path_type=Path))
 @click.argument("golden_dir", type=click.Path(path_type=Path))
 @_selection_options
-@click.option("--force", is_flag=True, help="Rewrite even when nothing compared would change (refreshes the manifest).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Rewrite even when nothing compared would change (refreshes the manifest), when the model "
+    "differs from the golden's, or while a live process is still writing RUN.",
+)
 def update(
     run: Path, golden_dir: Path, steps, phases, metrics, rtol, atol, max_failures, as_json: bool, force: bool
 ) -> None:
-    """Rewrite GOLDEN_DIR from RUN (keeping its steps, phases and tolerances unless given)."""
+    """Rewrite GOLDEN_DIR from RUN (keeping its steps, phases and tolerances unless given); refuses
+    a run of another model or one still being written unless --force."""
     changes = update_golden(
         run, golden_dir, **_selection(steps, phases, metrics, rtol, atol), max_failures=max_failures, force=force
     )

@@ -23,6 +23,11 @@ Guarantees:
 - `update_golden` rewrites an existing golden (even a corrupt one) atomically, keeping its
   steps, phases and tolerances unless new ones are given, and returns what changed: fingerprint
   fields, audit records (first divergence, counts), metric values, the selection and the policy.
+- Guards (ValueError, i.e. exit 2, unless `force`): `record_golden` and `update_golden` refuse a run
+  that a live process is still writing (its `RUN/.lock` is held: audit.run_manifest.run_writer),
+  and `update_golden` refuses a run whose model (the config's `model` section) differs from the
+  golden's. `check_golden` refuses a run that holds no record (exact mode) or no metric value
+  (tolerance mode) at any of the golden's steps: a check of nothing is bad input, not a verdict.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from titan_audit.audit.compare import CompareResult, compare_runs
+from titan_audit.audit import config_diff
+from titan_audit.audit.compare import CompareResult, compare_runs, steps_text
 from titan_audit.audit.log import AuditLogWriter, read_audit_log
-from titan_audit.audit.run_manifest import MANIFEST, read_manifest
+from titan_audit.audit.run_manifest import MANIFEST, read_manifest, run_writer
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
 from titan_audit.golden.store import (
     DEFAULT_PHASES,
@@ -58,16 +64,8 @@ from titan_audit.golden.store import (
 )
 
 METRICS = "metrics.parquet"
-# Config keys that never change the bits of a step (how long, how often it saves or flushes, how
-# it launches). Differences elsewhere are reported with the check.
-CONFIG_KEYS_IGNORED = (
-    "steps",
-    "checkpoint.",
-    "audit.flush_every_steps",
-    "parallel.backend",
-    "data.workers",
-    "determinism.census",
-)  # record | strict | off: never the bits of a step
+# Config keys that never change the bits of a step: audit.config_diff's (compare uses the same rule).
+CONFIG_KEYS_IGNORED = config_diff.CONFIG_KEYS_IGNORED
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -125,26 +123,9 @@ def _metric_values(table: pa.Table | None, name: str) -> dict[int, Any]:
     return dict(zip(table["step"].to_pylist(), table[name].to_pylist()))
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(data, dict):
-        return {prefix.rstrip("."): data} if prefix else {}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_differences(golden_config: Any, run_config: Any) -> list[str]:
-    a, b = _flatten(golden_config or {}), _flatten(run_config or {})
-    return [
-        f"{k}: golden {a.get(k)!r}, run {b.get(k)!r}"
-        for k in sorted(a.keys() | b.keys())
-        if not any(k == i or (i.endswith(".") and k.startswith(i)) for i in CONFIG_KEYS_IGNORED)
-        and a.get(k) != b.get(k)
-    ]
+    """'key: golden X, run Y' for every config key that differs (audit.config_diff's rule)."""
+    return [f"{key}: golden {a!r}, run {b!r}" for key, a, b in config_diff.config_changes(golden_config, run_config)]
 
 
 def fingerprint_differences(golden_fp: dict | None, run_fp: dict | None, golden: str, run: str) -> list[str]:
@@ -234,6 +215,31 @@ def _build(
     }
 
 
+def check_not_being_written(run_dir: Path, force: bool = False) -> None:
+    """ValueError (unless `force`) while a live process writes the run: a golden of a run still
+    training would keep its first steps only, as if they were the whole run."""
+    writer = None if force else run_writer(run_dir)
+    if writer is not None:
+        raise ValueError(
+            f"{run_dir}: the run is still being written ({writer} holds {run_dir / '.lock'}); "
+            "wait for it to end, or pass --force to keep the steps written so far"
+        )
+
+
+def check_same_model(golden: Golden, run_dir: Path, force: bool = False) -> None:
+    """ValueError (unless `force`) when the run's model (the `model` section of its config)
+    differs from the golden's: replacing a golden of one model by another is a new golden."""
+    if force:
+        return
+    changes = config_diff.model_changes(golden.manifest.get("config"), read_manifest(run_dir).get("config"))
+    if changes:
+        shown = "; ".join(config_diff.change_text(c) for c in changes[:5])
+        raise ValueError(
+            f"{run_dir}: the model differs from the golden {golden.path}'s ({shown}); a golden of another "
+            "model is a new golden: record it elsewhere, or pass --force to replace this one"
+        )
+
+
 def record_golden(
     run_dir: str | os.PathLike,
     golden_dir: str | os.PathLike,
@@ -245,14 +251,17 @@ def record_golden(
     atol: dict[str, float] | None = None,
     max_failures: int = 0,
     source: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Write a new golden of `run_dir` at `golden_dir` (refuses an existing one); a summary.
-    `source` describes where the run came from (default: its path)."""
+    """Write a new golden of `run_dir` at `golden_dir` (refuses an existing one, and a run a live
+    process is still writing unless `force`); a summary. `source` describes where the run came
+    from (default: its path)."""
     golden_dir = Path(golden_dir)
     if golden_dir.exists():
         raise ValueError(
             f"{golden_dir} already exists; a golden is only replaced deliberately: use `titan-audit golden update`"
         )
+    check_not_being_written(Path(run_dir), force)
     parts = _build(Path(run_dir), steps, phases, metrics, rtol or {}, atol or {}, max_failures)
     if source is not None:
         parts["source_run"] = source
@@ -329,7 +338,17 @@ def compare_selection(golden: Golden, run_dir: Path) -> CompareResult:
             Path(tmp, "audit").mkdir(exist_ok=True)
         result = compare_runs(golden.path, tmp, with_dumps=False)
     result.run_b = str(run_dir)
-    result.filters = {"steps": golden.steps, "phases": golden.phases}
+    steps = golden.steps
+    contiguous = bool(steps) and steps == list(range(steps[0], steps[-1] + 1))
+    # filters.steps is compare's [first, last] range (what its report prints); a golden's steps with
+    # gaps have no such range, so they are given in full under golden_steps only
+    result.filters = {
+        "phase": None,
+        "names": None,
+        "steps": [steps[0], steps[-1]] if contiguous else None,
+        "golden_steps": steps,
+        "phases": golden.phases,
+    }
     result.fingerprint_warnings, result.fingerprint_note = [], None  # the golden check decides the mode
     return result
 
@@ -364,6 +383,23 @@ def _compare_metrics(
     return mismatches, points, missing
 
 
+def _metric_steps(table: pa.Table | None) -> list[int]:
+    return [] if table is None else sorted(set(table["step"].to_pylist()))
+
+
+def _check_overlap(golden: Golden, run_dir: Path) -> None:
+    """ValueError when the run holds no record at all in the golden's steps and phases: a check of
+    nothing (another run, a typo) is bad input, not a numerics verdict."""
+    expr = ds.field("phase").isin(pa.array(golden.phases, type=pa.string()))
+    steps = pc.unique(read_audit_log(run_dir, columns=["step"], filter=expr)["step"]).to_pylist()
+    if not set(steps) & set(golden.steps):
+        held = steps_text(steps) if steps else "none"
+        raise ValueError(
+            f"{run_dir}: no audit records at the golden's steps {steps_text(golden.steps)} in phases "
+            f"{', '.join(golden.phases)} (the run has steps {held} in those phases): nothing to check"
+        )
+
+
 def check_golden(
     run_dir: str | os.PathLike, golden_dir: str | os.PathLike, *, require_exact: bool = False
 ) -> GoldenCheck:
@@ -381,6 +417,7 @@ def check_golden(
     compare = None
     if not fp_diff:
         mode = "exact"
+        _check_overlap(golden, run_dir)
         compare = compare_selection(golden, run_dir)
         if not compare.identical:
             first = compare.first_divergence
@@ -406,6 +443,11 @@ def check_golden(
         if require_exact:
             failures.append("exact comparison required, but the numerics fingerprints differ: " + "; ".join(fp_diff))
         mismatches, points, missing = _compare_metrics(golden, run_metrics, exact=False)
+        if points == 0 and missing:  # not one (metric, step) point of the golden is in the run
+            raise ValueError(
+                f"{run_dir}: no metric values at the golden's steps {steps_text(golden.steps)} "
+                f"(the run's {METRICS} has steps {steps_text(_metric_steps(run_metrics))}): nothing to check"
+            )
         if not golden.tolerance.metrics or (golden.metrics is None):
             failures.append(f"{golden.path}: the golden keeps no metrics, so tolerance mode has nothing to check")
         if missing:
@@ -455,8 +497,11 @@ def update_golden(
 ) -> dict[str, Any]:
     """Replace the golden at `golden_dir` by one of `run_dir`; returns what changed. A golden whose
     content would not change (same fingerprint, hashes, metric bits, selection and policy) is left
-    as it is (`rewritten` False: no churn in committed goldens) unless `force`."""
+    as it is (`rewritten` False: no churn in committed goldens) unless `force`. Refused (ValueError)
+    unless `force`: a run a live process is still writing, and a run of another model (the `model`
+    section of the config differs from the golden's)."""
     golden_dir, run_dir = Path(golden_dir), Path(run_dir)
+    check_not_being_written(run_dir, force)
     old: Golden | None = None
     old_error = None
     try:
@@ -468,6 +513,7 @@ def update_golden(
             f"{error} (`golden update` replaces an existing golden; use `golden record` for a new one)"
         ) from None
     if old is not None:
+        check_same_model(old, run_dir, force)
         steps = old.steps if steps is None else steps
         phases = old.phases if phases is None else phases
         metrics = list(old.tolerance.metrics) if metrics is None else metrics
