@@ -91,3 +91,19 @@ def test_a_live_writers_temporary_is_kept_and_the_second_writer_refused(tmp_path
     assert out.is_dir() and not live.exists() and not lock_path(out).exists()  # the writer finished
     with pytest.raises(ValueError, match="already exists"):
         prepare(PrepareConfig(sources=(str(source),), out=str(out)))
+
+
+def test_a_refused_prepare_still_removes_the_leftovers_and_creates_nothing(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+    out = tmp_path / "corpus.zarr"
+    prepare(PrepareConfig(sources=(str(source),), out=str(out)))
+    left = _killed_writer(out.with_name("again.zarr"))  # a killed --overwrite of a store that exists
+    (tmp_path / "again.zarr").mkdir()
+    with pytest.raises(ValueError, match="already exists"):
+        prepare(PrepareConfig(sources=(str(source),), out=str(tmp_path / "again.zarr")))
+    assert not left.exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": 1}\n')
+    with pytest.raises(ValueError, match="no key 'text'"):
+        prepare(PrepareConfig(sources=(str(bad),), out=str(tmp_path / "new" / "dir" / "bad.zarr")))
+    assert not (tmp_path / "new").exists()

@@ -7,7 +7,8 @@ order (`Executor.map` yields in submission order), at most `workers * 2` units i
 output appears atomically (temporary directory, then rename); an existing output is refused
 unless `overwrite=True`. The output's lock is held throughout (`store_output_lock`): a second
 `prepare` of the same output is refused at once, and the `.NAME.XXXX.tmp` directories a killed
-`prepare` left are removed first (an INFO log line names each). Progress (documents tokenized)
+`prepare` left are removed first (an INFO log line names each). A refused prepare creates
+nothing (not even the output's parent directory). Progress (documents tokenized)
 is shown with tqdm when `progress=True`.
 """
 
@@ -80,11 +81,13 @@ def _results(source: TextSource, units: list[WorkUnit], config: PrepareConfig) -
 
 def prepare(config: PrepareConfig, *, progress: bool = False) -> StoreInfo:
     """Tokenize `config.sources` into the token store `config.out`; returns the store's info."""
-    with store_output_lock(config.out):
-        return _prepare(config, progress=progress)
+    if Path(config.out).parent.is_dir():  # lock first: even a refused prepare removes what a killed one left
+        with store_output_lock(config.out):
+            return _prepare(config, progress=progress, locked=True)
+    return _prepare(config, progress=progress, locked=False)  # nothing can be left where nothing is yet
 
 
-def _prepare(config: PrepareConfig, *, progress: bool) -> StoreInfo:
+def _prepare(config: PrepareConfig, *, progress: bool, locked: bool) -> StoreInfo:
     out = Path(config.out)
     if out.exists() and not config.overwrite:
         raise ValueError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
@@ -95,7 +98,10 @@ def _prepare(config: PrepareConfig, *, progress: bool) -> StoreInfo:
         manifest.kind, manifest.entries, extra={**manifest.extra, "tokenizer": tokenizer.identity}
     )
     units = source.units()
-    with atomic_output_dir(out, overwrite=config.overwrite) as tmp:
+    with (
+        contextlib.nullcontext() if locked else store_output_lock(out),
+        atomic_output_dir(out, overwrite=config.overwrite) as tmp,
+    ):
         writer = TokenStoreWriter(
             tmp,
             tokenizer=tokenizer.identity,
