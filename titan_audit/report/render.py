@@ -323,7 +323,8 @@ def section_against(doc: Doc, run_a: Path, run_b: Path, title: str | None = None
         else "DIFFERENT: the runs part (first divergence below)",
         "pass" if result.identical else "fail",
     )
-    doc.code(compare_report(result.to_dict()))
+    data = result.to_dict()
+    doc.code([f"config differs: {line}" for line in data["config_differences"]] + compare_report(data))
     grid = divergence_map(run_a, run_b)
     totals = grid.totals()
     doc.p(
