@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,3 +129,50 @@ def test_stopped_message_says_where_a_resume_starts(tmp_path: Path) -> None:
     )
     (run / "checkpoints" / "step_00000008").mkdir(parents=True)
     assert "(from its last checkpoint, step 8)" in launch.stopped_message(signal.SIGHUP, run)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGTERM, 143)])
+def test_a_stop_signal_exits_128_plus_it_with_one_line_and_restores_the_handlers(
+    tmp_path: Path, monkeypatch, capsys, signum: int, code: int
+) -> None:
+    """torchrun() without torchrun: the stop reaches the launch (a stand-in), the temp dir of
+    the launch goes, one line, SystemExit(128 + signal); a signal inside `held()` waits for its end."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)}
+    seen = []
+
+    def stand_in(module, config, out, flags, signals, **kwargs):
+        with signals.held():
+            os.kill(os.getpid(), signum)
+            seen.append("held")  # reached: the stop waits for the block's end
+        seen.append("after")  # never reached
+        return 0
+
+    monkeypatch.setattr(launch, "_torchrun", stand_in)
+    with pytest.raises(SystemExit) as stopped:
+        launch.torchrun("m", {}, tmp_path / "RUN", [], nproc=2, threads=1)
+    assert stopped.value.code == code
+    assert seen == ["held"]
+    err = capsys.readouterr().err.splitlines()
+    name = signal.Signals(signum).name
+    run = tmp_path / "RUN"
+    assert err == [
+        f"Error: stopped by {name} before the run in {run} wrote its manifest; nothing to resume: start it again"
+    ]
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_the_launch_dir_holds_the_pid_and_is_removed(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = {}
+
+    def fake_run(command, env, errors):
+        directory = errors.parent
+        seen["pid"] = (directory / launch.LAUNCH_PID_FILE).read_text().split()[0]
+        seen["name"] = directory.name
+        return 0
+
+    monkeypatch.setattr(launch, "_run_filtered", fake_run)
+    assert launch.torchrun("m", {}, tmp_path / "RUN", [], nproc=2, threads=1) == 0
+    assert seen["pid"] == str(os.getpid()) and seen["name"].startswith(launch.LAUNCH_DIR_PREFIX)
+    assert not list(tmp_path.glob(f"{launch.LAUNCH_DIR_PREFIX}*"))
