@@ -26,7 +26,8 @@ def crash_point(name: str, step: int, path: str | os.PathLike | None = None) -> 
     if not spec:
         return
     parts = spec.split(":")
-    if len(parts) not in (2, 3, 4) or (len(parts) == 4 and not hasattr(errno, parts[3])):
+    numbers = all(part.isdigit() for part in parts[1:3])
+    if len(parts) not in (2, 3, 4) or not numbers or (len(parts) == 4 and not hasattr(errno, parts[3])):
         raise ValueError(f"{CRASH_ENV}={spec!r}: expected name:step, name:step:rank or name:step:rank:ERRNO")
     import torch.distributed as dist
 
