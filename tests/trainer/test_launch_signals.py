@@ -49,11 +49,23 @@ def test_sigterm_stops_ranks_cleans_up_and_the_run_resumes(tmp_path: Path) -> No
     tmpdir.mkdir()
     run = tmp_path / "RUN"
     env = {**os.environ, "TMPDIR": str(tmpdir)}
-    common = ["--nproc", "2", "--out", str(run), "--set", "parallel.threads=1"]
+    common = ["--out", str(run), "--set", "parallel.threads=1"]
     stderr_file = tmp_path / "stderr.txt"
     with stderr_file.open("wb") as stderr:
         proc = subprocess.Popen(
-            [*CLI, "train", "--config", "tiny-dense", "--steps", "50", *common],
+            [
+                *CLI,
+                "train",
+                "--config",
+                "tiny-dense",
+                "--steps",
+                "50",
+                "--nproc",
+                "2",
+                *common,
+                "--set",
+                "checkpoint.interval=1",
+            ],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -77,7 +89,7 @@ def test_sigterm_stops_ranks_cleans_up_and_the_run_resumes(tmp_path: Path) -> No
 
     last = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
     assert f"step {last})" in lines[-1]
-    done = subprocess.run(
+    done = subprocess.run(  # in this process (W=1: a resume may change W, G3): no torchrun to wait for
         [*CLI, "train", "--resume", "--steps", str(last + 1), *common],
         env=env,
         capture_output=True,
