@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from titan_audit import deterministic
 from titan_audit.audit import Recorder
+from titan_audit.audit.log import verify_audit_log
 from titan_audit.audit.run_manifest import record_census
 from titan_audit.log import get_logger
 from titan_audit.trainer import typed_config
@@ -148,7 +149,8 @@ def check_run_dir(
 ) -> None:
     """The run directory against the request (ValueError; no compute, nothing written): --resume
     and --overwrite exclude each other; a resume needs a run of the same kind whose saved config
-    differs only in `mutable` keys, checkpoints whose small files verify and a step to run; a new
+    differs only in `mutable` keys, checkpoints whose small files verify, an audit log whose parts
+    all read, and a step to run; a new
     run needs an empty (or missing) directory unless --overwrite, outside any other run's
     directory and without runs below it (run_dir.check_out_path)."""
     out = Path(out)
@@ -161,6 +163,7 @@ def check_run_dir(
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
         checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
         start, _ = checkpointer.preflight(fallback=config.checkpoint.fallback)
+        verify_audit_log(out)  # the parts a resume appends to: a damaged one stops it here, named
         if start >= config.steps:
             raise ValueError(
                 f"{out}: already at step {start} of steps={config.steps}; nothing to run "
