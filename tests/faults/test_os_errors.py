@@ -143,10 +143,24 @@ def test_a_full_disk_in_a_torchrun_rank_is_one_line(tmp_path, monkeypatch):
 
 
 def test_corrupt_checkpoints_are_one_line(tmp_path):
+    """DCP's errors carry every failed rank's traceback in their text; each message here is one line."""
     run = tmp_path / "run"
     assert _cli("train", *QUICK, "--steps", "4", "--out", run).exit_code == 0
-    for distcp in (run / "checkpoints").rglob("*.distcp"):
-        distcp.write_bytes(distcp.read_bytes()[:100])
+
+    def corrupt(step: int) -> None:
+        for distcp in (run / "checkpoints" / f"step_{step:08d}").rglob("*.distcp"):
+            distcp.write_bytes(distcp.read_bytes()[:100])
+
+    corrupt(4)
+    refused = _cli("train", "--resume", "--out", run, "--steps", "5", "--set", "checkpoint.fallback=false")
+    one_line_error(refused, "step_00000004: cannot read model/optimizer tensors (rank 0: EOFError)", "step_00000002")
+    fell_back = _cli("train", "--resume", "--out", run, "--steps", "5")  # the control: the older one loads
+    assert fell_back.exit_code == 0, fell_back.output
+    warnings = [line for line in fell_back.stderr.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "resuming from step_00000002" in warnings[0], fell_back.stderr
+    assert "Traceback" not in fell_back.stderr
+    for step in (2, 4, 5):  # the resumed run wrote step_4 and step_5 anew
+        corrupt(step)
     for fallback in ("true", "false"):
-        done = _cli("train", "--resume", "--out", run, "--steps", "5", "--set", f"checkpoint.fallback={fallback}")
-        one_line_error(done, "cannot read model/optimizer tensors (rank 0: EOFError)", "step_00000004")
+        done = _cli("train", "--resume", "--out", run, "--steps", "6", "--set", f"checkpoint.fallback={fallback}")
+        one_line_error(done, "step_00000005: cannot read model/optimizer tensors (rank 0: EOFError)")
