@@ -1,12 +1,12 @@
-"""G2 + G3 on every CPU: a BI tiny-dense training run at W=2 has the same audit hashes whatever
-kernel variant is forced and whatever library knob is set (each run is a fresh torchrun launch,
-so the knobs are read at process start). `titan-audit compare` must report the runs identical.
+"""G2 + G3 on every CPU: a BI tiny-dense training run has the same audit hashes whatever kernel
+variant is forced and whatever library knob is set. The reference runs at W=2 (torchrun) with no
+knob; each variant runs at W=1 in a fresh process (the knobs are read at process start), so every
+comparison checks the world size and the knob at once. `compare_runs` must report them identical.
 Negative control: a run with another seed is reported different by the same comparison.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from titan_audit.audit import compare_runs
 from titan_audit.batch_invariant.cpu import _lib
 
 STEPS = 2
 BI = ["--set", "determinism.batch_invariant=true", "--set", "parallel.threads=1"]
 
 
-def _train(out: Path, env: dict[str, str], *extra: str) -> Path:
+def _train(out: Path, env: dict[str, str], *extra: str, nproc: int = 1) -> Path:
     base = {k: v for k, v in os.environ.items() if k not in ("TITAN_AUDIT_CPU_ISA", "ATEN_CPU_CAPABILITY")}
     cmd = [
         sys.executable,
@@ -31,8 +32,7 @@ def _train(out: Path, env: dict[str, str], *extra: str) -> Path:
         "tiny-dense",
         "--out",
         str(out),
-        "--nproc",
-        "2",
+        *(["--nproc", str(nproc)] if nproc > 1 else []),
         "--steps",
         str(STEPS),
         *BI,
@@ -44,19 +44,12 @@ def _train(out: Path, env: dict[str, str], *extra: str) -> Path:
 
 
 def _compare(a: Path, b: Path) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_audit.cli", "compare", str(a), str(b), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode in (0, 1), proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+    return compare_runs(a, b).to_dict()
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _train(tmp_path_factory.mktemp("knobs") / "reference", {})
+    return _train(tmp_path_factory.mktemp("knobs") / "reference", {}, nproc=2)
 
 
 def _cases() -> list:
