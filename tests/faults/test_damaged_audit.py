@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from fault_injection import one_line_error as _one_line_error
 
 from titan_audit.audit import Recorder
 from titan_audit.audit.log import part_files, read_audit_log, verify_audit_log
@@ -75,15 +76,6 @@ def _snapshot(run: Path) -> dict[str, bytes]:
 
 def _invoke(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def _one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 @pytest.mark.parametrize("damage", [_truncate, _flip_data_byte], ids=["truncated", "flipped-byte"])

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from fault_injection import one_line_error as _one_line_error
 
 from titan_audit.audit.compare import compare_runs
 from titan_audit.audit.log import AuditLogWriter, part_files, read_audit_log
@@ -87,16 +88,6 @@ def runs(tmp_path_factory):
 
 def _invoke(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def _one_line_error(result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------ compare

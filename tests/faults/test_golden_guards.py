@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from fault_injection import one_line_error as _one_line_error
 
 from titan_audit.audit.run_manifest import is_being_written, run_writer
 from titan_audit.cli.main import cli
@@ -48,16 +49,6 @@ def runs(tmp_path_factory):
 
 def _invoke(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def _one_line_error(result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def _files(path: Path) -> dict[str, bytes]:
