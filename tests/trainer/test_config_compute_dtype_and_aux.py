@@ -26,7 +26,11 @@ def test_defaults_and_the_tiny_moe_recipe():
         ("tiny-dense", ["model.compute_dtype=1"], "model.compute_dtype"),
         ("tiny-dense", ["model.compute_dtypes=bfloat16"], "unknown key 'model.compute_dtypes'"),
         ("tiny-moe", ["model.router_aux_loss_coef=-0.1"], "model.router_aux_loss_coef must be a finite number >= 0"),
-        ("tiny-moe", ["model.router_aux_loss_coef=inf"], "model.router_aux_loss_coef: expected a finite number, got inf"),
+        (
+            "tiny-moe",
+            ["model.router_aux_loss_coef=inf"],
+            "model.router_aux_loss_coef: expected a finite number, got inf",
+        ),
         ("tiny-moe", ["model.router_aux_loss_coef=true"], "model.router_aux_loss_coef: expected"),
         ("tiny-dense", ["model.router_aux_loss_coef=0.01"], "model.router_aux_loss_coef = 0.01 needs an MoE model"),
     ],
