@@ -78,11 +78,10 @@ def dcp_reason(error: BaseException) -> str:
         rank, (cause, _) = next(iter(sorted(error.failures.items())))
         more = len(error.failures) - 1
         return f"rank {rank}: {dcp_reason(cause)}" + (f" (and {more} more rank(s))" if more else "")
-    if isinstance(error, OSError) and error.errno is not None:
-        return faults.error_line(error)
-    text = str(error).strip()
-    first = text.splitlines()[0].strip() if text else ""
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+    line = faults.error_line(error)
+    if (isinstance(error, OSError) and error.errno is not None) or line == type(error).__name__:
+        return line
+    return f"{type(error).__name__}: {line}"
 
 
 def _distributed() -> bool:
