@@ -24,7 +24,9 @@ Guarantees:
   call, e.g. for a BI-mode golden, which is exact on every CPU) makes it a failure.
 - `--golden-update` records a missing golden or updates an existing one from the run instead of
   checking, and reports what changed (as a `GoldenUpdatedWarning`); a golden whose compared
-  content would not change is left byte for byte as it is. Without it a missing golden
+  content would not change is left byte for byte as it is. The result is then a `GoldenUpdate`
+  (`passed` True, `mode` "update"), so a test body's `assert golden_run.passed` holds in both
+  modes. Without it a missing golden
   fails the test and says how to create it. A corrupt golden fails the test as corrupt.
 - The default runner is `titan-audit train --config RECIPE --steps N --nproc W` in a subprocess
   (the trainer's own launcher, torchrun for W > 1), so every run starts from a fresh process and
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,19 @@ class GoldenToleranceWarning(UserWarning):
 
 class GoldenUpdatedWarning(UserWarning):
     """--golden-update rewrote (or created) a golden."""
+
+
+@dataclass(frozen=True)
+class GoldenUpdate:
+    """What `golden_run` returns under --golden-update: the golden was recorded or updated, not
+    checked. `passed` is True so that one test body serves both modes."""
+
+    golden: Path
+    recorded: bool  # the golden did not exist and was recorded from the run
+    rewritten: bool  # its files changed (always True when recorded)
+    changes: dict[str, Any] = field(default_factory=dict)
+    passed: bool = True
+    mode: str = "update"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -180,15 +196,15 @@ class GoldenRunner:
                     GoldenUpdatedWarning(f"golden {golden} {verb}: {json.dumps(_brief(changes), default=str)}"),
                     stacklevel=2,
                 )
-            else:
-                summary = record_golden(out, golden, source=source)
-                warnings.warn(
-                    GoldenUpdatedWarning(
-                        f"golden {golden} recorded: {summary['records']} records, {summary['bytes']} bytes"
-                    ),
-                    stacklevel=2,
-                )
-            return None
+                return GoldenUpdate(golden, recorded=False, rewritten=bool(changes["rewritten"]), changes=changes)
+            summary = record_golden(out, golden, source=source)
+            warnings.warn(
+                GoldenUpdatedWarning(
+                    f"golden {golden} recorded: {summary['records']} records, {summary['bytes']} bytes"
+                ),
+                stacklevel=2,
+            )
+            return GoldenUpdate(golden, recorded=True, rewritten=True, changes=summary)
         if not golden.exists():
             pytest.fail(
                 f"no golden {golden}; create it with `pytest --golden-update` (or `titan-audit golden record`)",
@@ -233,7 +249,7 @@ def golden_directory(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture
 def golden_run(request: pytest.FixtureRequest, tmp_path: Path, golden_directory: Path):
     """A `GoldenRunner`; on a test marked `@pytest.mark.golden(name, ...)`, the GoldenCheck of that
-    marker's run (done before the test body; None under --golden-update)."""
+    marker's run (done before the test body; a GoldenUpdate under --golden-update)."""
     runner = GoldenRunner(request.config, tmp_path, request.node.nodeid, golden_directory)
     marker = request.node.get_closest_marker("golden")
     if marker is None:
