@@ -3,8 +3,10 @@
 Guarantees:
 - `encode_batch(texts)` returns one uint32 numpy array per text, a pure function of the text and
   the tokenizer file: no special tokens are added (the packer adds EOS between documents).
-- `identity` names the tokenizer exactly ("byte-v1", or "hf:<xxh3-128 of tokenizer.json>:eos=<id>"),
-  and is recorded in every token store, so a store never silently mixes tokenizers.
+- `identity` names the tokenizer exactly ("byte-v1", "hf:<xxh3-128 of tokenizer.json>:eos=<id>"
+  (+ ":pad=<id>" when a PAD token is named), or for a directory "hf-dir:<xxh3-128 of its
+  files>:eos=<id>:pad=<id>"), and is recorded in every token store (and an RL run's manifest), so
+  a store never silently mixes tokenizers.
 
 ByteTokenizer: token = UTF-8 byte value (0..255), EOS = 256, PAD = 257, vocab 258.
 HFTokenizer: `tokenizers.Tokenizer.from_file(path)`; EOS is `eos_token` when given, otherwise the
