@@ -5,6 +5,9 @@
 Guarantees:
 - Nested sections are flattened to dotted keys (`schedule.decay_steps`); a key one config lacks
   counts as a difference (its value None). Keys are listed in sorted order, so the output is stable.
+- A key one config lacks and the other holds at its entry in `ADDED_KEY_DEFAULTS` (a key added
+  after runs were recorded, at the default that keeps the old behaviour) is no difference: an old
+  golden or run compares with a new config that leaves the key alone.
 - By default the keys in `CONFIG_KEYS_IGNORED` are left out: they never change the bits of a step
   (how long a run goes, how often it saves or flushes, how it launches). A prefix ending in "." leaves
   out a whole section. `golden check` and `compare` report differences through this one function.
@@ -26,6 +29,15 @@ CONFIG_KEYS_IGNORED: tuple[str, ...] = (
     "data.workers",
     "determinism.census",  # record | strict | off: never the bits of a step
 )
+
+# Keys added after runs (and goldens) were recorded, with the default that behaves as before they
+# existed; keys whose default is None need no entry (a missing key already reads as None).
+ADDED_KEY_DEFAULTS: dict[str, Any] = {
+    "task.prompt_column": "prompt",  # rl: the user's prompts file (issue 24)
+    "task.shuffle": True,
+    "task.reward_check": True,
+    "tokenizer.chat_template": False,
+}
 
 
 def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -50,6 +62,9 @@ def config_changes(
 ) -> list[tuple[str, Any, Any]]:
     """(dotted key, value in a, value in b) for every key whose values differ, sorted by key."""
     a, b = flatten_config(config_a or {}), flatten_config(config_b or {})
+    for key, default in ADDED_KEY_DEFAULTS.items():
+        if (key in a) != (key in b):
+            (b if key in a else a).setdefault(key, default)
     return [
         (k, a.get(k), b.get(k))
         for k in sorted(a.keys() | b.keys())

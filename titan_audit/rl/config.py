@@ -10,7 +10,9 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
 - `from_dict(to_dict(c)) == c`; manifest.json stores the resolved config and a resume compares it
   key by key (`resume_differences`; only RESUME_MUTABLE_KEYS may change).
 - Sections: model (trainer ModelSection; float32 compute only), task (name, prompts per step,
-  samples per prompt G), sampling (temperature, top_p, top_k, max_new_tokens), loss (clip_eps,
+  samples per prompt G; or the user's prompts file and reward functions, rl/user_task.py),
+  tokenizer (the byte tokenizer, or an HF tokenizer file / directory), sampling (temperature,
+  top_p, top_k, max_new_tokens), loss (clip_eps,
   kl_coef: the k3 KL to the frozen initial policy), optimizer, schedule, rollout (lag, buffer),
   parallel (threads, backend; data parallel only), checkpoint, audit, determinism
   (batch_invariant on by default: the zero-gap guarantee needs it); top-level `seed` (prompt sets,
@@ -24,6 +26,7 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,11 +40,42 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"rollout.buffer", "generator"}
 
 
+def _absolute(path: str) -> str:
+    """A relative path resolved against the current directory (configs store absolute paths)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _absolute_reward(spec: str) -> str:
+    """'module:fn' as given; 'path/to/file.py:fn' with the file made absolute."""
+    where, sep, fn = spec.rpartition(":")
+    if not sep or not where or not fn:
+        raise ValueError(f"task.reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+    return f"{_absolute(where)}:{fn}" if where.endswith(".py") or "/" in where else spec
+
+
 @dataclass
 class TaskSection:
-    name: str = "reversal"  # rl/tasks.py: arithmetic, reversal, sorting, copy, mixed
+    """A built-in task (`name`), or the user's own: a prompts file and reward function(s).
+
+    prompts: a .jsonl or .parquet file, one prompt a row (column `prompt_column`); every other
+    column reaches the reward functions under its own name. Relative paths (prompts, a reward's
+    file, tokenizer.path) resolve against the current directory when the config is built and are
+    stored absolute. reward / rewards: 'module:function' or 'path/to/file.py:function' (one of the
+    two keys), TRL's signature fn(prompts, completions, **columns) -> list[float]; the reward is
+    the sum of reward_weights[i] * rewards[i] (default weights 1.0). shuffle: each epoch over the
+    rows in a keyed permuted order (else file order). reward_check: score the first prompt group
+    of each step (per rank) twice and stop on a difference (NondeterministicRewardError)."""
+
+    name: str = "reversal"  # rl/tasks.py: arithmetic, reversal, sorting, copy, mixed (unused with prompts)
     prompts_per_step: int = 8  # P: prompts per step = virtual microbatches V (one prompt group each)
     samples_per_prompt: int = 8  # G: samples per prompt (the GRPO group)
+    prompts: str | None = None  # the user's prompts file (rl/user_task.py); None: the built-in task `name`
+    prompt_column: str = "prompt"
+    shuffle: bool = True
+    reward: str | None = None
+    rewards: list[str] | None = None
+    reward_weights: list[float] | None = None
+    reward_check: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in task_names():
@@ -49,6 +83,56 @@ class TaskSection:
         for key in ("prompts_per_step", "samples_per_prompt"):
             if getattr(self, key) < 1:
                 raise ValueError(f"task.{key} must be >= 1, got {getattr(self, key)}")
+        if self.reward is not None and self.rewards is not None:
+            raise ValueError("task.reward and task.rewards exclude each other (rewards: a list of several)")
+        if self.rewards is not None and not self.rewards:
+            raise ValueError("task.rewards is empty; name at least one 'module:function'")
+        if self.prompts is None:
+            for key in ("reward", "rewards", "reward_weights"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"task.{key} needs task.prompts (the user's prompts file)")
+            return
+        if self.reward is None and self.rewards is None:
+            raise ValueError("task.prompts needs task.reward = 'module:function' (or task.rewards = [...])")
+        if not self.prompt_column:
+            raise ValueError("task.prompt_column is empty")
+        self.prompts = _absolute(self.prompts)
+        if self.reward is not None:
+            self.reward = _absolute_reward(self.reward)
+        if self.rewards is not None:
+            self.rewards = [_absolute_reward(r) for r in self.rewards]
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_specs):
+            raise ValueError(
+                f"task.reward_weights has {len(self.reward_weights)} weights for "
+                f"{len(self.reward_specs)} reward functions"
+            )
+
+    @property
+    def reward_specs(self) -> list[str]:
+        return [self.reward] if self.reward is not None else list(self.rewards or [])
+
+    @property
+    def weights(self) -> list[float]:
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_specs)
+
+
+@dataclass
+class TokenizerSection:
+    """path: None = the byte tokenizer (EOS 256, vocab 258); a tokenizer.json (HF `tokenizers`) or
+    an HF tokenizer directory (transformers). chat_template: apply the tokenizer's chat template
+    (add_generation_prompt) to every prompt (a directory's tokenizer only). eos_token / pad_token:
+    their tokens by name (default: the tokenizer's own; PAD falls back to EOS)."""
+
+    path: str | None = None
+    chat_template: bool = False
+    eos_token: str | None = None
+    pad_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            self.path = _absolute(self.path)
+        elif self.chat_template or self.eos_token is not None or self.pad_token is not None:
+            raise ValueError("tokenizer.chat_template / eos_token / pad_token need tokenizer.path (an HF tokenizer)")
 
 
 @dataclass
@@ -121,6 +205,7 @@ class RLConfig:
     generator: Literal["builtin", "vllm"] = "builtin"  # rollouts: rl/builtin.py or vLLM (rl/vllm/)
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     loss: LossSection = field(default_factory=LossSection)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4, weight_decay=0.0))

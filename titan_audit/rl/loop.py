@@ -11,7 +11,8 @@ exception. What is RL's own, a step k on rank r of W (P prompts = V microbatches
      built-in generator, or with `generator = "vllm"` by our model inside vLLM, from policy
      version max(0, k-1-lag), after a weight sync checked by fingerprints): rank r serves its block
      [r*P/W, (r+1)*P/W) of the step's prompt set; sample j of prompt i is keyed (seed, k, i, j);
-  2. rewards (checked: a raising or non-finite reward stops the run naming task and sample) and
+  2. rewards (the task's: built-in, or the user's prompts file and reward functions, rl/user_task.py;
+     checked: a raising or non-finite reward stops the run naming task and sample) and
      group-normalised advantages, per prompt;
   3. per prompt group (= virtual microbatch, global index = prompt id): the trainer's log-probs
      of the sampled tokens (one forward of prompt + completion), the clipped policy-gradient loss
@@ -49,7 +50,7 @@ from titan_audit.rl.loss import combine_gap, gap_figures, group_advantages, poli
 from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator, check_prompts
 from titan_audit.rl.rollouts import RolloutResult, random_delay
 from titan_audit.rl.step_metrics import group_stats, metrics_row
-from titan_audit.rl.tasks import TOKENIZER, completion_text, prompt_set, score
+from titan_audit.rl.user_task import build_task, input_differences
 from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, rank_block
@@ -67,8 +68,8 @@ class RLResult:
 
 
 # ---------------------------------------------------------------------------------- input checks
-def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: int) -> None:
-    """Every check of the RL request that needs no compute (ValueError naming the key)."""
+def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: int):
+    """Every check of the RL request that needs no compute (ValueError naming the key); the task."""
     config.check_world_size(world_size)
     check_backend(config)
     if config.generator == "vllm":
@@ -89,21 +90,27 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
                 f"--init {init}: its model has another shape than the config's model "
                 f"({config.model.preset}): {'; '.join(differences[:3])}"
             )
-    if model_config.vocab_size < TOKENIZER.vocab_size:
-        raise ValueError(f"model vocab_size {model_config.vocab_size} < the byte tokenizer's {TOKENIZER.vocab_size}")
-    check_prompts(config, prompt_set(config.task.name, config.seed, 1, config.task.prompts_per_step))
+    task = build_task(config)  # the tokenizer against the model, the user's prompts and rewards
+    check_prompts(config, task.prompts(1))
+    return task
 
 
-def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool | str, world_size: int) -> None:
+def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool | str, world_size: int):
     """Everything `rl_train` checks before it computes (the launcher runs it before torchrun, rank
     0 again): the request (`check_inputs`), the run directory (engine.check_run_dir), and on a
-    resume that an --init given names the run's own."""
+    resume that an --init given names the run's own and that the task's inputs (prompts file,
+    reward modules, tokenizer) are those the run started with. Returns the task."""
     out = Path(out)
-    check_inputs(config, init, world_size)
+    task = check_inputs(config, init, world_size)
     check_run_dir(config, out, kind="rl", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
-    saved_init = read_manifest(out).get("init", {}).get("source") if resume else None
+    saved = read_manifest(out) if resume else {}
+    saved_init = saved.get("init", {}).get("source") if resume else None
     if resume and init is not None and str(init) != saved_init:
         raise ValueError(f"{out}: --init {init} differs from the run's ({saved_init})")
+    changed = input_differences(saved.get("task_inputs"), task.inputs) if resume else []
+    if changed:
+        raise ValueError(f"{out}: {'; '.join(changed)} since the run started; restore it or start a new run")
+    return task
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -119,19 +126,21 @@ def rl_train(
 ) -> RLResult:
     """Run (or resume) an RL run into `out` on this process's rank of the current group.
     `generator_factory(model, batch_invariant) -> Generator` replaces the configured generator."""
-    run = Run(
-        config,
-        out,
-        kind="rl",
-        check=lambda world_size: check_run(
-            config, out, init=init, resume=resume, overwrite=overwrite, world_size=world_size
-        ),
-        resume=resume,
-        overwrite=overwrite,
-        extra=lambda: {"init": {"source": None if init is None else str(init), "kind": init_kind(init)[0]}},
-        quiet=quiet,
-    )
+    checked = {}  # rank 0: the task check_run built (the manifest records its inputs)
+
+    def check(world_size: int) -> None:
+        checked["task"] = check_run(config, out, init=init, resume=resume, overwrite=overwrite, world_size=world_size)
+
+    def extra() -> dict:
+        inputs = checked["task"].inputs
+        return {
+            "init": {"source": None if init is None else str(init), "kind": init_kind(init)[0]},
+            **({"task_inputs": inputs} if inputs is not None else {}),
+        }
+
+    run = Run(config, out, kind="rl", check=check, resume=resume, overwrite=overwrite, extra=extra, quiet=quiet)
     with run:
+        task = checked.get("task") or build_task(config)  # other ranks: rank 0 checked the same inputs
         W, bi = run.mesh.world_size, config.determinism.batch_invariant
         init = run.manifest["init"]["source"]
         model = load_initial_model(config, init)
@@ -144,7 +153,7 @@ def rl_train(
         lo, hi = rank_block(config.task.prompts_per_step, W, run.mesh.rank)
         slots = max(1, (hi - lo) * config.task.samples_per_prompt)
         factory = generator_factory or (lambda m, b: build_generator(config.generator, m, b, slots))
-        schedule = run.closing(RolloutSchedule(config, factory(model, bi), rank_block=(lo, hi), world_size=W))
+        schedule = run.closing(RolloutSchedule(config, factory(model, bi), task, rank_block=(lo, hi), world_size=W))
         schedule.start(run.start_step, model, [RolloutResult.from_state(s) for s in (blob or {}).get("pending", [])])
         run.begin(model, optimizer)
 
@@ -155,7 +164,7 @@ def rl_train(
             random_delay()
             lr = kit.start(step)
             result = schedule.take(step)
-            row = _train_step(config, run, kit, model, reference, schedule, result, step, lr)
+            row = _train_step(config, run, kit, model, reference, schedule, task, result, step, lr)
             rewards.append(row["reward_mean"])
             if config.verify:
                 max_differing = max(max_differing or 0, row["gap_tokens_differing"])
@@ -166,14 +175,14 @@ def rl_train(
         return RLResult(run.out, W, run.start_step, run.last_step, rewards, max_differing)
 
 
-def _train_step(config, run, kit, model, reference, schedule, result, step: int, lr: float) -> dict:
+def _train_step(config, run, kit, model, reference, schedule, task, result, step: int, lr: float) -> dict:
     """Rewards, per-group loss and backward into the tree, the update; the step's metrics row."""
     W, G = run.mesh.world_size, config.task.samples_per_prompt
     run.recorder.record_rollout("generator_weights", digest_tensor(result.generator_fingerprint))
     run.recorder.record_rollout("policy_version", torch.tensor([result.version], dtype=torch.int64))
     groups = schedule.groups(result, step)
     rewards = [
-        torch.tensor([score(p, completion_text(s.tokens), s.key.sample_index) for s in samples], dtype=torch.float32)
+        torch.tensor(task.score_group(p, [(s.key.sample_index, s.tokens) for s in samples]), dtype=torch.float32)
         for p, samples in groups
     ]
     local_tokens = torch.tensor([[sum(len(s.tokens) for s in samples)] for _, samples in groups], dtype=torch.int64)

@@ -1,6 +1,6 @@
 """Which rollouts an RL rank generates, from which weights, and when (on rollouts.py's worker).
 
-    schedule = RolloutSchedule(config, generator, rank_block=(lo, hi), world_size=W)
+    schedule = RolloutSchedule(config, generator, task, rank_block=(lo, hi), world_size=W)
     schedule.start(start_step, model, restored)    # jobs of steps start+1 .. start+1+lag
     result = schedule.take(step)                   # blocks; this rank's samples of step `step`
     groups = schedule.groups(result, step)         # [(prompt, its G samples)] in prompt order
@@ -8,10 +8,11 @@
     pending = schedule.pending(step)               # every rank's rollouts in flight (for a checkpoint)
 
 Guarantees: a rank serves the prompts [lo, hi) of each step's prompt set (a pure function of
-(seed, step), rl/tasks.py), G samples each keyed (seed, step, prompt id, sample index), so its
-rollouts do not depend on W. The rollouts of step k come from policy version max(0, k - 1 - lag)
-(rollouts.py). What a checkpoint holds of the rollouts in flight is every rank's part merged in
-prompt order, so a resume at another W restores each rank's own block of it.
+(seed, step): the task's, rl/tasks.py or rl/user_task.py), G samples each keyed (seed, step,
+prompt id, sample index), so its rollouts do not depend on W. The rollouts of step k come from
+policy version max(0, k - 1 - lag) (rollouts.py). What a checkpoint holds of the rollouts in
+flight is every rank's part merged in prompt order, so a resume at another W restores each rank's
+own block of it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from titan_audit.rl.rollouts import (
     snapshot,
     trainer_fingerprint,
 )
-from titan_audit.rl.tasks import TOKENIZER, Prompt, prompt_set
+from titan_audit.rl.tasks import Prompt
 
 
 def check_prompts(config: RLConfig, prompts: list[Prompt]) -> None:
@@ -87,8 +88,10 @@ class SameWeightsScorer:
 class RolloutSchedule:
     """The rollout side of an RL rank (see the module docstring); close() stops its thread."""
 
-    def __init__(self, config: RLConfig, generator: Generator, *, rank_block: tuple[int, int], world_size: int):
-        self.config, self.generator = config, generator
+    def __init__(
+        self, config: RLConfig, generator: Generator, task, *, rank_block: tuple[int, int], world_size: int
+    ) -> None:
+        self.config, self.generator, self.task = config, generator, task
         self.lo, self.hi = rank_block
         self.world_size = world_size
         self.lag = config.rollout.lag
@@ -98,14 +101,14 @@ class RolloutSchedule:
             top_p=s.top_p,
             top_k=s.top_k,
             max_new_tokens=s.max_new_tokens,
-            stop_token_ids=(TOKENIZER.eos_id,),
+            stop_token_ids=(task.tokenizer.eos_id,),
         )
         scorer = SameWeightsScorer(config) if (config.verify and self.lag > 0) else None
         self.worker = RolloutWorker(generator, max_in_flight=self.lag + 1, scorer=scorer)
 
     def prompts(self, step: int) -> list[Prompt]:
         """The whole prompt set of `step` (every rank's prompts, in prompt-id order)."""
-        return prompt_set(self.config.task.name, self.config.seed, step, self.config.task.prompts_per_step)
+        return self.task.prompts(step)
 
     def _job(self, step: int, version: int, weights: dict[str, torch.Tensor]) -> RolloutJob:
         prompts = self.prompts(step)

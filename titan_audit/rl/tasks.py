@@ -25,7 +25,10 @@ Guarantees:
   step, the prompt id, the sample index and the completion, when the task's reward function
   raises or returns something that is not a finite number in [0, 1]. The RL loop lets it stop
   the run.
-- Prompt ids are byte-tokenizer ids (data/tokenizer.py ByteTokenizer; EOS 256 is the stop token).
+- Prompt ids are the run's tokenizer's ids: the byte tokenizer (data/tokenizer.py ByteTokenizer;
+  EOS 256 is the stop token) unless the config names an HF tokenizer (`tokenizer.path`).
+- `BuiltinTask` is the loop's view of a built-in task (`prompts(step)`, `score_group(...)`); the
+  user's own task (prompts file + reward functions) is rl/user_task.py's `UserTask`, the same view.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class RewardError(ValueError):
     """A task's reward function raised or returned a value outside [0, 1] (or non-finite)."""
 
 
+class NondeterministicRewardError(RewardError):
+    """A reward function scored the same (prompt, completion, columns) twice with different bits."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     id: int  # prompt id within its step (0 .. count-1)
@@ -56,10 +63,16 @@ class Prompt:
     task: str
     text: str  # what the model sees (the task prompt + " ")
     answer: str
+    ids: tuple[int, ...] = None  # type: ignore[assignment]  # its token ids (default: byte-tokenized text)
+    row: int | None = None  # the user's prompts file: the row it came from
 
-    @property
-    def ids(self) -> tuple[int, ...]:
-        return tuple(int(t) for t in TOKENIZER.encode_batch([self.text])[0])
+    def __post_init__(self) -> None:
+        if self.ids is None:
+            object.__setattr__(self, "ids", encode_prompt(TOKENIZER, self.text))
+
+
+def encode_prompt(tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in tokenizer.encode_batch([text])[0])
 
 
 @dataclass(frozen=True)
@@ -156,29 +169,33 @@ def get_task(name: str) -> Task:
     return _TASKS[name]
 
 
-def make_prompt(task: str, seed: int, step: int, prompt_id: int) -> Prompt:
+def make_prompt(task: str, seed: int, step: int, prompt_id: int, encode=None) -> Prompt:
+    """`encode(text) -> ids` (default: the byte tokenizer)."""
     rng = numpy_generator(seed, "rl.prompts", step, prompt_id)
     name = MIXED[int(rng.integers(len(MIXED)))] if task == "mixed" else task
     spec = get_task(name)
     text = spec.make(rng)
-    return Prompt(prompt_id, step, name, f"{text} ", spec.answer(text))
+    ids = None if encode is None else encode(f"{text} ")
+    return Prompt(prompt_id, step, name, f"{text} ", spec.answer(text), ids)
 
 
-def prompt_set(task: str, seed: int, step: int, count: int) -> list[Prompt]:
-    """The `count` prompts of step `step` (see the module docstring)."""
+def prompt_set(task: str, seed: int, step: int, count: int, encode=None) -> list[Prompt]:
+    """The `count` prompts of step `step` (see the module docstring); `encode(text) -> ids` for a
+    tokenizer other than the byte tokenizer."""
     if task != "mixed":
         get_task(task)
-    return [make_prompt(task, seed, step, i) for i in range(count)]
+    return [make_prompt(task, seed, step, i, encode) for i in range(count)]
 
 
-def completion_text(tokens: list[int]) -> str:
-    """The completion's text: its tokens up to (without) the first EOS, byte-decoded."""
+def completion_text(tokens: list[int], tokenizer=TOKENIZER) -> str:
+    """The completion's text: its tokens up to (without) the first EOS, decoded (special tokens
+    skipped; the byte tokenizer drops ids >= 256)."""
     out = []
     for t in tokens:
-        if t == TOKENIZER.eos_id:
+        if t == tokenizer.eos_id:
             break
         out.append(t)
-    return TOKENIZER.decode(out)
+    return tokenizer.decode(out, skip_special_tokens=True)
 
 
 def score(prompt: Prompt, completion: str, sample_index: int) -> float:
@@ -200,3 +217,21 @@ def score(prompt: Prompt, completion: str, sample_index: int) -> float:
     ):
         raise RewardError(f"reward function returned {value!r} (not a finite number in [0, 1]) for {where}")
     return float(value)
+
+
+class BuiltinTask:
+    """A built-in task as the RL loop sees it: the prompts of a step, a prompt group's rewards.
+    `encode(text) -> ids` is the run's tokenizer (rl/user_task.py `RunTokenizer`)."""
+
+    def __init__(self, name: str, seed: int, prompts_per_step: int, tokenizer, encode=None) -> None:
+        get_task(name) if name != "mixed" else None
+        self.name, self.seed, self.count = name, seed, prompts_per_step
+        self.tokenizer, self.encode = tokenizer, encode
+        self.inputs: dict | None = None  # nothing beyond the config to record in the manifest
+
+    def prompts(self, step: int) -> list[Prompt]:
+        return prompt_set(self.name, self.seed, step, self.count, self.encode)
+
+    def score_group(self, prompt: Prompt, samples: list[tuple[int, list[int]]]) -> list[float]:
+        """The rewards of a prompt's (sample index, completion tokens), checked by `score`."""
+        return [score(prompt, completion_text(tokens, self.tokenizer), j) for j, tokens in samples]
