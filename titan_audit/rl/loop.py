@@ -43,7 +43,7 @@ import torch
 
 from titan_audit.models import build
 from titan_audit.rl.config import RESUME_MUTABLE_KEYS, RLConfig
-from titan_audit.rl.init import digest_tensor, init_kind, load_initial_model, model_differences, weights_digest
+from titan_audit.rl.init import digest_tensor, load_initial_model
 from titan_audit.rl.logprobs import sequence_logprobs
 from titan_audit.rl.loss import combine_gap, gap_figures, group_advantages, policy_loss
 from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator, check_prompts
@@ -51,9 +51,9 @@ from titan_audit.rl.rollouts import RolloutResult, random_delay
 from titan_audit.rl.step_metrics import group_stats, metrics_row
 from titan_audit.rl.tasks import TOKENIZER, completion_text, prompt_set, score
 from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
+from titan_audit.trainer.init import check_init, check_resume_init, init_record, record_init_weights
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, rank_block
-from titan_audit.trainer.run_dir import read_manifest
 
 
 @dataclass
@@ -81,14 +81,7 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
                 f"got world size {world_size}: use --nproc 1 or generator = 'builtin'"
             )
     model_config = config.model.model_config()
-    _, init_config = init_kind(init)
-    if init_config is not None:
-        differences = model_differences(init_config, model_config)
-        if differences:
-            raise ValueError(
-                f"--init {init}: its model has another shape than the config's model "
-                f"({config.model.preset}): {'; '.join(differences[:3])}"
-            )
+    check_init(init, config.model)  # files and shape (the launcher gave the config the init's shape)
     if model_config.vocab_size < TOKENIZER.vocab_size:
         raise ValueError(f"model vocab_size {model_config.vocab_size} < the byte tokenizer's {TOKENIZER.vocab_size}")
     check_prompts(config, prompt_set(config.task.name, config.seed, 1, config.task.prompts_per_step))
@@ -101,9 +94,8 @@ def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: boo
     out = Path(out)
     check_inputs(config, init, world_size)
     check_run_dir(config, out, kind="rl", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
-    saved_init = read_manifest(out).get("init", {}).get("source") if resume else None
-    if resume and init is not None and str(init) != saved_init:
-        raise ValueError(f"{out}: --init {init} differs from the run's ({saved_init})")
+    if resume:
+        check_resume_init(out, init)
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -128,14 +120,14 @@ def rl_train(
         ),
         resume=resume,
         overwrite=overwrite,
-        extra=lambda: {"init": {"source": None if init is None else str(init), "kind": init_kind(init)[0]}},
+        extra=lambda: {"init": init_record(init)},
         quiet=quiet,
     )
     with run:
         W, bi = run.mesh.world_size, config.determinism.batch_invariant
         init = run.manifest["init"]["source"]
         model = load_initial_model(config, init)
-        _record_init_weights(run, init, model)
+        record_init_weights(run, model)
         reference = _frozen_copy(config, model) if config.loss.kl_coef > 0 else None
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=bi)
@@ -231,15 +223,6 @@ def _group_loss(config, recorder, model, reference, prompt, samples, reward, den
     loss, parts = policy_loss(lp, gen_lp, token_adv, denominator, config.loss.clip_eps, ref_lp, config.loss.kl_coef)
     recorder.record_loss(loss)
     return lp, gen_lp, loss, parts
-
-
-def _record_init_weights(run: Run, init, model: torch.nn.Module) -> None:
-    """A new run records its initial weights' digest; a resume checks that they did not change."""
-    digest = weights_digest(model)
-    if not run.resume:
-        run.manifest["init"]["weights"] = digest  # written by run.begin
-    elif run.manifest["init"].get("weights") not in (None, digest):
-        raise ValueError(f"--init {init}: its weights changed since the run started")
 
 
 def _frozen_copy(config: RLConfig, model: torch.nn.Module) -> torch.nn.Module:
