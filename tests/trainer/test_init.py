@@ -100,6 +100,8 @@ def test_a_toml_model_key_is_explicit_and_an_agreeing_one_is_taken(hf_dir, tmp_p
     agreeing = ["model.overrides.vocab_size=512", 'model.compute_dtype="bfloat16"']
     config = resolve_config("tiny-dense", out, resume=False, overrides=agreeing, init=hf_dir)
     assert config.model.model_config() == load_config(hf_dir) and config.model.compute_dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"unknown key 'model\.overrides\.nope'"):  # not dropped by the shape
+        resolve_config("tiny-dense", out, resume=False, overrides=["model.overrides.nope=1"], init=hf_dir)
 
 
 def test_a_resume_keeps_its_init_and_refuses_another(hf_dir, from_hf, tmp_path):

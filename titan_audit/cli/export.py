@@ -9,7 +9,7 @@ import click
 from titan_audit.cli.options import overwrite_option
 
 
-@click.command(short_help="Write a run's checkpoint as an HF model directory (transformers loads it).")
+@click.command(short_help="Write a run's checkpoint as an HF model directory.")
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--step", type=int, default=None, help="The checkpoint step to export; default: the newest.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The HF model directory to write.")

@@ -122,8 +122,7 @@ def resolve_config(
         _, shape = init_kind(init)
         label = f"--init {init}"
     elif resume and source is not None and saved_init(out) is not None:
-        saved = read_manifest(out)["config"].get("model", {})
-        shape = typed_config.build(ModelSection, saved, f"{out}/manifest.json config.model").model_config()
+        shape = run_model_config(Path(out), f"{out}/manifest.json")
         label = f"the init of {out} ({saved_init(out)})"
     if shape is None or source is None:
         return resolve(cls, load, source, out, kind=kind, resume=resume, overrides=overrides)
@@ -167,7 +166,10 @@ def model_with_shape(model: dict[str, Any], explicit: dict[str, Any], shape: Mod
             )
     preset = model.get("preset", ModelSection.preset)
     base = get_preset(preset).to_dict() if isinstance(preset, str) else {}
-    return {**model, "overrides": {k: v for k, v in want.items() if base.get(k) != v}}
+    given = model.get("overrides")
+    unknown = {k: v for k, v in given.items() if k not in fields} if isinstance(given, dict) else {}
+    # an unknown key stays, for ModelSection to refuse by name (nothing is dropped silently)
+    return {**model, "overrides": {**{k: v for k, v in want.items() if base.get(k) != v}, **unknown}}
 
 
 # ---------------------------------------------------------------------------------- the manifest
