@@ -128,3 +128,14 @@ def test_an_init_that_is_neither_is_refused_before_any_write(tmp_path):
         r"neither a run directory .* nor an HF model directory",
     )
     assert not out.exists()
+
+
+def test_two_ranks_from_the_init_follow_the_one_rank_trajectory(hf_dir, from_hf, tmp_path):
+    """G3 from an init: every rank loads it (torchrun passes --init on), the same bits as at W=1."""
+    from titan_audit.audit import compare_runs
+
+    out = tmp_path / "w2"
+    ok(cli("train", "--config", "tiny-dense", "--init", hf_dir, "--out", out, "--steps", "2", *QUICK, "--nproc", "2"))
+    result = compare_runs(from_hf, out)
+    assert result.identical and result.compared > 0, result.first_divergence
+    assert manifest(out)["init"] == manifest(from_hf)["init"]
