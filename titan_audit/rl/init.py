@@ -2,10 +2,9 @@
 directory, or the deterministic init of (config.model, seed). The logic is shared with
 `train --init` (trainer/init.py); this file builds the policy.
 
-Guarantees (trainer/init.py's): `init_kind` names the source or raises a ValueError saying what
-the path is not; a run's checkpoint loads verified against its hashes.json; `weights_digest` is
-one fingerprint of the whole state dict (recorded in the manifest, so a resume whose init changed
-is refused).
+Guarantees (trainer/init.py's): the init's weights load bitwise (a run's checkpoint verified
+against its hashes.json) into a model of the config's shape, which the launcher took from the
+init; the loop records their digest, so a resume whose init changed is refused.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ import os
 
 from titan_audit.models import Transformer, build
 from titan_audit.rl.config import RLConfig
-from titan_audit.trainer.init import digest_tensor, init_kind, load_init, model_differences, weights_digest
-
-__all__ = ["digest_tensor", "init_kind", "load_initial_model", "model_differences", "weights_digest"]
+from titan_audit.trainer.init import load_init
 
 
 def load_initial_model(config: RLConfig, init: str | os.PathLike | None) -> Transformer:

@@ -43,7 +43,7 @@ import torch
 
 from titan_audit.models import build
 from titan_audit.rl.config import RESUME_MUTABLE_KEYS, RLConfig
-from titan_audit.rl.init import digest_tensor, load_initial_model
+from titan_audit.rl.init import load_initial_model
 from titan_audit.rl.logprobs import sequence_logprobs
 from titan_audit.rl.loss import combine_gap, gap_figures, group_advantages, policy_loss
 from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator, check_prompts
@@ -51,7 +51,7 @@ from titan_audit.rl.rollouts import RolloutResult, random_delay
 from titan_audit.rl.step_metrics import group_stats, metrics_row
 from titan_audit.rl.tasks import TOKENIZER, completion_text, prompt_set, score
 from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
-from titan_audit.trainer.init import check_init, check_resume_init, init_record, record_init_weights
+from titan_audit.trainer.init import check_init, check_resume_init, digest_tensor, init_record, record_init_weights
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, rank_block
 
