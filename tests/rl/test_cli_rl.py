@@ -79,17 +79,37 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, extra, patter
     assert not out.exists()
 
 
-def test_init_of_another_shape_is_refused(tmp_path, other_shape):
+def test_init_of_another_shape_gives_the_run_its_shape(tmp_path, other_shape):
+    """The config's model takes the init's shape (trainer/init.py); a model key set against it is refused."""
+    from titan_audit.models import from_pretrained
+    from titan_audit.trainer.init import weights_digest
+
     out = tmp_path / "run"
     one_line_error(
-        cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(other_shape)),
-        r"--init .*another shape.*num_hidden_layers: 2 vs 4",
+        cli_here(
+            "rl",
+            "--config",
+            "rl-tiny",
+            "--out",
+            str(out),
+            "--init",
+            str(other_shape),
+            "--set",
+            "model.overrides.num_hidden_layers=4",
+        ),
+        r"model\.overrides\.num_hidden_layers = 4 contradicts --init .*: its model has num_hidden_layers = 2",
     )
     assert not out.exists()
     one_line_error(
         cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(tmp_path)),
         r"neither a run directory .* nor an HF model directory",
     )
+    done = cli_here("rl", "--config", "rl-tiny", "--out", str(out), "--init", str(other_shape), "--steps", "1", *TINY)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["model"]["overrides"] == {"num_hidden_layers": 2}
+    assert manifest["init"]["kind"] == "hf"
+    assert manifest["init"]["weights"] == weights_digest(from_pretrained(other_shape))
 
 
 def test_an_existing_run_is_never_overwritten_and_resume_needs_a_run(tmp_path):

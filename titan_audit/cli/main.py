@@ -14,6 +14,7 @@ from titan_audit.cli.data import data
 from titan_audit.cli.demo import demo
 from titan_audit.cli.env import env
 from titan_audit.cli.errors import AuditGroup
+from titan_audit.cli.export import export
 from titan_audit.cli.golden import golden
 from titan_audit.cli.portability import kernels as golden_kernels
 from titan_audit.cli.replay import replay
@@ -54,6 +55,7 @@ cli.add_command(replay)
 cli.add_command(report)
 cli.add_command(rl)
 cli.add_command(verify_onpolicy)
+cli.add_command(export)
 
 
 def main() -> None:

@@ -15,6 +15,13 @@ from titan_audit.cli.options import overwrite_option
     "--config", "source", help="A recipe (tiny-dense, tiny-moe) or a TOML file; default on --resume: the run's own."
 )
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory.")
+@click.option(
+    "--init",
+    "init",
+    default=None,
+    help="Start from another run's latest checkpoint or an HF model directory (its model shape); "
+    "default: the deterministic init.",
+)
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
@@ -23,6 +30,7 @@ from titan_audit.cli.options import overwrite_option
 def train(
     source: str | None,
     out: Path,
+    init: str | None,
     nproc: int | None,
     steps: int | None,
     resume: bool,
@@ -32,6 +40,8 @@ def train(
     """Train (tiny recipes run in seconds on a CPU); see docs in titan_audit/trainer/train.py."""
     from titan_audit.trainer.launch import start_run
 
-    rc = start_run(source, out, nproc=nproc, steps=steps, resume=resume, overwrite=overwrite, overrides=overrides)
+    rc = start_run(
+        source, out, nproc=nproc, steps=steps, resume=resume, overwrite=overwrite, overrides=overrides, init=init
+    )
     if rc:
         sys.exit(rc)

@@ -3,8 +3,9 @@
 `start_rl(source, out, ...)` resolves the config (a recipe or TOML file with `--set` overrides;
 on a resume without a source, the run's own config from its manifest), checks the input and the
 run directory before any work (an unknown task, temperature <= 0, a lag larger than the buffer,
-a prompt longer than the model's context, `--init` of another shape: ValueError, exit 2, nothing
-written), then launches. `nproc=None` runs in this process (under an external torchrun the
+a prompt longer than the model's context, a model key that contradicts `--init`: ValueError,
+exit 2, nothing written; with `--init` the model section takes the init's shape, see
+trainer/init.py), then launches. `nproc=None` runs in this process (under an external torchrun the
 ranks join its rendezvous); `nproc=N` runs `python -m torch.distributed.run --standalone
 --nproc-per-node N -m titan_audit.rl.launch CONFIG_JSON OUT ...` with OMP_NUM_THREADS set from
 `parallel.threads` (never from N) and returns its exit code. The launcher is the trainer's
@@ -20,14 +21,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titan_audit.rl.config import RLConfig, from_dict, load_rl_config, to_dict
+from titan_audit.rl.config import RECIPES, RLConfig, from_dict, to_dict
 from titan_audit.trainer.launch import existing_run_locked, rank_main, torchrun
 
 
-def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> RLConfig:
-    from titan_audit.trainer.engine import resolve_config
+def resolve_rl_config(
+    source: str | None, out: Path, *, resume: bool, overrides: Sequence[str], init: str | None = None
+) -> RLConfig:
+    """The launch's config; with an --init, its model section takes the init's shape (trainer/init.py)."""
+    from titan_audit.trainer.init import resolve_config
 
-    return resolve_config(RLConfig, load_rl_config, source, out, kind="rl", resume=resume, overrides=overrides)
+    return resolve_config(
+        RLConfig, RECIPES, "RL recipe", source, out, kind="rl", resume=resume, overrides=overrides, init=init
+    )
 
 
 def start_rl(
@@ -49,7 +55,11 @@ def start_rl(
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with existing_run_locked(out):
         config = resolve_rl_config(
-            source, out, resume=resume, overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])]
+            source,
+            out,
+            resume=resume,
+            overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])],
+            init=init,
         )
         world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:

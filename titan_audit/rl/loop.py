@@ -44,7 +44,7 @@ import torch
 
 from titan_audit.models import build
 from titan_audit.rl.config import RESUME_MUTABLE_KEYS, RLConfig
-from titan_audit.rl.init import digest_tensor, init_kind, load_initial_model, model_differences, weights_digest
+from titan_audit.rl.init import load_initial_model
 from titan_audit.rl.logprobs import sequence_logprobs
 from titan_audit.rl.loss import combine_gap, gap_figures, group_advantages, policy_loss
 from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator, check_prompts
@@ -52,6 +52,7 @@ from titan_audit.rl.rollouts import RolloutResult, random_delay
 from titan_audit.rl.step_metrics import group_stats, metrics_row
 from titan_audit.rl.user_task import build_task, input_differences
 from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
+from titan_audit.trainer.init import check_init, check_resume_init, digest_tensor, init_record, record_init_weights
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, rank_block
 from titan_audit.trainer.run_dir import read_manifest
@@ -81,15 +82,7 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
                 f"generator = 'vllm' runs on one rank (its in-process engine owns torch.distributed); "
                 f"got world size {world_size}: use --nproc 1 or generator = 'builtin'"
             )
-    model_config = config.model.model_config()
-    _, init_config = init_kind(init)
-    if init_config is not None:
-        differences = model_differences(init_config, model_config)
-        if differences:
-            raise ValueError(
-                f"--init {init}: its model has another shape than the config's model "
-                f"({config.model.preset}): {'; '.join(differences[:3])}"
-            )
+    check_init(init, config.model)  # files and shape (the launcher gave the config the init's shape)
     task = build_task(config)  # the tokenizer against the model, the user's prompts and rewards
     check_prompts(config, task.prompts(1))
     return task
@@ -103,11 +96,10 @@ def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: boo
     out = Path(out)
     task = check_inputs(config, init, world_size)
     check_run_dir(config, out, kind="rl", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
-    saved = read_manifest(out) if resume else {}
-    saved_init = saved.get("init", {}).get("source") if resume else None
-    if resume and init is not None and str(init) != saved_init:
-        raise ValueError(f"{out}: --init {init} differs from the run's ({saved_init})")
-    changed = input_differences(saved.get("task_inputs"), task.inputs) if resume else []
+    if not resume:
+        return task
+    check_resume_init(out, init)
+    changed = input_differences(read_manifest(out).get("task_inputs"), task.inputs)
     if changed:
         raise ValueError(f"{out}: {'; '.join(changed)} since the run started; restore it or start a new run")
     return task
@@ -133,10 +125,7 @@ def rl_train(
 
     def extra() -> dict:
         inputs = checked["task"].inputs
-        return {
-            "init": {"source": None if init is None else str(init), "kind": init_kind(init)[0]},
-            **({"task_inputs": inputs} if inputs is not None else {}),
-        }
+        return {"init": init_record(init), **({"task_inputs": inputs} if inputs is not None else {})}
 
     run = Run(config, out, kind="rl", check=check, resume=resume, overwrite=overwrite, extra=extra, quiet=quiet)
     with run:
@@ -144,7 +133,7 @@ def rl_train(
         W, bi = run.mesh.world_size, config.determinism.batch_invariant
         init = run.manifest["init"]["source"]
         model = load_initial_model(config, init)
-        _record_init_weights(run, init, model)
+        record_init_weights(run, model)
         reference = _frozen_copy(config, model) if config.loss.kl_coef > 0 else None
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=bi)
@@ -240,15 +229,6 @@ def _group_loss(config, recorder, model, reference, prompt, samples, reward, den
     loss, parts = policy_loss(lp, gen_lp, token_adv, denominator, config.loss.clip_eps, ref_lp, config.loss.kl_coef)
     recorder.record_loss(loss)
     return lp, gen_lp, loss, parts
-
-
-def _record_init_weights(run: Run, init, model: torch.nn.Module) -> None:
-    """A new run records its initial weights' digest; a resume checks that they did not change."""
-    digest = weights_digest(model)
-    if not run.resume:
-        run.manifest["init"]["weights"] = digest  # written by run.begin
-    elif run.manifest["init"].get("weights") not in (None, digest):
-        raise ValueError(f"--init {init}: its weights changed since the run started")
 
 
 def _frozen_copy(config: RLConfig, model: torch.nn.Module) -> torch.nn.Module:

@@ -2,7 +2,8 @@
 
 `start_run(source, out, ...)` is what `titan-audit train` runs: it resolves the config (a recipe
 or TOML file with `--set` overrides; on a resume without a source, the run's own config from its
-manifest), checks the run directory before any work (rank 0), then launches.
+manifest; with `--init`, the model section takes the init's shape: trainer/init.py), checks the
+run directory before any work (rank 0), then launches.
 
 `launch(config, out, nproc=N, ...)` writes the resolved config to a temporary JSON file and runs
 `python -m torch.distributed.run --standalone --nproc-per-node N -m titan_audit.trainer.launch ...`
@@ -57,15 +58,20 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from titan_audit.trainer.config import TrainConfig, from_dict, load_config, to_dict
+from titan_audit.trainer.config import RECIPES, TrainConfig, from_dict, to_dict
 
 
-def resolve_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> TrainConfig:
+def resolve_config(
+    source: str | None, out: Path, *, resume: bool, overrides: Sequence[str], init: str | os.PathLike | None = None
+) -> TrainConfig:
     """`source` (a recipe name or a TOML file) with `overrides` (KEY=VALUE); with no source on a
-    resume, the config saved in `out`'s manifest with the overrides applied."""
-    from titan_audit.trainer.engine import resolve_config as resolve
+    resume, the config saved in `out`'s manifest with the overrides applied. With `init` (--init),
+    the model section takes the init's shape (trainer/init.py)."""
+    from titan_audit.trainer.init import resolve_config as resolve
 
-    return resolve(TrainConfig, load_config, source, out, kind="train", resume=resume, overrides=overrides)
+    return resolve(
+        TrainConfig, RECIPES, "recipe", source, out, kind="train", resume=resume, overrides=overrides, init=init
+    )
 
 
 def start_run(
@@ -77,20 +83,26 @@ def start_run(
     resume: bool,
     overwrite: bool | str,
     overrides: Sequence[str],
+    init: str | os.PathLike | None = None,
 ) -> int:
-    """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code."""
+    """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code.
+    `init`: start from another run's latest checkpoint or an HF model directory (trainer/init.py)."""
     from titan_audit.trainer.train import check_run
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with existing_run_locked(out):
         config = resolve_config(
-            source, out, resume=resume, overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])]
+            source,
+            out,
+            resume=resume,
+            overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])],
+            init=init,
         )
         world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0:
-            check_run(config, out, resume=resume, overwrite=overwrite, world_size=world_size)
-        return launch(config, out, nproc=nproc, resume=resume, overwrite=overwrite)
+            check_run(config, out, resume=resume, overwrite=overwrite, world_size=world_size, init=init)
+        return launch(config, out, nproc=nproc, resume=resume, overwrite=overwrite, init=init)
 
 
 @contextlib.contextmanager
@@ -118,17 +130,20 @@ def launch(
     overwrite: bool | str = False,
     stop_at: int | None = None,
     quiet: bool = False,
+    init: str | os.PathLike | None = None,
 ) -> int:
     if nproc is None:
         from titan_audit.trainer.train import train
 
-        train(config, out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet)
+        train(config, out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init)
         return 0
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     flags = [f for f, on in (("resume", resume), ("overwrite", overwrite), ("quiet", quiet)) if on]
     if stop_at is not None:
         flags.append(f"stop_at={stop_at}")
+    if init is not None:
+        flags.append(f"init={os.fspath(init)}")
     return torchrun(
         "titan_audit.trainer.launch",
         to_dict(config),
@@ -491,14 +506,15 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one training rank under torchrun: `python -m titan_audit.trainer.launch
-    CONFIG_JSON OUT [resume] [overwrite] [quiet] [stop_at=N]` (`launch` writes the resolved config
-    to a JSON file)."""
+    CONFIG_JSON OUT [resume] [overwrite] [quiet] [stop_at=N] [init=PATH]` (`launch` writes the
+    resolved config to a JSON file)."""
     from titan_audit.trainer.train import train
 
     def run(config: dict, out: str, flags: set[str]) -> None:
         stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
+        init = next((f.split("=", 1)[1] for f in flags if f.startswith("init=")), None)
         resume, overwrite, quiet = "resume" in flags, "overwrite" in flags, "quiet" in flags
-        train(from_dict(config), out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet)
+        train(from_dict(config), out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init)
 
     rank_main(sys.argv[1:] if argv is None else argv, run)
 

@@ -2,6 +2,7 @@
 
     result = train(config, "runs/a")                       # this process's rank of the group
     result = train(config, "runs/a", resume=True)          # continue from the latest checkpoint
+    result = train(config, "runs/b", init="hf/qwen3")      # start from an HF directory (or a run)
 
 The run engine (trainer/engine.py) does what every run does (process group, numerics, rank-0
 checks, run lock, manifest, recorder, reduction, clipping, AdamW, checkpoints, close on any
@@ -27,6 +28,10 @@ microbatches):
   8. every `checkpoint.interval` steps: a verified checkpoint (reshardable DCP + a rank-agnostic
      blob with the loader state and step) and an audit flush.
 Steps are numbered from 1; checkpoint `step_N` holds the state after N steps.
+
+Init (`titan-audit train --init`): the weights before step 1 are another run's latest checkpoint
+or an HF directory's (trainer/init.py: preflighted, loaded bitwise before FSDP2 shards them, their
+digest in the manifest); optimizer state, data order and schedule start fresh.
 
 MoE auxiliary loss, why it keeps G3: a microbatch's aux loss is computed from its own tokens
 (moe.py: per-expert sums over the microbatch, fixed shape, fixed thread count), so its bits do not
@@ -67,6 +72,7 @@ from titan_audit.models import build, token_logprobs
 from titan_audit.trainer.config import RESUME_MUTABLE_KEYS, TrainConfig
 from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
 from titan_audit.trainer.fsdp import shard_model
+from titan_audit.trainer.init import check_init, check_resume_init, init_record, load_run_init
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, tree_sum
 
@@ -81,19 +87,23 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------- input checks
-def check_inputs(config: TrainConfig, world_size: int) -> None:
-    """The request's own checks (ValueError naming the keys): W vs V, the backend, the data vs the model."""
+def check_inputs(config: TrainConfig, world_size: int, init=None) -> None:
+    """The request's own checks (ValueError naming the keys): W vs V, the backend, the init (files, shape), the data."""
     config.check_world_size(world_size)
     check_backend(config)
+    check_init(init, config.model)
     check_data(config)
 
 
-def check_run(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool | str, world_size: int) -> None:
+def check_run(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool | str, world_size: int, init=None):
     """Every check `train` makes before it computes (the launcher runs it before torchrun starts,
-    rank 0 again): W vs V, the data vs the model, then the run directory (engine.check_run_dir:
-    resume compatibility, the checkpoints' small files, the step a resume starts from)."""
-    check_inputs(config, world_size)
+    rank 0 again): W vs V, the init, the data vs the model, then the run directory
+    (engine.check_run_dir: resume compatibility, the checkpoints' small files, the step a resume
+    starts from; a resume's --init must name the run's own)."""
+    check_inputs(config, world_size, init)
     check_run_dir(config, Path(out), kind="train", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
+    if resume:
+        check_resume_init(Path(out), init)
 
 
 def check_data(config: TrainConfig) -> None:
@@ -191,22 +201,25 @@ def train(
     stop_at: int | None = None,
     quiet: bool = False,
     oplog_step: int | None = None,
+    init: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Run (or resume) a training run into `out` on this process's rank of the current group.
 
     stop_at: stop after this step (<= config.steps) without changing the schedule (replay
     --verify-to); the last step always gets a checkpoint. oplog_step: record that step's
     forward, backward, reduction and optimizer update as an op log, out/oplogs/step_N.parquet
-    (audit.oplog; what `titan-audit bisect --step N` compares).
+    (audit.oplog; what `titan-audit bisect --step N` compares). init: another run's directory or
+    an HF model directory to start from (trainer/init.py); a resume needs none.
     """
     run = Run(
         config,
         out,
         kind="train",
-        check=lambda world_size: check_run(config, out, resume=resume, overwrite=overwrite, world_size=world_size),
+        check=lambda W: check_run(config, out, resume=resume, overwrite=overwrite, world_size=W, init=init),
         resume=resume,
         overwrite=overwrite,
         prepare=lambda run_dir: _synthetic_corpus(config, run_dir),
+        extra=lambda: {"init": init_record(init)} if init is not None else {},
         stop_at=stop_at,
         quiet=quiet,
         single_group=config.parallel.mode == "fsdp",
@@ -215,7 +228,7 @@ def train(
         W = run.mesh.world_size
         if oplog_step is not None and W != 1:
             raise ValueError(f"an op log is recorded on one rank; this run has {W}")
-        model, sharded = _build_model(config)
+        model, sharded = _build_model(config, run)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=config.determinism.batch_invariant)
         blob = run.restore(model, optimizer)
@@ -253,10 +266,11 @@ def train(
         return TrainResult(run.out, W, run.start_step, run.last_step, losses)
 
 
-def _build_model(config: TrainConfig):
-    """The model at the seed's init, and under FSDP2 (`parallel.mode = "fsdp"`) its sharding."""
+def _build_model(config: TrainConfig, run: Run):
+    """The model at the seed's init or the run's --init, and under FSDP2 its sharding."""
     ac = config.model.activation_checkpointing
     model = build(config.model.model_config(), seed=config.seed, activation_checkpointing=ac)
+    load_run_init(run, model, portable=config.determinism.batch_invariant)
     dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
         return model, shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype)
