@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from command_line import cli, cli_here  # noqa: F401  (the vllm tests import them from here)
 
 from titan_audit import models
 from titan_audit.rl import vllm as rl_vllm
@@ -74,33 +75,6 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def cli(*args: str, env: dict | None = None):
-    """The real command line in a fresh process."""
-    import os
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-m", "titan_audit.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=900,
-    )
-
-
-def cli_here(*args: str):
-    """The command line in this process (bad input: fails before any compute)."""
-    import subprocess
-
-    from click.testing import CliRunner
-
-    from titan_audit.cli.main import cli as group
-
-    result = CliRunner().invoke(group, list(args))
-    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 def one_line_error(proc, pattern: str) -> None:

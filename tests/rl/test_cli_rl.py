@@ -4,37 +4,15 @@ written; the report exists, is self-contained, and the exit code is the zero-gap
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from command_line import cli, cli_here
 
 TINY = ["--set", "task.prompts_per_step=2", "--set", "task.samples_per_prompt=2", "--set", "sampling.max_new_tokens=4"]
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The real command line in a fresh process (runs that compute)."""
-    return subprocess.run(
-        [sys.executable, "-m", "titan_audit.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=900,
-    )
-
-
-def cli_here(*args: str):
-    """The command line in this process (bad input: fails before any compute)."""
-    from click.testing import CliRunner
-
-    from titan_audit.cli.main import cli as group
-
-    result = CliRunner().invoke(group, list(args))
-    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:

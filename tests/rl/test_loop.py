@@ -9,14 +9,12 @@ fixture), so rewards vary and the updates are not zero.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+from command_line import cli
 
 from titan_audit.audit import compare_runs
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
@@ -33,16 +31,6 @@ SMALL = [
     "optimizer.lr=1e-3",
     "checkpoint.interval=2",
 ]
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "titan_audit.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=900,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,12 @@ of tiny-dense (a random policy: its completions and rewards vary, so the updates
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from command_line import cli
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from titan_audit.audit import compare_runs
@@ -39,16 +37,6 @@ def overlap(prompts, completions, answer, **columns):
 def brevity(prompts, completions, **columns):
     return [-0.01 * len(c) for c in completions]
 '''
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "titan_audit.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=600,
-    )
 
 
 def make_tokenizer(path: Path, vocab_size: int = 300, special=("<|endoftext|>",)) -> Path:
