@@ -6,8 +6,9 @@ Guarantees:
 - Nested sections are flattened to dotted keys (`schedule.decay_steps`); a key one config lacks
   counts as a difference (its value None). Keys are listed in sorted order, so the output is stable.
 - By default the keys in `CONFIG_KEYS_IGNORED` are left out: they never change the bits of a step
-  (how long a run goes, how often it saves or flushes, how it launches). A prefix ending in "." leaves
-  out a whole section. `golden check` and `compare` report differences through this one function.
+  (how long a run goes, how often it saves or flushes, how it launches, where its metrics go). A
+  prefix ending in "." leaves out a whole section. `golden check` and `compare` report
+  differences through this one function.
 - `model_changes` is the same for the `model` section alone (what `golden update` refuses to change
   silently).
 """
@@ -25,6 +26,7 @@ CONFIG_KEYS_IGNORED: tuple[str, ...] = (
     "parallel.backend",
     "data.workers",
     "determinism.census",  # record | strict | off: never the bits of a step
+    "logging.",  # metrics.jsonl, TensorBoard: where the metrics go, never their bits
 )
 
 
