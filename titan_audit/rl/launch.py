@@ -6,7 +6,8 @@ run directory before any work (an unknown task, temperature <= 0, a lag larger t
 a prompt longer than the model's context, `--init` of another shape: ValueError, exit 2, nothing
 written), then launches. `nproc=None` runs in this process (under an external torchrun the
 ranks join its rendezvous); `nproc=N` runs `python -m torch.distributed.run --standalone
---nproc-per-node N -m titan_audit.rl.launch CONFIG_JSON OUT ...` with OMP_NUM_THREADS set from
+--nproc-per-node N -m titan_audit.rl.rank_entry CONFIG_JSON OUT ...` (rank_entry.py: a module
+nothing imports, so runpy never warns that it was imported already) with OMP_NUM_THREADS set from
 `parallel.threads` (never from N) and returns its exit code. The launcher is the trainer's
 (trainer/launch.py): the run's lock is held for the whole launch, a user error a rank finds comes
 back as one line (ValueError), and torchrun and the ranks die with the launcher. On a resume the
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from titan_audit.rl.config import RLConfig, from_dict, load_rl_config, to_dict
 from titan_audit.trainer.launch import existing_run_locked, rank_main, torchrun
+
+RANK_ENTRY = "titan_audit.rl.rank_entry"  # what torchrun runs on each rank: `main` below
 
 
 def resolve_rl_config(source: str | None, out: Path, *, resume: bool, overrides: Sequence[str]) -> RLConfig:
@@ -77,7 +80,7 @@ def launch_rl(
         flags.append(f"init={os.fspath(init)}")
     threads = config.parallel.threads
     return torchrun(
-        "titan_audit.rl.launch",
+        RANK_ENTRY,
         to_dict(config),
         out,
         flags,
@@ -89,7 +92,7 @@ def launch_rl(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """One RL rank under torchrun: `python -m titan_audit.rl.launch CONFIG_JSON OUT [resume]
+    """One RL rank under torchrun: `python -m titan_audit.rl.rank_entry CONFIG_JSON OUT [resume]
     [overwrite] [quiet] [init=PATH]` (`launch_rl` writes the resolved config to a JSON file)."""
     from titan_audit.rl.loop import rl_train
 
@@ -99,7 +102,3 @@ def main(argv: list[str] | None = None) -> None:
         rl_train(from_dict(config), out, init=init, resume=resume, overwrite=overwrite, quiet=quiet)
 
     rank_main(sys.argv[1:] if argv is None else argv, run)
-
-
-if __name__ == "__main__":
-    main()
