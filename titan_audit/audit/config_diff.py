@@ -9,8 +9,9 @@ Guarantees:
   after runs were recorded, at the default that keeps the old behaviour) is no difference: an old
   golden or run compares with a new config that leaves the key alone.
 - By default the keys in `CONFIG_KEYS_IGNORED` are left out: they never change the bits of a step
-  (how long a run goes, how often it saves or flushes, how it launches). A prefix ending in "." leaves
-  out a whole section. `golden check` and `compare` report differences through this one function.
+  (how long a run goes, how often it saves or flushes, how it launches, where its metrics go). A
+  prefix ending in "." leaves out a whole section. `golden check` and `compare` report
+  differences through this one function.
 - `model_changes` is the same for the `model` section alone (what `golden update` refuses to change
   silently).
 """
@@ -28,6 +29,7 @@ CONFIG_KEYS_IGNORED: tuple[str, ...] = (
     "parallel.backend",
     "data.workers",
     "determinism.census",  # record | strict | off: never the bits of a step
+    "logging.",  # metrics.jsonl, TensorBoard: where the metrics go, never their bits
 )
 
 # Keys added after runs (and goldens) were recorded, with the default that behaves as before they

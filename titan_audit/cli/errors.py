@@ -12,14 +12,26 @@ With -v the original exception propagates, traceback and all."""
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from titan_audit import faults
-from titan_audit.batch_invariant.cpu import KernelLibraryError
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
+
+
+# where KernelLibraryError lives; looked up, never imported: that would import torch for every
+# command, --help included (an error of that type exists only once its module is loaded)
+_KERNEL_LIBRARY_MODULE = "titan_audit.batch_invariant.cpu._lib"
+
+
+def _kernel_library_error() -> tuple[type[BaseException], ...]:
+    module = sys.modules.get(_KERNEL_LIBRARY_MODULE)
+    error = getattr(module, "KernelLibraryError", None)
+    return (error,) if error is not None else ()
 
 
 class UserError(click.ClickException):
@@ -34,7 +46,7 @@ class AuditGroup(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except (ValueError, KernelLibraryError, OSError) as error:
+        except (ValueError, OSError, *_kernel_library_error()) as error:
             if ctx.obj and ctx.obj.get("verbose"):
                 raise
             message = faults.describe(error) if isinstance(error, OSError) else str(error)

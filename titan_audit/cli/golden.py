@@ -1,4 +1,4 @@
-"""`titan-audit golden record|check|update`: keep a run as a golden, check runs against it, refresh it.
+"""`titan-audit golden record|check|update|kernels`: keep a run as a golden, check runs against it, refresh it.
 
 Thin wrappers over `titan_audit.golden`. Exit codes: 0 ok (check: the run matches, and the output
 says in which mode), 1 the check found a difference (or only tolerance mode was possible under
@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT
+from titan_audit.cli.lazy_group import LazyGroup
 from titan_audit.cli.output import print_json
 from titan_audit.golden import check_golden, parse_steps, record_golden, update_golden
 from titan_audit.golden.check import parse_phases
@@ -76,7 +77,15 @@ def _selection(steps, phases, metrics, rtol, atol) -> dict:
     }
 
 
-@click.group(short_help="Golden runs: record, check (exact or tolerance), update.")
+# `golden kernels` (cli/portability.py) is imported only when it runs
+KERNELS = "Check this CPU against the kernel golden (every kernel, variant, thread count)."
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={"kernels": ("titan_audit.cli.portability:kernels", KERNELS)},
+    short_help="Golden runs: record, check (exact or tolerance), update.",
+)
 def golden() -> None:
     """Golden runs: a small, verified subset of a run (audit hashes, metrics, numerics fingerprint)."""
 

@@ -15,7 +15,7 @@ Modules (one concern each):
 - rollouts.py    the rollout worker thread and the deterministic lag scheme
 - loss.py        group advantages, the clipped policy-gradient loss, the zero-gap figures
 - loop.py        the RL loop on trainer/ (tree reduction, AdamW, checkpoints, audit records)
-- launch.py      `titan-audit rl`: one process or torchrun ranks
+- launch.py      `titan-audit rl`: one process or torchrun ranks (rank_entry.py: what torchrun runs)
 - report.py      RUN/reports/onpolicy.md and the self-contained onpolicy.html
 
 Guarantees: G4 (in BI mode every generator log-prob equals the trainer's recomputation with the

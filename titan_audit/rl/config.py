@@ -15,7 +15,8 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   top_p, top_k, max_new_tokens), loss (clip_eps,
   kl_coef: the k3 KL to the frozen initial policy), optimizer, schedule, rollout (lag, buffer),
   parallel (threads, backend; data parallel only), checkpoint, audit, determinism
-  (batch_invariant on by default: the zero-gap guarantee needs it); top-level `seed` (prompt sets,
+  (batch_invariant on by default: the zero-gap guarantee needs it), logging (the train loop's:
+  metrics.jsonl, TensorBoard); top-level `seed` (prompt sets,
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on), `generator` ("builtin": rl/builtin.py;
   "vllm": our model inside vLLM, rl/vllm/, needs the `vllm` extra; the same tokens and log-probs
@@ -32,7 +33,14 @@ from typing import Any, Literal
 
 from titan_audit.rl.tasks import task_names
 from titan_audit.trainer import typed_config
-from titan_audit.trainer.config import RUN_MUTABLE_KEYS, AuditSection, CheckpointSection, ModelSection, ProcessSection
+from titan_audit.trainer.config import (
+    RUN_MUTABLE_KEYS,
+    AuditSection,
+    CheckpointSection,
+    LoggingSection,
+    ModelSection,
+    ProcessSection,
+)
 from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 
 # rollout.buffer: how far ahead rollouts may run, not which; generator: builtin and vllm give the
@@ -215,6 +223,7 @@ class RLConfig:
     checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(interval=10, keep_last=2))
     audit: AuditSection = field(default_factory=AuditSection)
     determinism: RLDeterminismSection = field(default_factory=RLDeterminismSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)  # metrics.jsonl, TensorBoard
 
     def __post_init__(self) -> None:
         if self.seed < 0:

@@ -7,7 +7,8 @@ a prompt longer than the model's context, a model key that contradicts `--init`:
 exit 2, nothing written; with `--init` the model section takes the init's shape, see
 trainer/init.py), then launches. `nproc=None` runs in this process (under an external torchrun the
 ranks join its rendezvous); `nproc=N` runs `python -m torch.distributed.run --standalone
---nproc-per-node N -m titan_audit.rl.launch CONFIG_JSON OUT ...` with OMP_NUM_THREADS set from
+--nproc-per-node N -m titan_audit.rl.rank_entry CONFIG_JSON OUT ...` (rank_entry.py: a module
+nothing imports, so runpy never warns that it was imported already) with OMP_NUM_THREADS set from
 `parallel.threads` (never from N) and returns its exit code. The launcher is the trainer's
 (trainer/launch.py): the run's lock is held for the whole launch, a user error a rank finds comes
 back as one line (ValueError), and torchrun and the ranks die with the launcher. On a resume the
@@ -23,6 +24,8 @@ from pathlib import Path
 
 from titan_audit.rl.config import RECIPES, RLConfig, from_dict, to_dict
 from titan_audit.trainer.launch import existing_run_locked, rank_main, torchrun
+
+RANK_ENTRY = "titan_audit.rl.rank_entry"  # what torchrun runs on each rank: `main` below
 
 
 def resolve_rl_config(
@@ -87,7 +90,7 @@ def launch_rl(
         flags.append(f"init={os.fspath(init)}")
     threads = config.parallel.threads
     return torchrun(
-        "titan_audit.rl.launch",
+        RANK_ENTRY,
         to_dict(config),
         out,
         flags,
@@ -99,7 +102,7 @@ def launch_rl(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """One RL rank under torchrun: `python -m titan_audit.rl.launch CONFIG_JSON OUT [resume]
+    """One RL rank under torchrun: `python -m titan_audit.rl.rank_entry CONFIG_JSON OUT [resume]
     [overwrite] [quiet] [init=PATH]` (`launch_rl` writes the resolved config to a JSON file)."""
     from titan_audit.rl.loop import rl_train
 
@@ -109,7 +112,3 @@ def main(argv: list[str] | None = None) -> None:
         rl_train(from_dict(config), out, init=init, resume=resume, overwrite=overwrite, quiet=quiet)
 
     rank_main(sys.argv[1:] if argv is None else argv, run)
-
-
-if __name__ == "__main__":
-    main()

@@ -16,8 +16,9 @@ Guarantees:
   (token store or the built-in synthetic corpus; seq_len, global_batch_size, microbatch_size ->
   V), optimizer, schedule, parallel (mode
   dp | fsdp, threads per rank, backend), checkpoint (interval, keep_last, fallback), audit (level,
-  modules, flush_every_steps), determinism (enabled, strict, batch_invariant); top-level `seed`
-  (model init and the data order) and `steps`.
+  modules, flush_every_steps), determinism (enabled, strict, batch_invariant), logging (jsonl,
+  tensorboard: the metrics streams beside metrics.parquet, trainer/metrics_out.py); top-level
+  `seed` (model init and the data order) and `steps`.
 - Recipes `tiny-dense` and `tiny-moe`: V = 8 virtual microbatches of 1 x 64 tokens, a step well
   under a second on 2 CPU cores, a checkpoint every 4 steps; tiny-moe trains with the
   load-balancing loss at `model.router_aux_loss_coef = 0.01`.
@@ -53,6 +54,8 @@ RUN_MUTABLE_KEYS = frozenset(
         "audit.flush_every_steps",
         "parallel.backend",
         "determinism.census",  # record or stop: never the bits of a step (a strict run that passes is the same run)
+        "logging.jsonl",  # where the metrics go besides metrics.parquet: never the bits of a step
+        "logging.tensorboard",
     }
 )
 RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"parallel.mode", "data.workers"}
@@ -171,6 +174,16 @@ class AuditSection:
 
 
 @dataclass
+class LoggingSection:
+    """The per-step metrics streams beside RUN/metrics.parquet (rank 0, append only, flushed every
+    step; trainer/metrics_out.py). Never the bits of a step: resume-mutable, and no config
+    difference for `compare` or golden checks (audit/config_diff.py)."""
+
+    jsonl: bool = True  # RUN/metrics.jsonl: one JSON object per step, the metrics.parquet row
+    tensorboard: bool = False  # RUN/tensorboard/: TensorBoard event files (the `tensorboard` package)
+
+
+@dataclass
 class DeterminismSection:
     enabled: bool = True  # False: no deterministic switches, plain all_reduce of accumulated grads
     strict: bool = True  # raise on ops without a deterministic kernel
@@ -193,6 +206,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     audit: AuditSection = field(default_factory=AuditSection)
     determinism: DeterminismSection = field(default_factory=DeterminismSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
         if self.seed < 0:

@@ -60,6 +60,7 @@ from titan_audit.log import get_logger
 from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.crash import crash_point
+from titan_audit.trainer.metrics_out import MetricsStreams, check_logging
 from titan_audit.trainer.optim import lr_at, set_lr
 from titan_audit.trainer.reduce import TreeReducer
 from titan_audit.trainer.run_dir import (
@@ -152,10 +153,12 @@ def check_run_dir(
     differs only in `mutable` keys, checkpoints whose small files verify, an audit log whose parts
     all read, and a step to run; a new
     run needs an empty (or missing) directory unless --overwrite, outside any other run's
-    directory and without runs below it (run_dir.check_out_path)."""
+    directory and without runs below it (run_dir.check_out_path). The metrics streams the run
+    writes there must be available (metrics_out.check_logging: TensorBoard installed)."""
     out = Path(out)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
+    check_logging(config)
     if resume:
         saved = _saved_manifest(out, kind)
         differences = typed_config.resume_differences(saved["config"], config, mutable)
@@ -232,6 +235,7 @@ class Run:
         self.manifest: dict[str, Any] = {}
         self.recorder: Recorder | None = None
         self.metrics: MetricsLog | None = None
+        self.streams: MetricsStreams | None = None
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._stack = contextlib.ExitStack()
@@ -334,8 +338,9 @@ class Run:
         return blob
 
     def begin(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Open the recorder (every rank) and the metrics log (rank 0, cut back to start_step),
-        append this start to the manifest's history (rank 0), and wait for every rank."""
+        """Open the recorder (every rank) and the metrics log with its streams (rank 0, cut back
+        to start_step: metrics_out.py), append this start to the manifest's history (rank 0), and
+        wait for every rank."""
         self._model, self._optimizer = model, optimizer
         audit = self.config.audit
         self.recorder = self.closing(
@@ -346,6 +351,7 @@ class Run:
         if self.mesh.rank == 0:
             self.metrics = MetricsLog(self.out)
             self.metrics.truncate_after(self.start_step)
+            self.streams = self.closing(MetricsStreams(self.out, self.config.logging, self.metrics.rows))
             self.manifest["world_size_history"].append(
                 {
                     "world_size": self.mesh.world_size,
@@ -374,14 +380,15 @@ class Run:
         line: str,
         blob: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        """The metrics row (rank 0, flushed), the progress line (rank 0 unless quiet), the audit
-        step closed, the crash point `<kind>.after_step`, and at `checkpoint.interval` (and the last
-        step) an audit flush and a verified checkpoint whose blob adds `blob()` (called on every
-        rank at checkpoint steps only: it may be collective)."""
+        """The metrics row (rank 0: metrics.parquet and its streams, flushed), the progress line
+        (rank 0 unless quiet), the audit step closed, the crash point `<kind>.after_step`, and at
+        `checkpoint.interval` (and the last step) an audit flush and a verified checkpoint whose
+        blob adds `blob()` (called on every rank at checkpoint steps only: it may be collective)."""
         assert self.recorder is not None, "begin() before the first step"
         if self.metrics is not None:
             self.metrics.append(row)
             self.metrics.flush()
+            self.streams.write(row)
         if not self.quiet:
             log.log(logging.INFO if self.mesh.rank == 0 else logging.DEBUG, "%s", line)  # other ranks: -v
         self.recorder.end_step()

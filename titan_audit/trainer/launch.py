@@ -6,8 +6,9 @@ manifest; with `--init`, the model section takes the init's shape: trainer/init.
 run directory before any work (rank 0), then launches.
 
 `launch(config, out, nproc=N, ...)` writes the resolved config to a temporary JSON file and runs
-`python -m torch.distributed.run --standalone --nproc-per-node N -m titan_audit.trainer.launch ...`
-as a subprocess; it returns torchrun's exit code (0 ok, else a crash). The ranks' intra-op thread
+`python -m torch.distributed.run --standalone --nproc-per-node N -m titan_audit.trainer.rank_entry
+...` as a subprocess (rank_entry.py: a module nothing imports, so runpy never finds it already
+imported and warns); it returns torchrun's exit code (0 ok, else a crash). The ranks' intra-op thread
 count comes from `parallel.threads` (exported as OMP_NUM_THREADS too, so torchrun does not pick
 one): never from N. `nproc=None` runs in this process: under an external torchrun the ranks join
 the rendezvous that torchrun put in the environment; otherwise a single process.
@@ -145,7 +146,7 @@ def launch(
     if init is not None:
         flags.append(f"init={os.fspath(init)}")
     return torchrun(
-        "titan_audit.trainer.launch",
+        RANK_ENTRY,
         to_dict(config),
         out,
         flags,
@@ -156,6 +157,7 @@ def launch(
     )
 
 
+RANK_ENTRY = "titan_audit.trainer.rank_entry"  # what torchrun runs on each rank: `main` below
 ERROR_DIR_ENV = "TITAN_AUDIT_ERROR_DIR"  # where ranks write their user error (set by torchrun())
 LAUNCHER_ENV = "TITAN_AUDIT_LAUNCHER_PID"  # the launcher's pid: ranks die with it
 _PR_SET_PDEATHSIG = 1
@@ -505,7 +507,7 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of one training rank under torchrun: `python -m titan_audit.trainer.launch
+    """Entry point of one training rank under torchrun: `python -m titan_audit.trainer.rank_entry
     CONFIG_JSON OUT [resume] [overwrite] [quiet] [stop_at=N] [init=PATH]` (`launch` writes the
     resolved config to a JSON file)."""
     from titan_audit.trainer.train import train
@@ -517,7 +519,3 @@ def main(argv: list[str] | None = None) -> None:
         train(from_dict(config), out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init)
 
     rank_main(sys.argv[1:] if argv is None else argv, run)
-
-
-if __name__ == "__main__":
-    main()
