@@ -63,8 +63,10 @@ class ByteTokenizer:
 
 class HFTokenizer:
     def __init__(self, path: str | os.PathLike, eos_token: str | None = None, pad_token: str | None = None) -> None:
-        from tokenizers import Tokenizer as _HF
-
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError:
+            raise ValueError(f"{path}: a tokenizer.json needs HF tokenizers (pip install tokenizers)") from None
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"{path}: no such tokenizer file")
