@@ -5,7 +5,7 @@ and returns the JSON object DESIGN.md section 6 specifies. Ratios are candidate 
 baseline time for the same work (lower is better), so noisy machines still give useful numbers.
 """
 
-from titan_audit.bench.core import BenchOptions, Case, SuiteResult, compare
+from titan_audit.bench.core import BenchOptions, Case, SuiteResult, check_targets, compare
 from titan_audit.bench.registry import SUITES, run_suite
 
-__all__ = ["SUITES", "BenchOptions", "Case", "SuiteResult", "compare", "run_suite"]
+__all__ = ["SUITES", "BenchOptions", "Case", "SuiteResult", "check_targets", "compare", "run_suite"]

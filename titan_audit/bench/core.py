@@ -3,6 +3,10 @@
 Timing method: a callable is run in batches long enough to dwarf the timer (>= `min_batch_s`);
 the per-call time is the minimum over `repeats` batches, baseline and candidate interleaved batch
 by batch so that machine noise hits both alike. The garbage collector is off while timing.
+
+Targets: a case may carry one (ratio <= target is met). The JSON summary counts the cases with a
+target (`targets`) and names those that missed (`missed`); `check_targets` is `bench --check`:
+the missed cases, and a ValueError when no case had a target (a check never passes on nothing).
 """
 
 from __future__ import annotations
@@ -72,9 +76,23 @@ class SuiteResult:
             "summary": {
                 "geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
                 "max_ratio": max(ratios) if ratios else None,
-                "targets_missed": sum(c.met_target is False for c in self.cases),
+                "targets": sum(c.target is not None for c in self.cases),
+                "targets_missed": len(self.missed()),
+                "missed": self.missed(),
             },
         }
+
+    def missed(self) -> list[str]:
+        """The names of the cases that missed their target, in run order."""
+        return [c.case for c in self.cases if c.met_target is False]
+
+
+def check_targets(result: SuiteResult) -> list[str]:
+    """`bench --check`: the cases that missed their target ([]: every target met); ValueError when
+    no case of the suite had a target, so there was nothing to check."""
+    if not any(c.target is not None for c in result.cases):
+        raise ValueError(f"bench {result.suite}: no case has a target; --check has nothing to check")
+    return result.missed()
 
 
 def _calibrate(fn: Callable[[], object], min_batch_s: float) -> int:

@@ -20,6 +20,8 @@ Guarantees:
   e.g. the learning rate of a changed schedule).
 - Bad input (no such run, N outside the run's recorded steps, no checkpoint before N) is a
   ValueError before any work.
+- Progress: a bar on stderr (titan_audit/progress.py: a terminal only) counts the stages (each
+  re-run, then the comparison) and names the one running.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from titan_audit.audit import OpLogComparison, compare_op_logs
 from titan_audit.audit.oplog import oplog_path
+from titan_audit.progress import progress_bar
 from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.config import from_dict
 from titan_audit.trainer.replay import last_recorded_step, prepare_replay
@@ -69,11 +72,20 @@ def step_op_log(run: str | os.PathLike, step: int, work: str | os.PathLike) -> t
 
 def bisect_step(run_a: str | os.PathLike, run_b: str | os.PathLike, step: int) -> OpLogComparison:
     """Compare step `step` of two runs op by op (recorded op logs, or re-runs; see the module doc)."""
-    for run in (Path(run_a), Path(run_b)):
-        if not oplog_path(run, f"step_{step}").is_file():
-            rerun_checkpoint(run, step)  # every input checked before any work
-    with tempfile.TemporaryDirectory(prefix="titan-audit-bisect-") as tmp:
-        log_a, name_a = step_op_log(run_a, step, Path(tmp) / "a")
-        log_b, name_b = step_op_log(run_b, step, Path(tmp) / "b")
-        comparison = compare_op_logs(log_a, log_b)
-    return dataclasses.replace(comparison, log_a=name_a, log_b=name_b)
+    runs = [Path(run_a), Path(run_b)]
+    # the checkpoint each run's re-run starts from (None: a recorded op log); every input checked before any work
+    starts = [None if oplog_path(run, f"step_{step}").is_file() else rerun_checkpoint(run, step) for run in runs]
+    with (
+        tempfile.TemporaryDirectory(prefix="titan-audit-bisect-") as tmp,
+        progress_bar(f"bisect step {step}", total=sum(s is not None for s in starts) + 1, unit="stage") as bar,
+    ):
+        logs = []
+        for run, start, work in zip(runs, starts, ("a", "b"), strict=True):
+            if start is not None:
+                bar.describe(f"bisect: re-running {run.name} step {step} from step_{start}")
+            logs.append(step_op_log(run, step, Path(tmp) / work))
+            bar.done(n=int(start is not None))
+        bar.describe(f"bisect step {step}: comparing the op logs")
+        comparison = compare_op_logs(logs[0][0], logs[1][0])
+        bar.done()
+    return dataclasses.replace(comparison, log_a=logs[0][1], log_b=logs[1][1])
