@@ -5,35 +5,12 @@ load back into transformers with the same logits. Covers Qwen3 (untied and tied,
 
 import pytest
 import torch
+from hf_models import ATOL, COMMON, hf_model
 
 from titan_audit import models
 from titan_audit.audit import assert_bitwise_equal
 
 transformers = pytest.importorskip("transformers")
-
-ATOL = 2e-5  # float32; logits here are O(1)
-
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
-
-
-def _hf_model(cls, config):
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    # Norm weights start at 1 in HF; perturb them so the parity check exercises them.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-    return model
 
 
 def _compare(hf_model, ours, tokens):
@@ -52,7 +29,7 @@ def _qwen3(tie):
         tie_word_embeddings=tie,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    return _hf_model(transformers.Qwen3ForCausalLM, cfg)
+    return hf_model(transformers.Qwen3ForCausalLM, cfg)
 
 
 def _qwen3_moe(norm_topk_prob, mlp_only_layers=(), sparse_step=1, layers=2):
@@ -66,7 +43,7 @@ def _qwen3_moe(norm_topk_prob, mlp_only_layers=(), sparse_step=1, layers=2):
         decoder_sparse_step=sparse_step,
         mlp_only_layers=list(mlp_only_layers),
     )
-    model = _hf_model(transformers.Qwen3MoeForCausalLM, cfg)
+    model = hf_model(transformers.Qwen3MoeForCausalLM, cfg)
     with torch.no_grad():  # HF inits the router at zero: make routing non-trivial
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
@@ -76,7 +53,7 @@ def _qwen3_moe(norm_topk_prob, mlp_only_layers=(), sparse_step=1, layers=2):
 
 def _llama():
     cfg = transformers.LlamaConfig(**COMMON, intermediate_size=96, rope_theta=500000.0)
-    return _hf_model(transformers.LlamaForCausalLM, cfg)
+    return hf_model(transformers.LlamaForCausalLM, cfg)
 
 
 CASES = {
@@ -180,11 +157,11 @@ def test_parity_against_hf_eager_attention_top3(family, tmp_path, make_tokens):
             **common, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=3, norm_topk_prob=True
         )
     config._attn_implementation = "eager"
-    hf_model = _hf_model(cls, config)
+    theirs = hf_model(cls, config)
     with torch.no_grad():
-        for name, param in hf_model.named_parameters():
+        for name, param in theirs.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)
-    hf_model.save_pretrained(tmp_path)
-    diff = _compare(hf_model, models.from_pretrained(tmp_path).eval(), make_tokens(15, 3, 64, vocab=128))
+    theirs.save_pretrained(tmp_path)
+    diff = _compare(theirs, models.from_pretrained(tmp_path).eval(), make_tokens(15, 3, 64, vocab=128))
     print(f"{family} vs HF eager attention: max abs logit diff {diff:.3e}")

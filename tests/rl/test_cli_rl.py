@@ -10,16 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from command_line import cli, cli_here
+from command_line import cli, cli_here, one_line_error
 
 TINY = ["--set", "task.prompts_per_step=2", "--set", "task.samples_per_prompt=2", "--set", "sampling.max_new_tokens=4"]
-
-
-def one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
-    assert re.search(pattern, lines[0]), lines[0]
 
 
 @pytest.fixture(scope="module")

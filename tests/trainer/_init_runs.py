@@ -3,13 +3,12 @@ any preset's, and the CLI run in this process (tiny runs: no interpreter start-u
 
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 
-import torch
+from command_line import one_line_error  # noqa: F401  (the init and export tests import it from here)
+from hf_models import ATOL, COMMON, hf_model  # noqa: F401  (ATOL: the export test imports it from here)
 
-ATOL = 2e-5  # the HF parity tolerance (tests/models/test_hf_parity.py): float32, O(1) logits
 VOCAB = 512  # the recipes' tiny-dense has 2048; the byte tokenizer needs >= 258
 QUICK = ["--set", "data.synthetic_records=256", "--set", "checkpoint.interval=1"]
 
@@ -20,23 +19,12 @@ def save_hf_qwen3(path: Path) -> Path:
     import transformers
 
     config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **{**COMMON, "vocab_size": VOCAB},
         intermediate_size=96,
-        max_position_embeddings=256,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
+    model = hf_model(transformers.Qwen3ForCausalLM, config)
     model.save_pretrained(path)
     return path
 
@@ -56,12 +44,3 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-def one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> str:
-    """Exit 2 with one line on stderr, 'Error: ...', matching `pattern`; the line."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
-    assert re.search(pattern, lines[0]), lines[0]
-    return lines[0]
