@@ -224,7 +224,6 @@ class BuiltinTask:
     `encode(text) -> ids` is the run's tokenizer (rl/user_task.py `RunTokenizer`)."""
 
     def __init__(self, name: str, seed: int, prompts_per_step: int, tokenizer, encode=None) -> None:
-        get_task(name) if name != "mixed" else None
         self.name, self.seed, self.count = name, seed, prompts_per_step
         self.tokenizer, self.encode = tokenizer, encode
         self.inputs: dict | None = None  # nothing beyond the config to record in the manifest

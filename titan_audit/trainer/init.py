@@ -118,12 +118,13 @@ def resolve_config(
         return typed_config.load(cls, src, recipes, sets, what)
 
     shape, label = None, None
+    saved = saved_init(out) if init is None and resume and source is not None else None
     if init is not None:
         _, shape = init_kind(init)
         label = f"--init {init}"
-    elif resume and source is not None and saved_init(out) is not None:
+    elif saved is not None:
         shape = run_model_config(Path(out), f"{out}/manifest.json")
-        label = f"the init of {out} ({saved_init(out)})"
+        label = f"the init of {out} ({saved})"
     if shape is None or source is None:
         return resolve(cls, load, source, out, kind=kind, resume=resume, overrides=overrides)
     data, origin = typed_config.load_source(source, recipes, overrides, what)
