@@ -13,5 +13,10 @@ def test_bench_reduce_json_schema():
     result = CliRunner().invoke(cli, ["bench", "reduce", "--quick", "--repeats", "1", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert [c["case"] for c in data["cases"]] == ["reduce W=2 V=8 1MB", "reduce W=4 V=8 1MB"]
+    assert [c["case"] for c in data["cases"]] == [
+        "reduce W=2 V=8 1MB",
+        "reduce W=4 V=8 1MB",
+        "TP partials W=2 256x768 f32",
+        "TP partials W=4 256x768 f32",
+    ]
     assert all(c["ratio"] > 0 and c["target"] == 1.25 for c in data["cases"])

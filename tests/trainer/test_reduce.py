@@ -162,3 +162,28 @@ def test_reductions_of_any_size_repeat_bitwise(num_microbatches, world_size, pat
             assert_bitwise_equal(value, expected[start:stop], f"{path} W={world_size} rank {rank} numel {numel}")
             covered += stop - start
         assert covered == (numel if round_ % 2 else numel * world_size)
+
+
+def _partials_on_ranks(rank, world_size, numels):
+    """Each rank's partial is leaf `rank`; the fixed-order sum by both transports."""
+    out = {}
+    for transport, gather_max_bytes in (("all-gather", 1 << 30), ("tree-reducer", 0)):
+        reduce_module.PARTIALS_GATHER_MAX_BYTES = gather_max_bytes  # this spawned process only
+        for numel in numels:
+            partial = _leaves(world_size, numel, seed=numel)[rank].clone().view(-1, 1)
+            out[transport, numel] = reduce_module.all_reduce_partials(partial)
+    return out
+
+
+def test_partials_reduce_in_the_tree_over_the_rank_index():
+    """The TP partial sums: bitwise the halving tree over ranks, on every rank, by either transport;
+    negative control: the sequential sum of the same four partials has other bits."""
+    numels = [1, 1001, 40000]
+    results = run_ranks(_partials_on_ranks, 4, args=(numels,))
+    for (transport, numel), _ in results[0].items():
+        expected = _reference_tree_sum(_leaves(4, numel, seed=numel), 0, 4).view(-1, 1)
+        for rank, result in enumerate(results):
+            assert_bitwise_equal(result[transport, numel], expected, f"{transport} numel {numel} rank {rank}")
+    leaves = _leaves(4, 40000, seed=40000)
+    sequential = ((leaves[0] + leaves[1]) + leaves[2]) + leaves[3]
+    assert not bitwise_equal(sequential.view(-1, 1), results[0]["all-gather", 40000])

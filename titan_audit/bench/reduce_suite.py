@@ -8,6 +8,10 @@ merge, point-to-point exchange of partial-sum chunks, finish the tree per chunk,
 Times are rank 0's, per reduction, min over repeats, baseline and candidate interleaved; iteration
 counts are fixed on rank 0 and broadcast so every rank runs the same collectives.
 Target: <= 1.25x.
+
+A second group of cases times the tensor-parallel partial sums (`all_reduce_partials`: one partial
+per rank, an activation-sized [tokens, dim] float32 block, summed in the fixed tree over the rank
+index) against `dist.all_reduce` of the same partial, with the same target.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ import torch.distributed as dist
 
 from titan_audit.bench.core import BenchOptions, Case
 from titan_audit.trainer.local_ranks import run_local_ranks
-from titan_audit.trainer.reduce import TreeReducer
+from titan_audit.trainer.reduce import TreeReducer, all_reduce_partials
 
 TARGET_RATIO = 1.25
 NUM_MICROBATCHES = 8
 SIZES_MB = [1, 4, 16, 64]
 QUICK_SIZES_MB = [1]
+# TP partials: [tokens, dim] float32 activations (256 x 768 is 0.75 MB)
+PARTIAL_SHAPES = [(64, 768), (256, 768), (1024, 768)]
+QUICK_PARTIAL_SHAPES = [(256, 768)]
 
 
 def _time_collective(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -76,11 +83,45 @@ def _rank_main(rank: int, world_size: int, sizes_mb: list[int], repeats: int) ->
     return out
 
 
+def _partials_rank_main(rank: int, world_size: int, shapes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    out = []
+    for shape in shapes:
+        g = torch.Generator().manual_seed(rank)
+        partial = torch.randn(shape, generator=g)
+        buffer = torch.empty_like(partial)
+
+        def baseline() -> None:
+            buffer.copy_(partial)
+            dist.all_reduce(buffer)
+
+        def candidate() -> None:
+            buffer.copy_(partial)
+            all_reduce_partials(buffer)
+
+        baseline(), candidate()  # warm up
+        calls = torch.tensor([max(4, (1 << 24) // partial.numel())])
+        dist.broadcast(calls, src=0)
+        base_s = cand_s = float("inf")
+        for _ in range(repeats):
+            base_s = min(base_s, _time_collective(baseline, int(calls), 1))
+            cand_s = min(cand_s, _time_collective(candidate, int(calls), 1))
+        out.append({"shape": list(shape), "baseline_s": base_s, "candidate_s": cand_s})
+    return out
+
+
+def _both_rank_main(rank: int, world_size: int, sizes_mb, shapes, repeats: int) -> tuple[list[dict], list[dict]]:
+    return _rank_main(rank, world_size, sizes_mb, repeats), _partials_rank_main(rank, world_size, shapes, repeats)
+
+
 def reduce_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     cases = []
     sizes = QUICK_SIZES_MB if options.quick else SIZES_MB
-    for world_size in (2, 4):
-        rank0 = run_local_ranks(_rank_main, world_size, args=(sizes, options.repeats))[0]
+    shapes = QUICK_PARTIAL_SHAPES if options.quick else PARTIAL_SHAPES
+    partial_rows = {}
+    for world_size in (2, 4):  # one set of ranks per W runs both groups of cases
+        rank0, partial_rows[world_size] = run_local_ranks(
+            _both_rank_main, world_size, args=(sizes, shapes, options.repeats)
+        )[0]
         for row in rank0:
             name = f"reduce W={world_size} V={NUM_MICROBATCHES} {row['size_mb']}MB"
             cases.append(
@@ -88,6 +129,22 @@ def reduce_suite(options: BenchOptions, progress: Callable[[str], None]) -> list
                     case=name,
                     baseline="local sum + dist.all_reduce (gloo)",
                     candidate="TreeReducer.all_reduce (gloo)",
+                    baseline_s=row["baseline_s"],
+                    candidate_s=row["candidate_s"],
+                    ratio=row["candidate_s"] / row["baseline_s"],
+                    target=TARGET_RATIO,
+                )
+            )
+            progress(name)
+    for world_size in (2, 4):
+        for row in partial_rows[world_size]:
+            tokens, dim = row["shape"]
+            name = f"TP partials W={world_size} {tokens}x{dim} f32"
+            cases.append(
+                Case(
+                    case=name,
+                    baseline="dist.all_reduce (gloo)",
+                    candidate="all_reduce_partials: all-gather + fixed tree (gloo)",
                     baseline_s=row["baseline_s"],
                     candidate_s=row["candidate_s"],
                     ratio=row["candidate_s"] / row["baseline_s"],
