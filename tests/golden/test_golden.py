@@ -185,6 +185,25 @@ def test_fingerprint_mismatch_switches_to_tolerance_mode_and_says_so(golden, tmp
     assert strict.exit_code == 1 and "exact comparison required" in strict.output
 
 
+def test_a_kernel_version_change_is_named_as_the_cause(tmp_path, make_run):
+    """Golden and run both in BI mode with other kernel versions: the check says the kernels moved
+    the bits; negative control: the same kernels, or a non-BI run, name no kernel change."""
+    golden = tmp_path / "golden"
+    record_golden(make_run(tmp_path / "old", fingerprint_changes={"bi_kernels": "titan-bi-cpu v1"}), golden)
+    run = make_run(tmp_path / "new", fingerprint_changes={"bi_kernels": "titan-bi-cpu v2"})
+    strict = run_cli("golden", "check", run, golden, "--require-exact")
+    assert strict.exit_code == 1
+    assert (
+        "the batch-invariant kernels changed version (golden 'titan-bi-cpu v1', run 'titan-bi-cpu v2')" in strict.output
+    )
+    data = json.loads(run_cli("golden", "check", run, golden, "--json").stdout)
+    assert data["kernels_changed"] == {"golden": "titan-bi-cpu v1", "run": "titan-bi-cpu v2"}
+    same = make_run(tmp_path / "same", fingerprint_changes={"bi_kernels": "titan-bi-cpu v1"})
+    assert check_golden(same, golden).kernels_changed is None and check_golden(same, golden).mode == "exact"
+    native = make_run(tmp_path / "native")
+    assert check_golden(native, golden).kernels_changed is None
+
+
 def test_tolerance_mode_ignores_hashes_but_checks_metrics(golden, tmp_path, make_run):
     """Negative controls: different bits pass within tolerance; metrics outside it fail."""
     bits_differ = make_run(tmp_path / "a", flip_param_bit_at=1, fingerprint_changes=OTHER_TORCH)

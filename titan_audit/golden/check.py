@@ -141,6 +141,25 @@ def fingerprint_differences(golden_fp: dict | None, run_fp: dict | None, golden:
     return incompatibilities(a, b)
 
 
+def kernels_change(golden_fp: dict | None, run_fp: dict | None) -> dict[str, str | None] | None:
+    """{"golden": ..., "run": ...} when both runs used batch-invariant kernels of different
+    versions (`bi_kernels` in the fingerprint), else None: such a failure comes from a kernel
+    release that moved bits, not from the run."""
+    golden_kernels = (golden_fp or {}).get("bi_kernels")
+    run_kernels = (run_fp or {}).get("bi_kernels")
+    if golden_kernels is None or run_kernels is None or golden_kernels == run_kernels:
+        return None
+    return {"golden": golden_kernels, "run": run_kernels}
+
+
+def kernels_change_note(change: dict[str, str | None]) -> str:
+    return (
+        f"the batch-invariant kernels changed version (golden {change['golden']!r}, run {change['run']!r}): "
+        "a kernel release that moves bits changes every BI run's hashes once, so this difference comes "
+        "from the upgrade, not from the run; `titan-audit golden update RUN GOLDEN` re-records the golden"
+    )
+
+
 # ---------------------------------------------------------------------------------- record
 def _tolerances(
     metrics: list[str] | None, available: list[str], rtol: dict[str, float], atol: dict[str, float]
@@ -299,6 +318,7 @@ class GoldenCheck:
     max_failures: int
     require_exact: bool
     notes: list[str] = field(default_factory=list)
+    kernels_changed: dict[str, str | None] | None = None  # kernels_change(): a kernel version change
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -315,6 +335,7 @@ class GoldenCheck:
             "max_failures": self.max_failures,
             "require_exact": self.require_exact,
             "notes": self.notes,
+            "kernels_changed": self.kernels_changed,
         }
 
 
@@ -410,6 +431,7 @@ def check_golden(
     read_audit_log(run_dir, columns=["step"])  # bad input (no audit log, damaged part) -> ValueError now
     run_fp = manifest.get("fingerprint") if isinstance(manifest.get("fingerprint"), dict) else None
     fp_diff = fingerprint_differences(golden.fingerprint, run_fp, str(golden.path / MANIFEST), str(run_dir / MANIFEST))
+    kernels_changed = kernels_change(golden.fingerprint, run_fp)
     cfg_diff = config_differences(golden.manifest.get("config"), manifest.get("config"))
     run_metrics = _read_metrics(run_dir)
     failures: list[str] = []
@@ -440,8 +462,14 @@ def check_golden(
             "numerics fingerprints differ, so bitwise equality is not expected; audit hashes were "
             "NOT compared, only metrics within tolerance: " + "; ".join(fp_diff)
         )
+        if kernels_changed is not None:
+            notes.append(kernels_change_note(kernels_changed))
         if require_exact:
-            failures.append("exact comparison required, but the numerics fingerprints differ: " + "; ".join(fp_diff))
+            failures.append(
+                "exact comparison required, but the numerics fingerprints differ: "
+                + "; ".join(fp_diff)
+                + ("" if kernels_changed is None else f" ({kernels_change_note(kernels_changed)})")
+            )
         mismatches, points, missing = _compare_metrics(golden, run_metrics, exact=False)
         if points == 0 and missing:  # not one (metric, step) point of the golden is in the run
             raise ValueError(
@@ -478,6 +506,7 @@ def check_golden(
         max_failures=golden.tolerance.max_failures,
         require_exact=require_exact,
         notes=notes,
+        kernels_changed=kernels_changed,
     )
 
 
