@@ -19,3 +19,25 @@ def overwrite_option(what: str = "a run already in --out"):
         callback=lambda ctx, param, value: value or False,
         help=f"Replace {what}: moved aside to OUT.replaced-<time> (the log says where); =delete removes it.",
     )
+
+
+def multinode_options(fn):
+    """`--nnodes N --node-rank R --rdzv-endpoint HOST:PORT`: this node of a multi-node launch
+    through torchrun's c10d rendezvous (trainer/launch.py `Rendezvous`); the command receives
+    them as `nnodes`, `node_rank`, `rdzv_endpoint`."""
+    for option in reversed(
+        (
+            click.option(
+                "--nnodes", type=int, default=None, help="Nodes of a multi-node launch (each with --nproc ranks)."
+            ),
+            click.option("--node-rank", type=int, default=None, help="This node's index in [0, --nnodes); default 0."),
+            click.option(
+                "--rdzv-endpoint",
+                default=None,
+                metavar="HOST:PORT",
+                help="Node 0's address for torchrun's c10d rendezvous (node 0 hosts it).",
+            ),
+        )
+    ):
+        fn = option(fn)
+    return fn

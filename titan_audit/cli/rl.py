@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
-from titan_audit.cli.options import overwrite_option
+from titan_audit.cli.options import multinode_options, overwrite_option
 
 _INIT_HELP = (
     "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; "
@@ -45,19 +45,32 @@ def _guard(fn):
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory.")
 @click.option("--init", "init", default=None, help=_INIT_HELP)
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
+@multinode_options
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. rollout.lag=2.")
 @click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
-def rl(source, out, init, nproc, steps, resume, overwrite, overrides, generator) -> None:
+def rl(
+    source, out, init, nproc, nnodes, node_rank, rdzv_endpoint, steps, resume, overwrite, overrides, generator
+) -> None:
     """RL on verifiable synthetic tasks (see titan_audit/rl/loop.py); no verification overhead."""
     from titan_audit.rl.launch import start_rl
+    from titan_audit.trainer.launch import Rendezvous
 
+    rendezvous = Rendezvous.from_options(nnodes, node_rank, rdzv_endpoint, nproc=nproc)
     overrides = [*overrides, *_generator_override(generator)]
     rc = _guard(
         lambda: start_rl(
-            source, out, init=init, nproc=nproc, steps=steps, resume=resume, overwrite=overwrite, overrides=overrides
+            source,
+            out,
+            init=init,
+            nproc=nproc,
+            steps=steps,
+            resume=resume,
+            overwrite=overwrite,
+            overrides=overrides,
+            rendezvous=rendezvous,
         )
     )
     if rc:

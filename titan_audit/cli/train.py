@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from titan_audit.cli.options import overwrite_option
+from titan_audit.cli.options import multinode_options, overwrite_option
 
 
 @click.command(short_help="Train; the same trajectory at every world size.")
@@ -23,6 +23,7 @@ from titan_audit.cli.options import overwrite_option
     "default: the deterministic init.",
 )
 @click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
+@multinode_options
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @overwrite_option()
@@ -32,16 +33,28 @@ def train(
     out: Path,
     init: str | None,
     nproc: int | None,
+    nnodes: int | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
     steps: int | None,
     resume: bool,
     overwrite: bool | str,
     overrides: tuple[str, ...],
 ) -> None:
     """Train (tiny recipes run in seconds on a CPU); see docs in titan_audit/trainer/train.py."""
-    from titan_audit.trainer.launch import start_run
+    from titan_audit.trainer.launch import Rendezvous, start_run
 
+    rendezvous = Rendezvous.from_options(nnodes, node_rank, rdzv_endpoint, nproc=nproc)
     rc = start_run(
-        source, out, nproc=nproc, steps=steps, resume=resume, overwrite=overwrite, overrides=overrides, init=init
+        source,
+        out,
+        nproc=nproc,
+        steps=steps,
+        resume=resume,
+        overwrite=overwrite,
+        overrides=overrides,
+        init=init,
+        rendezvous=rendezvous,
     )
     if rc:
         sys.exit(rc)

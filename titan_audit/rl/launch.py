@@ -13,6 +13,9 @@ nothing imports, so runpy never warns that it was imported already) with OMP_NUM
 (trainer/launch.py): the run's lock is held for the whole launch, a user error a rank finds comes
 back as one line (ValueError), and torchrun and the ranks die with the launcher. On a resume the
 checkpoints' small files and the step it would start from are checked before torchrun starts.
+Multi-node (`rendezvous`, trainer/launch.py `Rendezvous`): the same rules as `titan-audit train`
+(shared filesystem; node 0 claims the run and checks it with W = nnodes * nproc, a node R > 0
+checks the request only; a lost node is one line and exit 1).
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from titan_audit.rl.config import RECIPES, RLConfig, from_dict, to_dict
-from titan_audit.trainer.launch import existing_run_locked, rank_main, torchrun
+from titan_audit.trainer.launch import (
+    Rendezvous,
+    check_other_node,
+    existing_run_locked,
+    rank_main,
+    torchrun,
+    world_size_of,
+)
 
 RANK_ENTRY = "titan_audit.rl.rank_entry"  # what torchrun runs on each rank: `main` below
 
@@ -50,13 +60,19 @@ def start_rl(
     overwrite: bool | str,
     overrides: Sequence[str],
     quiet: bool = False,
+    rendezvous: Rendezvous | None = None,
 ) -> int:
     """Resolve the config, check the request and `out` (rank 0, before any work), run; the exit code."""
-    from titan_audit.rl.loop import check_run
+    import contextlib
+
+    from titan_audit.rl.loop import check_inputs, check_run
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    with existing_run_locked(out):
+    main_node = rendezvous is None or rendezvous.main_node
+    with existing_run_locked(out) if main_node else contextlib.nullcontext():
+        if not main_node:
+            check_other_node(out, resume=resume)
         config = resolve_rl_config(
             source,
             out,
@@ -64,10 +80,14 @@ def start_rl(
             overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])],
             init=init,
         )
-        world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        if int(os.environ.get("RANK", "0")) == 0:
+        world_size = world_size_of(nproc, rendezvous)
+        if not main_node:
+            check_inputs(config, init, world_size)
+        elif int(os.environ.get("RANK", "0")) == 0:
             check_run(config, Path(out), init=init, resume=resume, overwrite=overwrite, world_size=world_size)
-        return launch_rl(config, out, init=init, nproc=nproc, resume=resume, overwrite=overwrite, quiet=quiet)
+        return launch_rl(
+            config, out, init=init, nproc=nproc, resume=resume, overwrite=overwrite, quiet=quiet, rendezvous=rendezvous
+        )
 
 
 def launch_rl(
@@ -79,8 +99,10 @@ def launch_rl(
     resume: bool = False,
     overwrite: bool | str = False,
     quiet: bool = False,
+    rendezvous: Rendezvous | None = None,
 ) -> int:
     if nproc is None:
+        assert rendezvous is None, "a multi-node launch goes through torchrun"
         from titan_audit.rl.loop import rl_train
 
         rl_train(config, out, init=init, resume=resume, overwrite=overwrite, quiet=quiet)
@@ -98,6 +120,7 @@ def launch_rl(
         threads=threads,
         resume=resume,
         overwrite=overwrite,
+        rendezvous=rendezvous,
     )
 
 

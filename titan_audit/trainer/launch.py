@@ -41,6 +41,30 @@ Guarantees (shared by `titan-audit train` and `titan-audit rl`, both go through 
   every launcher first removes the `titan-audit-launch-*` directories (its own user's, in the
   system temp dir) whose owner process is gone, and never one whose owner is alive (a directory
   without a `pid` file is kept: its owner may be writing it).
+
+Multi-node (`Rendezvous`: --nnodes N --node-rank R --rdzv-endpoint HOST:PORT, with --nproc P
+ranks per node, W = N * P): every node runs the same command but --node-rank, and torchrun joins
+them through its c10d rendezvous (`--nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`
+instead of `--standalone`); node 0 hosts the rendezvous store (`is_host=true`), so HOST:PORT is
+node 0's address. --node-rank is not passed to torchrun (its c10d backend ignores it: global ranks
+follow the nodes' host names and pids), it says which launcher does the run directory's work.
+- Shared filesystem: every node reads and writes the same run directory at the same path (rank 0
+  writes the manifest, metrics and checkpoints, and may run on any node; every rank reads the
+  checkpoint on a resume).
+- Node 0 alone claims the run's lock and runs the pre-launch checks (`check_run` with W = N * P:
+  resume compatibility, overwrite, the checkpoint's small files); the ranks of every node treat the
+  lock as their launcher's (TITAN_AUDIT_RUN_LOCK), so the one that is rank 0 does not take it a
+  second time. A node R > 0 never claims: it checks the request itself (config vs W, data, init;
+  with --resume, that a run is there) and leaves the run directory alone. Flags other than
+  --node-rank must match on every node (every node passes --resume on a resume): a mismatch is
+  not detected across nodes.
+- A lost node (killed, crashed, its network gone) makes the ranks of the others fail in their next
+  collective: each writes a `peer` report to its launcher's error directory and every surviving
+  launcher drops torchrun's report, prints one line (`Error: ... lost its connection ...; resume
+  the run in RUN with --resume (...)`) and returns 1; torchrun and its ranks have exited by then.
+  A SIGKILLed node closes its sockets and is noticed at once; a machine that vanishes without
+  closing them is noticed at the process group's timeout (gloo's default).
+- The checkpoints are W-invariant (G5): a multi-node run resumes on one node, at any W.
 """
 
 from __future__ import annotations
@@ -57,9 +81,73 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from titan_audit.trainer.config import RECIPES, TrainConfig, from_dict, to_dict
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where this launcher's node sits in a multi-node launch (see the module docstring)."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str  # HOST:PORT of node 0, where the c10d rendezvous store listens
+
+    @classmethod
+    def from_options(
+        cls, nnodes: int | None, node_rank: int | None, endpoint: str | None, *, nproc: int | None
+    ) -> Rendezvous | None:
+        """The launch's rendezvous from the CLI's flags (None: one node, `--standalone`);
+        ValueError naming the flag for a bad combination."""
+        if nnodes is None:
+            for flag, value in (("--node-rank", node_rank), ("--rdzv-endpoint", endpoint)):
+                if value is not None:
+                    raise ValueError(f"{flag} needs --nnodes (the number of nodes)")
+            return None
+        if nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+        if endpoint is None:
+            raise ValueError("--nnodes needs --rdzv-endpoint HOST:PORT (node 0's address)")
+        if nproc is None:
+            raise ValueError("--nnodes needs --nproc (the ranks per node)")
+        node_rank = 0 if node_rank is None else node_rank
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank {node_rank} is outside [0, {nnodes}) for --nnodes {nnodes}")
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT with a port in 1..65535")
+        return cls(nnodes, node_rank, endpoint)
+
+    @property
+    def main_node(self) -> bool:
+        """Node 0: the run directory's lock and checks are its launcher's."""
+        return self.node_rank == 0
+
+    def torchrun_args(self) -> list[str]:
+        is_host = "true" if self.main_node else "false"
+        return [
+            f"--nnodes={self.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-conf=is_host={is_host}",
+        ]
+
+
+def world_size_of(nproc: int | None, rendezvous: Rendezvous | None) -> int:
+    """The launch's W: nnodes * nproc; in-process, torchrun's WORLD_SIZE (else 1)."""
+    if nproc is None:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return nproc * (rendezvous.nnodes if rendezvous is not None else 1)
+
+
+def check_other_node(out: str | os.PathLike, *, resume: bool) -> None:
+    """What a node R > 0 checks of the run directory (it claims nothing): a resume needs a run."""
+    from titan_audit.trainer.run_dir import MANIFEST, is_run_dir
+
+    if resume and not is_run_dir(Path(out)):
+        raise ValueError(f"{out}: no run to resume ({MANIFEST} not found; the run directory must be shared)")
 
 
 def resolve_config(
@@ -85,14 +173,19 @@ def start_run(
     overwrite: bool | str,
     overrides: Sequence[str],
     init: str | os.PathLike | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> int:
     """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code.
-    `init`: start from another run's latest checkpoint or an HF model directory (trainer/init.py)."""
-    from titan_audit.trainer.train import check_run
+    `init`: start from another run's latest checkpoint or an HF model directory (trainer/init.py).
+    `rendezvous`: this node of a multi-node launch (node R > 0 checks the request, not `out`)."""
+    from titan_audit.trainer.train import check_inputs, check_run
 
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    with existing_run_locked(out):
+    main_node = rendezvous is None or rendezvous.main_node
+    with existing_run_locked(out) if main_node else contextlib.nullcontext():
+        if not main_node:
+            check_other_node(out, resume=resume)
         config = resolve_config(
             source,
             out,
@@ -100,10 +193,12 @@ def start_run(
             overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])],
             init=init,
         )
-        world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        if int(os.environ.get("RANK", "0")) == 0:
+        world_size = world_size_of(nproc, rendezvous)
+        if not main_node:
+            check_inputs(config, world_size, init)
+        elif int(os.environ.get("RANK", "0")) == 0:
             check_run(config, out, resume=resume, overwrite=overwrite, world_size=world_size, init=init)
-        return launch(config, out, nproc=nproc, resume=resume, overwrite=overwrite, init=init)
+        return launch(config, out, nproc=nproc, resume=resume, overwrite=overwrite, init=init, rendezvous=rendezvous)
 
 
 @contextlib.contextmanager
@@ -132,8 +227,10 @@ def launch(
     stop_at: int | None = None,
     quiet: bool = False,
     init: str | os.PathLike | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> int:
     if nproc is None:
+        assert rendezvous is None, "a multi-node launch goes through torchrun"
         from titan_audit.trainer.train import train
 
         train(config, out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init)
@@ -154,12 +251,14 @@ def launch(
         threads=config.parallel.threads,
         resume=resume,
         overwrite=overwrite,
+        rendezvous=rendezvous,
     )
 
 
 RANK_ENTRY = "titan_audit.trainer.rank_entry"  # what torchrun runs on each rank: `main` below
 ERROR_DIR_ENV = "TITAN_AUDIT_ERROR_DIR"  # where ranks write their user error (set by torchrun())
 LAUNCHER_ENV = "TITAN_AUDIT_LAUNCHER_PID"  # the launcher's pid: ranks die with it
+NNODES_ENV = "TITAN_AUDIT_NNODES"  # set by a multi-node launch: a lost peer is reported as one line
 _PR_SET_PDEATHSIG = 1
 
 
@@ -206,19 +305,31 @@ def torchrun(
     threads: int,
     resume: bool = False,
     overwrite: bool | str = False,
+    rendezvous: Rendezvous | None = None,
 ) -> int:
     """`python -m torch.distributed.run --standalone --nproc-per-node N -m MODULE CONFIG_JSON OUT
     FLAGS...` with the resolved config in a temporary JSON file and OMP_NUM_THREADS = `threads`,
     under this process's lock of `out` (claimed with `resume` / `overwrite`); torchrun's exit code,
     or a ValueError with a rank's user error (see the module docstring). MODULE's `main` reads
     those arguments (see `rank_main`). Stopped by SIGTERM, SIGHUP or SIGINT: one line on stderr and
-    SystemExit(128 + signal number), after the ranks are gone and the temporary directory removed."""
+    SystemExit(128 + signal number), after the ranks are gone and the temporary directory removed.
+    With `rendezvous`: the c10d flags instead of --standalone; node R > 0 claims no lock; a lost
+    node is one line on stderr and exit code 1 (see the module docstring)."""
     remove_stale_launch_dirs()
     signals = _StopSignals()
     try:
         with signals:
             return _torchrun(
-                module, config, out, flags, signals, nproc=nproc, threads=threads, resume=resume, overwrite=overwrite
+                module,
+                config,
+                out,
+                flags,
+                signals,
+                nproc=nproc,
+                threads=threads,
+                resume=resume,
+                overwrite=overwrite,
+                rendezvous=rendezvous,
             )
     except _Stopped as stop:
         print(f"Error: {stopped_message(stop.signum, out)}", file=sys.stderr, flush=True)
@@ -236,14 +347,19 @@ def _torchrun(
     threads: int,
     resume: bool,
     overwrite: bool | str,
+    rendezvous: Rendezvous | None,
 ) -> int:
     from titan_audit.trainer.run_dir import LOCK_ENV, run_lock
+
+    main_node = rendezvous is None or rendezvous.main_node
+    claim = run_lock(out, resume=resume, overwrite=overwrite) if main_node else contextlib.nullcontext()
+    nodes = rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]
 
     with signals.held():  # a stop now would leave a directory without its pid file
         tmp = Path(tempfile.mkdtemp(prefix=LAUNCH_DIR_PREFIX))
         (tmp / LAUNCH_PID_FILE).write_text(_owner_token(os.getpid()))
     try:
-        with run_lock(out, resume=resume, overwrite=overwrite):
+        with claim:
             config_file = tmp / "config.json"
             config_file.write_text(json.dumps(config))
             errors = tmp / "errors"
@@ -252,7 +368,7 @@ def _torchrun(
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
-                "--standalone",
+                *nodes,
                 f"--nproc-per-node={nproc}",
                 "-m",
                 module,
@@ -265,12 +381,17 @@ def _torchrun(
                 "OMP_NUM_THREADS": str(threads),
                 ERROR_DIR_ENV: str(errors),
                 LAUNCHER_ENV: str(os.getpid()),
-                LOCK_ENV: os.path.realpath(out),
+                LOCK_ENV: os.path.realpath(out),  # node 0's launcher holds it (multi-node: shared filesystem)
+                **({NNODES_ENV: str(rendezvous.nnodes)} if rendezvous is not None else {}),
             }
             rc = _run_filtered(command, env, errors)
             message = _rank_error(errors)
             if message is not None:
                 raise ValueError(message)
+            lost = _rank_error(errors, kind="peer")
+            if lost is not None:
+                print(f"Error: {lost}; {resume_hint(out)}", file=sys.stderr, flush=True)
+                return 1
             return rc
     finally:
         with signals.held():  # removed whole: never a directory left without its pid file
@@ -377,19 +498,33 @@ def _stop_torchrun(proc: subprocess.Popen) -> None:
 
 def stopped_message(signum: int, out: str | os.PathLike) -> str:
     """What a stopped launch tells the user about the run in `out`: where a resume starts."""
-    from titan_audit.trainer.checkpoint import Checkpointer
     from titan_audit.trainer.run_dir import is_run_dir
 
     name = signal.Signals(signum).name
     out = Path(out)
     if not is_run_dir(out):
         return f"stopped by {name} before the run in {out} wrote its manifest; nothing to resume: start it again"
+    return f"stopped by {name}; the run in {out} can be resumed with --resume ({_resume_point(out)})"
+
+
+def resume_hint(out: str | os.PathLike) -> str:
+    """Where a resume of the run in `out` would start, for a failed launch's one line."""
+    from titan_audit.trainer.run_dir import is_run_dir
+
+    out = Path(out)
+    if not is_run_dir(out):
+        return f"the run in {out} wrote no manifest yet; nothing to resume: start it again"
+    return f"resume the run in {out} with --resume ({_resume_point(out)})"
+
+
+def _resume_point(out: Path) -> str:
+    from titan_audit.trainer.checkpoint import Checkpointer
+
     try:
         steps = Checkpointer(out).steps()
     except OSError:
         steps = []
-    where = f"from its last checkpoint, step {steps[-1]}" if steps else "no checkpoint yet: from step 0"
-    return f"stopped by {name}; the run in {out} can be resumed with --resume ({where})"
+    return f"from its last checkpoint, step {steps[-1]}" if steps else "no checkpoint yet: from step 0"
 
 
 def _process_start(pid: int) -> str | None:
@@ -443,13 +578,17 @@ def remove_stale_launch_dirs(root: str | os.PathLike | None = None) -> list[Path
     return removed
 
 
-def _rank_error(errors: Path) -> str | None:
+def _rank_error(errors: Path, kind: str = "user") -> str | None:
+    """The lowest rank's message among the reports of `kind` ("user": a user error; "peer": a
+    lost connection to another node's rank), None without one."""
     reports = []
     for file in errors.glob("rank-*.json"):
         try:
-            reports.append(json.loads(file.read_text()))
+            report = json.loads(file.read_text())
         except (OSError, ValueError):
             continue
+        if report.get("kind", "user") == kind:
+            reports.append(report)
     if not reports:
         return None
     return min(reports, key=lambda r: r.get("rank", 0))["message"]
@@ -501,9 +640,41 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
         elif rank == 0:
             print(f"Error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as error:
+        lost = _lost_peer(error)
+        error_dir = os.environ.get(ERROR_DIR_ENV)
+        if lost is None or not error_dir:
+            raise
+        rank = int(os.environ.get("RANK", "0"))
+        from titan_audit.atomic import write_json_atomic
+
+        report = {"rank": rank, "kind": "peer", "message": f"rank {rank} {lost}"}
+        write_json_atomic(Path(error_dir) / f"rank-{rank}.json", report, overwrite=True)
+        os._exit(1)  # the process group cannot be torn down without its peers
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+_LOST_PEER_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+
+
+def _lost_peer(error: BaseException) -> str | None:
+    """In a multi-node launch (NNODES_ENV), an error that says a peer rank is gone: the message's
+    tail (without the peer's node, the rank cannot know why), else None."""
+    import torch.distributed as dist
+
+    nnodes = int(os.environ.get(NNODES_ENV, "1"))
+    if nnodes < 2 or not isinstance(error, (dist.DistError, RuntimeError)):
+        return None
+    text = str(error)
+    if not isinstance(error, dist.DistError) and not any(w in text.lower() for w in _LOST_PEER_WORDS):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return (
+        f"lost its connection to another rank: a node of this {nnodes}-node run died or was stopped, "
+        f"see its output ({type(error).__name__}: {first[:200]})"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
