@@ -2,8 +2,14 @@
 sum is fixed by construction, so a row's bits depend only on that row, K and the other operand,
 and the same bits come out on every CPU, ISA variant and thread count.
 
-Order: C[i, j] = one sequential fma chain over k = 0..K-1 ascending, starting from +0.0,
-whatever M, the batch, the thread count, the B layout or the ISA (see `kernels/ta_gemm.h`).
+Order ("v1", `blocks=1`, the default): C[i, j] = one sequential fma chain over k = 0..K-1
+ascending, starting from +0.0, whatever M, the batch, the thread count, the B layout or the ISA
+(see `kernels/ta_gemm.h`). Order "v2" (`blocks=tree_blocks(K)`): the blocked halving tree. P(K) =
+the largest power of two P with K % P == 0 and K / P >= 64 (1 when none > 1); block b (k in
+[b bs, (b+1) bs), bs = K / P) is v1's chain over that block; the P block sums are combined by
+node [lo, hi) = node [lo, mid) + node [mid, hi), mid = (lo + hi) / 2 (left + right). P = 1 is v1.
+Since P(K/2) == P(K)/2 for P(K) >= 2, for t | P(K) the v2 partials of the t contiguous K-shards,
+combined by `tree_combine`, are the unsharded v2 result bit for bit.
 
 Guarantees:
 - `mm(a, b)` and `bmm(a, b)` give, for each output row, the same bits whatever other rows are
@@ -44,12 +50,12 @@ PACKED_CACHE_MAX_BYTES = 1 << 30  # the packed-weight cache's bound (least recen
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 for _t in ("f32", "f64"):
-    _lib.declare(f"gemm_{_t}", None, [_P])  # one pointer to GemmArgs (gemm.cpp): 17 int64
+    _lib.declare(f"gemm_{_t}", None, [_P])  # one pointer to GemmArgs (gemm.cpp): 18 int64
     _lib.declare(f"gemm_pack_{_t}", None, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, ctypes.c_int])
 _lib.declare("gemm_packed_elems", _I64, [_I64, _I64])
-# GemmArgs: batch, M, N, K, a, sab, sam, sak, b, sbb, sbk, sbn, packed, c, scb, scm, nthreads. Passed
-# by one pointer (17 converted ctypes arguments cost ~4 us a call, more than a small product).
-_ARGS = struct.Struct("17q")
+# GemmArgs: batch, M, N, K, a, sab, sam, sak, b, sbb, sbk, sbn, packed, c, scb, scm, nthreads, blocks.
+# Passed by one pointer (18 converted ctypes arguments cost ~4 us a call, more than a small product).
+_ARGS = struct.Struct("18q")
 _ARGS_BUFFERS = threading.local()  # one per thread: the kernel runs with the GIL released
 # A B smaller than this (elements) is packed per call rather than looked up in the cache.
 CACHE_MIN_ELEMS = 1 << 14
@@ -185,6 +191,7 @@ def _gemm(
     b: torch.Tensor,
     sb: tuple[int, int, int],
     packed: torch.Tensor | None,
+    blocks: int = 1,
 ) -> torch.Tensor:
     """C [batch, M, N] (new, contiguous) = A @ B with A's / B's element strides (batch, row, k) and
     (batch, k, col); one compute dtype (float32 or float64) for all three."""
@@ -210,6 +217,7 @@ def _gemm(
         m * n,
         n,
         torch.get_num_threads(),
+        blocks,
     )
     _lib.kernel("gemm_f64" if a.dtype == torch.float64 else "gemm_f32")(addr)
     return c
@@ -219,7 +227,30 @@ def _upcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _mm_eager(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def tree_blocks(k: int) -> int:
+    """P(K): the largest power of two P with K % P == 0 and K / P >= 64 (1 when no such P > 1)."""
+    p = 1
+    while k % (2 * p) == 0 and k // (2 * p) >= 64:
+        p *= 2
+    return p
+
+
+def tree_combine(partials: list[torch.Tensor]) -> torch.Tensor:
+    """The halving tree over a power-of-two list: node [lo, hi) = node [lo, mid) + node [mid, hi)."""
+    n = len(partials)
+    if n == 0 or n & (n - 1):
+        raise ValueError(f"tree_combine: {n} partials, need a power of two")
+    if n == 1:
+        return partials[0]
+    return tree_combine(partials[: n // 2]) + tree_combine(partials[n // 2 :])
+
+
+def _check_blocks(k: int, blocks: int) -> None:
+    if blocks < 1 or blocks & (blocks - 1) or (k and k % blocks):
+        raise ValueError(f"matmul: blocks={blocks} must be a power of two dividing K={k}")
+
+
+def _mm_eager(a: torch.Tensor, b: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     out_dtype = a.dtype if a.dtype == b.dtype else torch.promote_types(a.dtype, b.dtype)
     dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     m, k = a.shape
@@ -234,11 +265,11 @@ def _mm_eager(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         packed = PACKED_CACHE.get(b, dtype)
     b_c = b if packed is not None else _upcast(b, dtype)  # with `packed`, the kernel never reads b
     sa, sb = a_c.stride(), b_c.stride()
-    out = _gemm(1, m, n, k, a_c, (0, sa[0], sa[1]), b_c, (0, sb[0], sb[1]), packed).view(m, n)
+    out = _gemm(1, m, n, k, a_c, (0, sa[0], sa[1]), b_c, (0, sb[0], sb[1]), packed, blocks).view(m, n)
     return out if out_dtype == dtype else out.to(out_dtype)
 
 
-def _bmm_eager(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _bmm_eager(a: torch.Tensor, b: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     out_dtype = a.dtype if a.dtype == b.dtype else torch.promote_types(a.dtype, b.dtype)
     dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     batch, m, k = a.shape
@@ -247,41 +278,45 @@ def _bmm_eager(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.new_zeros((batch, m, n), dtype=out_dtype)
     a_c = _upcast(a, dtype)
     b_c = _upcast(b, dtype)
-    out = _gemm(batch, m, n, k, a_c, a_c.stride(), b_c, b_c.stride(), None)
+    out = _gemm(batch, m, n, k, a_c, a_c.stride(), b_c, b_c.stride(), None, blocks)
     return out if out_dtype == dtype else out.to(out_dtype)
 
 
 @torch.library.custom_op("titan_audit::mm", mutates_args=())
-def _mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _mm_eager(a, b)
+def _mm_op(a: torch.Tensor, b: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+    return _mm_eager(a, b, blocks)
 
 
 @_mm_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _(a: torch.Tensor, b: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.promote_types(a.dtype, b.dtype))
 
 
 @torch.library.custom_op("titan_audit::bmm", mutates_args=())
-def _bmm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _bmm_eager(a, b)
+def _bmm_op(a: torch.Tensor, b: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+    return _bmm_eager(a, b, blocks)
 
 
 @_bmm_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _(a: torch.Tensor, b: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.promote_types(a.dtype, b.dtype))
 
 
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] in a's compute dtype; row i of the result depends on a[i] and b only."""
+def mm(a: torch.Tensor, b: torch.Tensor, *, blocks: int = 1) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in a's compute dtype; row i of the result depends on a[i] and b only.
+    blocks: the tree's block count (1 = v1, tree_blocks(K) = v2; see the module doc)."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    _check_blocks(a.shape[1], blocks)
     if torch.compiler.is_compiling():
-        return torch.ops.titan_audit.mm(a, b)
-    return _mm_eager(a, b)
+        return torch.ops.titan_audit.mm(a, b, blocks)
+    return _mm_eager(a, b, blocks)
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N]; row (j, i) of the result depends on a[j, i] and b[j] only."""
+def bmm(a: torch.Tensor, b: torch.Tensor, *, blocks: int = 1) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N]; row (j, i) of the result depends on a[j, i] and b[j] only.
+    blocks: as in `mm`."""
     assert a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]
+    _check_blocks(a.shape[2], blocks)
     if torch.compiler.is_compiling():
-        return torch.ops.titan_audit.bmm(a, b)
-    return _bmm_eager(a, b)
+        return torch.ops.titan_audit.bmm(a, b, blocks)
+    return _bmm_eager(a, b, blocks)

@@ -312,11 +312,14 @@ enum BLayout { kRowMajor, kTransposed, kPacked };
 // C[batch, M, N] = A[batch, M, K] @ B[batch, K, N]; B row-major, as W.t() of a row-major [N, K]
 // (nn.Linear), or packed first by gemm_pack (the packed-weight cache's path; the packed
 // buffer is a record of its own).
+// blocks > 1: the tree order (v2) with that many blocks; the case name says `_treeP`.
 template <typename T>
-void gemm_case(const std::string& sfx, int64_t batch, int64_t M, int64_t K, int64_t N, BLayout layout, Kind kind) {
+void gemm_case(const std::string& sfx, int64_t batch, int64_t M, int64_t K, int64_t N, BLayout layout, Kind kind,
+               int64_t blocks = 1) {
     const char* lay = layout == kRowMajor ? "rowmajor" : (layout == kTransposed ? "wt" : "packed");
     const std::string name = "b" + std::to_string(batch) + "_m" + std::to_string(M) + "_k" + std::to_string(K) +
-                             "_n" + std::to_string(N) + "_" + lay + (kind == kSpecials ? "_special" : "");
+                             "_n" + std::to_string(N) + "_" + lay + (kind == kSpecials ? "_special" : "") +
+                             (blocks > 1 ? "_tree" + std::to_string(blocks) : "");
     const std::string kernel = "gemm_" + sfx;
     add(kernel, name, true, [=](const Variant& v, int threads, const Sink& out) {
         Rng r = rng_for(kernel, name);
@@ -333,9 +336,9 @@ void gemm_case(const std::string& sfx, int64_t batch, int64_t M, int64_t K, int6
             gemm_of<T>(v).pack(b.data(), batch, K, N, K * N, sbk, sbn, packed.data(), threads);
             packed_ptr = (int64_t)(intptr_t)packed.data();
         }
-        const int64_t args[17] = {batch, M, N, K, (int64_t)(intptr_t)a.data(), M * K, K, 1,
+        const int64_t args[18] = {batch, M, N, K, (int64_t)(intptr_t)a.data(), M * K, K, 1,
                                   (int64_t)(intptr_t)b.data(), K * N, sbk, sbn, packed_ptr,
-                                  (int64_t)(intptr_t)c.data(), M * N, N, threads};
+                                  (int64_t)(intptr_t)c.data(), M * N, N, threads, blocks};
         gemm_of<T>(v).gemm(args);
         out.emit("", c);
         if (layout == kPacked) out.emit("pack", packed);
@@ -640,6 +643,11 @@ void build_cases() {
         if (s[0] == 1 && s[1] == 128 && s[3] == 256) gemm_case<float>("f32", s[0], s[1], s[2], s[3], kPacked, kUniform);
     }
     gemm_case<double>("f64", 1, 128, 256, 256, kTransposed, kUniform);
+    // the tree order (v2, P(K) blocks): K = 768 (P = 8) on the tile path with edge tiles and on the
+    // rows_axpy path (M <= 2), and fp64
+    gemm_case<float>("f32", 1, 13, 768, 97, kTransposed, kUniform, 8);
+    gemm_case<float>("f32", 1, 2, 768, 97, kRowMajor, kUniform, 8);
+    gemm_case<double>("f64", 1, 13, 768, 97, kRowMajor, kUniform, 8);
 
     // attention: causal prefill across the 128-key chunk boundary, decode from a cache, a chunked
     // prefill, GQA, odd head dims, documents with padding, an extra mask with a row that sees

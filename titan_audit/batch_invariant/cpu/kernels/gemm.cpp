@@ -1,8 +1,10 @@
 // gemm.cpp: the batch-invariant gemm (mm, bmm, linear and their backward), fp32 and fp64.
 //
-// Order: C[b, i, j] = one sequential fma chain over k = 0..K-1 ascending, starting from +0.0,
-// whatever M, the batch, the thread count, the B layout or the ISA (the building blocks and why
-// are in ta_gemm.h). Threads split output tiles (batch x row blocks x panel groups), never k.
+// Order: with `blocks` = 1 (v1), C[b, i, j] = one sequential fma chain over k = 0..K-1 ascending,
+// starting from +0.0; with `blocks` = P > 1 (a power of two dividing K; v2 uses P(K)) the blocked
+// halving tree of ta_gemm.h (P chains over K / P each, combined left + right). Either way whatever
+// M, the batch, the thread count, the B layout or the ISA (the building blocks and why are in
+// ta_gemm.h). Threads split output tiles (batch x row blocks x panel groups), never k.
 //
 // Paths (all with that order; which one runs is a speed choice, tested to give the same bits):
 //   * B packed in 32-column panels by the caller (a packed-weight cache, ta_gemm_pack_*);
@@ -73,8 +75,10 @@ bool read_in_place(int64_t M, int64_t sbn) { return sbn == 1 && M <= 4 * ta::gem
 template <typename T>
 void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sab, int64_t sam, int64_t sak,
           const T* b, int64_t sbb, int64_t sbk, int64_t sbn, const T* packed, T* c, int64_t scb, int64_t scm,
-          int nthreads) {
+          int nthreads, int64_t blocks) {
     if (batch <= 0 || M <= 0 || N <= 0) return;
+    // blocks: a power of two dividing K (the Python wrapper checks; anything else means v1)
+    if (blocks < 1 || K <= 0 || K % blocks != 0 || (blocks & (blocks - 1)) != 0) blocks = 1;
     if (K <= 0) {
         for (int64_t bi = 0; bi < batch; ++bi)
             for (int64_t i = 0; i < M; ++i)
@@ -88,10 +92,11 @@ void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
         const int64_t cols = (((N + per_entry - 1) / per_entry) + 15) / 16 * 16;
         const int64_t chunks = (N + cols - 1) / cols;
         ta::parallel_for(batch * chunks, nthreads, [&](int64_t begin, int64_t end) {
+            AlignedBuffer<T> tree(ta::gemm::rows_tree_elems(blocks, M, cols));
             for (int64_t t = begin; t < end; ++t) {
                 const int64_t bi = t / chunks, n0 = (t % chunks) * cols;
                 ta::gemm::rows_axpy<T>(a + bi * sab, sam, sak, b + bi * sbb, sbk, K, c + bi * scb, scm, M, n0,
-                                       std::min<int64_t>(N, n0 + cols));
+                                       std::min<int64_t>(N, n0 + cols), blocks, tree.ptr);
                 canon_outputs<T>(c + bi * scb, scm, 0, M, n0, std::min<int64_t>(N, n0 + cols));
             }
         });
@@ -126,7 +131,8 @@ void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
     }
     const int64_t tasks = batch * m_blocks * groups;
     ta::parallel_for(tasks, nthreads, [&](int64_t begin, int64_t end) {
-        AlignedBuffer<T> abuf(ta::gemm::a_buffer_elems(mc, K));
+        AlignedBuffer<T> abuf(ta::gemm::a_buffer_elems(mc, K, blocks));
+        AlignedBuffer<T> tree(ta::gemm::tree_tile_elems(blocks));
         for (int64_t t = begin; t < end; ++t) {
             const int64_t g = t % groups, rest = t / groups;
             const int64_t blk = rest % m_blocks, bi = rest / m_blocks;
@@ -142,7 +148,8 @@ void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
                 src.ldb = sbk;
                 src.packed_tail = tail ? buffer.ptr + bi * K * PANEL : nullptr;
             }
-            ta::gemm::block<T>(a + bi * sab, sam, sak, src, c + bi * scb, scm, m0, m1, p0, p1, abuf.ptr);
+            ta::gemm::block<T>(a + bi * sab, sam, sak, src, c + bi * scb, scm, m0, m1, p0, p1, abuf.ptr, blocks,
+                               tree.ptr);
             canon_outputs<T>(c + bi * scb, scm, m0, m1, p0 * PANEL, std::min<int64_t>(N, p1 * PANEL));
         }
     });
@@ -164,11 +171,11 @@ TA_EXPORT(void, gemm_pack_f64)(const double* b, int64_t batch, int64_t K, int64_
     pack<double>(b, batch, K, N, sbb, sbk, sbn, packed, nthreads);
 }
 
-// The arguments of one product, as 17 int64 (pointers as integers) so that Python passes one
+// The arguments of one product, as 18 int64 (pointers as integers) so that Python passes one
 // pointer: C[e] = A[e] @ B[e] for e < batch, A element (i, k) at a[e * sab + i * sam + k * sak],
 // B element (k, n) at b[e * sbb + k * sbk + n * sbn] or, when `packed` is non-zero, B packed by
 // gemm_pack_* (batch * gemm_packed_elems(K, N) elements; b is then unused), C element (i, n) at
-// c[e * scb + i * scm + n].
+// c[e * scb + i * scm + n]; `blocks`: the tree's block count P (1 = v1; see ta_gemm.h).
 struct GemmArgs {
     int64_t batch, M, N, K;
     int64_t a, sab, sam, sak;
@@ -176,14 +183,15 @@ struct GemmArgs {
     int64_t packed;
     int64_t c, scb, scm;
     int64_t nthreads;
+    int64_t blocks;
 };
-static_assert(sizeof(GemmArgs) == 17 * sizeof(int64_t), "GemmArgs is 17 int64 (cpu/matmul.py packs it so)");
+static_assert(sizeof(GemmArgs) == 18 * sizeof(int64_t), "GemmArgs is 18 int64 (cpu/matmul.py packs it so)");
 
 template <typename T>
 static void gemm_call(const GemmArgs& g) {
     gemm<T>(g.batch, g.M, g.N, g.K, reinterpret_cast<const T*>(g.a), g.sab, g.sam, g.sak,
             reinterpret_cast<const T*>(g.b), g.sbb, g.sbk, g.sbn, reinterpret_cast<const T*>(g.packed),
-            reinterpret_cast<T*>(g.c), g.scb, g.scm, int(g.nthreads));
+            reinterpret_cast<T*>(g.c), g.scb, g.scm, int(g.nthreads), g.blocks);
 }
 
 TA_EXPORT(void, gemm_f32)(const GemmArgs* args) { gemm_call<float>(*args); }

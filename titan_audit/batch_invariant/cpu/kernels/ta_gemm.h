@@ -3,8 +3,20 @@
 // kernels (e.g. attention) can reuse them: include it, do not copy it (edits here change
 // gemm.cpp's bits and speed; ask its owner). Everything is `static inline` in ta::gemm.
 //
-// Order (every variant, every caller): C[i, j] = one sequential fma chain over k = 0..K-1
-// ascending, starting from +0.0: acc = fma(A[i,k], B[k,j], acc). Nothing else touches acc.
+// Order (every variant, every caller), with `blocks` = P (a power of two dividing K; 1 = "v1"):
+//   * K is cut into P blocks of bs = K / P; block b (k in [b*bs, (b+1)*bs)) is one sequential fma
+//     chain from +0.0 over its k ascending: acc = fma(A[i,k], B[k,j], acc) (nothing else touches acc);
+//   * the P block sums are combined by the halving tree: node [lo, hi) = node [lo, mid) +
+//     node [mid, hi), mid = (lo + hi) / 2 (left + right, one IEEE add each).
+// P = 1 is order "v1" (one chain over k = 0..K-1: what every caller here uses today). Order "v2"
+// = the tree with P = P(K) = the largest power of two P with K % P == 0 and K / P >= 64 (1 when no
+// such P > 1). P(K/2) == P(K)/2 whenever P(K) >= 2, so for t | P(K) the t contiguous K-shards are
+// the subtrees at depth log2(t): v2 of each shard alone, combined by the same halving tree over
+// the shard index, is v2 of the whole K bit for bit (tensor parallelism over K).
+// Implementation: a tile (or rows_axpy's column range) computes block j into a scratch slot, then
+// merges into a per-tile stack: carry = block j; for level l while bit l of j is 1: carry =
+// stack[l] + carry; then stack[l] = carry (after the last block carry is the result). With P > 1
+// the k-block is K (no K-blocking: the stack stays per tile).
 // Why it cannot depend on M, threads or the ISA: a lane of a register tile holds exactly one
 // output (lanes run along N), the chain for that output is the same fma sequence whatever tile,
 // row count or thread computes it, K-blocking stores and reloads the fp32/fp64 partial (exact),
@@ -236,6 +248,57 @@ static inline void micro(const T* a, const T* b, int64_t ldb, int64_t kc, T* c,
         micro_generic<T, R>(a, b, ldb, kc, c, ldc, first);
 }
 
+// log2 of a power of two.
+inline int tree_levels(int64_t blocks) {
+    int l = 0;
+    while ((int64_t(1) << l) < blocks) ++l;
+    return l;
+}
+// Elements of the tree stack a tile needs for `blocks` blocks (0 for v1): levels + 2 slots of MR x 32.
+inline int64_t tree_tile_elems(int64_t blocks) { return blocks > 1 ? (tree_levels(blocks) + 2) * MR * PANEL : 0; }
+
+// The merge step after block j (its sums in *cur, n elements): carry = stack[l] + carry for each
+// set low bit l of j, then the carry is parked at stack[l] (pointer swap: no copy). Returns the
+// slot holding the carry. slots[l] for l < levels are the stack, *cur a free slot.
+template <typename T>
+static inline T* tree_merge(int64_t j, T** slots, T** cur, int64_t n) {
+    T* carry = *cur;
+    int l = 0;
+    for (; (j >> l) & 1; ++l) {
+        const T* __restrict left = slots[l];
+        T* __restrict right = carry;
+        for (int64_t e = 0; e < n; ++e) right[e] = left[e] + right[e];
+    }
+    // park the carry at level l; the slot that was there (free) becomes the next scratch slot
+    T* freed = slots[l];
+    slots[l] = carry;
+    *cur = freed;
+    return carry;
+}
+
+template <typename T>
+static inline void tile(int r, int64_t w, const T* a, const T* b, int64_t ldb,
+                        int64_t kc, T* c, int64_t ldc, bool first);
+
+// One tile in the tree order: kc == K, `blocks` blocks, `tree` >= tree_tile_elems(blocks) scratch.
+template <typename T>
+static inline void tile_tree(int r, int64_t w, const T* a, const T* b, int64_t ldb, int64_t K, T* c,
+                             int64_t ldc, int64_t blocks, T* tree) {
+    constexpr int64_t W = PANEL;
+    const int levels = tree_levels(blocks);
+    const int64_t bs = K / blocks, n = int64_t(r) * W;
+    T* slots[64];
+    for (int l = 0; l <= levels; ++l) slots[l] = tree + l * MR * W;
+    T* cur = tree + (levels + 1) * MR * W;
+    T* carry = nullptr;
+    for (int64_t j = 0; j < blocks; ++j) {
+        tile<T>(r, W, a + j * bs * MR, b + j * bs * ldb, ldb, bs, cur, W, true);
+        carry = tree_merge<T>(j, slots, &cur, n);
+    }
+    for (int i = 0; i < r; ++i)
+        for (int64_t jj = 0; jj < w; ++jj) c[i * ldc + jj] = carry[i * W + jj];
+}
+
 // One tile of r <= MR rows and w <= 32 valid columns: full tiles write C directly, edge tiles
 // go through a 32-wide scratch tile (the same chains; only the valid columns are kept).
 template <typename T>
@@ -299,9 +362,42 @@ struct Panels {
 // chains as the tiles (c[i, j] = +0.0, then c[i, j] = fma(A[i, k], B[k, j], c[i, j]) for k
 // ascending), with the partials in C (L1) instead of registers, so B streams row by row. The
 // loop over j is one std::fma per element: the compiler vectorises it along N on every variant.
+// With blocks > 1 (the tree order): each block's chains go to a scratch slot of M x (n1 - n0) and are
+// merged by tree_merge; `tree` >= rows_tree_elems(blocks, M, n1 - n0) elements.
+inline int64_t rows_tree_elems(int64_t blocks, int64_t M, int64_t cols) {
+    return blocks > 1 ? (tree_levels(blocks) + 2) * M * cols : 0;
+}
+
 template <typename T>
 static inline void rows_axpy(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t K, T* c,
-                             int64_t ldc, int64_t M, int64_t n0, int64_t n1) {
+                             int64_t ldc, int64_t M, int64_t n0, int64_t n1, int64_t blocks = 1,
+                             T* tree = nullptr);
+
+template <typename T>
+static inline void rows_axpy_tree(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t K,
+                                  T* c, int64_t ldc, int64_t M, int64_t n0, int64_t n1, int64_t blocks, T* tree) {
+    const int levels = tree_levels(blocks);
+    const int64_t bs = K / blocks, cols = n1 - n0, n = M * cols;
+    T* slots[64];
+    for (int l = 0; l <= levels; ++l) slots[l] = tree + l * n;
+    T* cur = tree + (levels + 1) * n;
+    T* carry = nullptr;
+    for (int64_t j = 0; j < blocks; ++j) {
+        // block j's chains: rows_axpy over k [j bs, (j + 1) bs) into cur (row stride cols, columns from 0)
+        rows_axpy<T>(a + j * bs * sak, sam, sak, b + j * bs * ldb + n0, ldb, bs, cur, cols, M, 0, cols);
+        carry = tree_merge<T>(j, slots, &cur, n);
+    }
+    for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < cols; ++j) c[i * ldc + n0 + j] = carry[i * cols + j];
+}
+
+template <typename T>
+static inline void rows_axpy(const T* a, int64_t sam, int64_t sak, const T* b, int64_t ldb, int64_t K, T* c,
+                             int64_t ldc, int64_t M, int64_t n0, int64_t n1, int64_t blocks, T* tree) {
+    if (blocks > 1) {
+        rows_axpy_tree<T>(a, sam, sak, b, ldb, K, c, ldc, M, n0, n1, blocks, tree);
+        return;
+    }
     for (int64_t i = 0; i < M; ++i)
         for (int64_t j = n0; j < n1; ++j) c[i * ldc + j] = T(0);
     for (int64_t k = 0; k < K; ++k) {
@@ -359,20 +455,22 @@ static inline void pack_a(const T* a, int64_t sam, int64_t sak, int64_t m0, int6
 
 // The k-block for a block of `rows` rows: with a single row tile the B sub-panel is not reused,
 // so whole panels are streamed (kc = K).
-inline int64_t k_block(int64_t rows, int64_t K) { return rows <= MR ? K : KC; }
+// In the tree order (blocks > 1) kc = K: the per-tile stack lives through the whole K.
+inline int64_t k_block(int64_t rows, int64_t K, int64_t blocks = 1) { return rows <= MR || blocks > 1 ? K : KC; }
 
 // Elements of the A buffer `block` needs for any row block of at most `rows` rows.
-inline int64_t a_buffer_elems(int64_t rows, int64_t K) {
-    return std::max<int64_t>(((rows + MR - 1) / MR) * MR * std::min<int64_t>(KC, K), MR * K);
+inline int64_t a_buffer_elems(int64_t rows, int64_t K, int64_t blocks = 1) {
+    return std::max<int64_t>(((rows + MR - 1) / MR) * MR * std::min<int64_t>(blocks > 1 ? K : KC, K), MR * K);
 }
 
 // Rows [m0, m1) x panels [p0, p1) of one product: k-blocks outermost (the packed A block and the
 // B sub-panel stay in cache), then panels, then row tiles. Each output still sees k ascending.
 template <typename T>
 static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& bp, T* c, int64_t ldc,
-                         int64_t m0, int64_t m1, int64_t p0, int64_t p1, T* abuf) {
+                         int64_t m0, int64_t m1, int64_t p0, int64_t p1, T* abuf, int64_t blocks = 1,
+                         T* tree = nullptr) {
     const int64_t K = bp.K, N = bp.N;
-    const int64_t kb = k_block(m1 - m0, K);
+    const int64_t kb = k_block(m1 - m0, K, blocks);
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
         const int64_t kc = std::min<int64_t>(kb, K - k0);
         const bool first = k0 == 0;
@@ -384,7 +482,11 @@ static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& 
             const int64_t w = std::min<int64_t>(PANEL, N - n0);
             for (int64_t i = m0; i < m1; i += MR) {
                 const int r = int(std::min<int64_t>(MR, m1 - i));
-                tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, bpan, ldb, kc, c + i * ldc + n0, ldc, first);
+                if (blocks > 1)
+                    tile_tree<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, bpan, ldb, kc, c + i * ldc + n0, ldc,
+                                 blocks, tree);
+                else
+                    tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, bpan, ldb, kc, c + i * ldc + n0, ldc, first);
             }
         }
     }
