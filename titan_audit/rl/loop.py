@@ -21,7 +21,9 @@ exception. What is RL's own, a step k on rank r of W (P prompts = V microbatches
   4. audit records: rollout (generator weights digest, tokens, generator log-probs, rewards,
      advantages), trainer log-probs, loss; a metrics row (rl/step_metrics.py) with, under
      `verify`, the zero-gap figures (tokens compared, with any bit difference, max and mean
-     |diff|, k3 KL);
+     |diff|, k3 KL); and timing columns, never compared (goldens keep only the named metrics):
+     `seconds` (the step) and `seconds_generate` (the wait in `schedule.take`), `seconds_reward`,
+     `seconds_logprobs` (trainer forwards), `seconds_backward`, `seconds_optimizer` (`kit.finish`);
   5. submit the rollouts of step k + 1 + lag (policy version k); a checkpoint's blob holds the
      finished rollouts of steps k+1 .. k+lag.
 
