@@ -11,6 +11,7 @@ from titan_audit.bench.generate_suite import generate_suite
 from titan_audit.bench.hash_suite import hash_suite
 from titan_audit.bench.ops_suite import ops_suite
 from titan_audit.bench.reduce_suite import reduce_suite
+from titan_audit.bench.rl_suite import rl_suite
 from titan_audit.bench.train_suite import train_suite
 
 Suite = Callable[[BenchOptions, Callable[[str], None]], list[Case]]
@@ -22,6 +23,7 @@ SUITES: dict[str, Suite] = {
     "hash": hash_suite,
     "ops": ops_suite,
     "reduce": reduce_suite,
+    "rl": rl_suite,
     "train": train_suite,
 }
 

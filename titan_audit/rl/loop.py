@@ -21,7 +21,9 @@ exception. What is RL's own, a step k on rank r of W (P prompts = V microbatches
   4. audit records: rollout (generator weights digest, tokens, generator log-probs, rewards,
      advantages), trainer log-probs, loss; a metrics row (rl/step_metrics.py) with, under
      `verify`, the zero-gap figures (tokens compared, with any bit difference, max and mean
-     |diff|, k3 KL);
+     |diff|, k3 KL); and timing columns, never compared (goldens keep only the named metrics):
+     `seconds` (the step) and `seconds_generate` (the wait in `schedule.take`), `seconds_reward`,
+     `seconds_logprobs` (trainer forwards), `seconds_backward`, `seconds_optimizer` (`kit.finish`);
   5. submit the rollouts of step k + 1 + lag (policy version k); a checkpoint's blob holds the
      finished rollouts of steps k+1 .. k+lag.
 
@@ -152,8 +154,11 @@ def rl_train(
             t0 = time.perf_counter()
             random_delay()
             lr = kit.start(step)
-            result = schedule.take(step)
+            t_take = time.perf_counter()
+            result = schedule.take(step)  # generation: what the step waits for (async with a lag)
+            seconds_generate = time.perf_counter() - t_take
             row = _train_step(config, run, kit, model, reference, schedule, task, result, step, lr)
+            row["seconds_generate"] = seconds_generate
             rewards.append(row["reward_mean"])
             if config.verify:
                 max_differing = max(max_differing or 0, row["gap_tokens_differing"])
@@ -169,6 +174,8 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
     W, G = run.mesh.world_size, config.task.samples_per_prompt
     run.recorder.record_rollout("generator_weights", digest_tensor(result.generator_fingerprint))
     run.recorder.record_rollout("policy_version", torch.tensor([result.version], dtype=torch.int64))
+    timer = time.perf_counter
+    t = timer()
     groups = schedule.groups(result, step)
     rewards = [
         torch.tensor(task.score_group(p, [(s.key.sample_index, s.tokens) for s in samples]), dtype=torch.float32)
@@ -176,14 +183,19 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
     ]
     local_tokens = torch.tensor([[sum(len(s.tokens) for s in samples)] for _, samples in groups], dtype=torch.int64)
     denominator = max(int(gather_in_index_order(local_tokens, W).sum()), 1)  # the step's global token count
+    seconds = {"reward": timer() - t, "logprobs": 0.0, "backward": 0.0}  # timing only: never compared
 
     stats_rows, ratio_rows, gap_rows = [], [], []
     for j, ((prompt, samples), reward) in enumerate(zip(groups, rewards)):
         with kit.microbatch(j, prompt.id):
+            t = timer()
             lp, gen_lp, loss, parts = _group_loss(
                 config, run.recorder, model, reference, prompt, samples, reward, denominator
             )
+            t_backward = timer()
             loss.backward()
+            seconds["logprobs"] += t_backward - t
+            seconds["backward"] += timer() - t_backward
         ratio_rows.append(gap_figures(lp, gen_lp))
         if config.verify and config.rollout.lag == 0:
             gap_rows.append(ratio_rows[-1])
@@ -193,13 +205,16 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
             run.recorder.record_logprobs(same, "same_weights_logprobs")
             gap_rows.append(gap_figures(same, gen_lp))
         stats_rows.append(group_stats(samples, reward, gen_lp, loss, parts))
-    grad_norm = kit.finish()
+    t = timer()
+    grad_norm = kit.finish()  # the tree reduction, clipping and the optimizer step
+    seconds["optimizer"] = timer() - t
 
     stats = gather_in_index_order(torch.stack(stats_rows), W)
     ratios = gather_in_index_order(torch.stack(ratio_rows), W)
     row = metrics_row(step, stats, ratios, lr, grad_norm, result.version, W)
     if config.verify:
         row.update(combine_gap(gather_in_index_order(torch.stack(gap_rows), W), "gap"))
+    row.update({f"seconds_{phase}": value for phase, value in seconds.items()})
     return row
 
 
