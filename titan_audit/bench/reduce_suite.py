@@ -113,43 +113,33 @@ def _both_rank_main(rank: int, world_size: int, sizes_mb, shapes, repeats: int) 
     return _rank_main(rank, world_size, sizes_mb, repeats), _partials_rank_main(rank, world_size, shapes, repeats)
 
 
+def _case(name: str, baseline: str, candidate: str, row: dict) -> Case:
+    return Case(
+        case=name,
+        baseline=baseline,
+        candidate=candidate,
+        baseline_s=row["baseline_s"],
+        candidate_s=row["candidate_s"],
+        ratio=row["candidate_s"] / row["baseline_s"],
+        target=TARGET_RATIO,
+    )
+
+
 def reduce_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
-    cases = []
     sizes = QUICK_SIZES_MB if options.quick else SIZES_MB
     shapes = QUICK_PARTIAL_SHAPES if options.quick else PARTIAL_SHAPES
-    partial_rows = {}
-    for world_size in (2, 4):  # one set of ranks per W runs both groups of cases
-        rank0, partial_rows[world_size] = run_local_ranks(
-            _both_rank_main, world_size, args=(sizes, shapes, options.repeats)
-        )[0]
-        for row in rank0:
+    rows = {w: run_local_ranks(_both_rank_main, w, args=(sizes, shapes, options.repeats))[0] for w in (2, 4)}
+    cases = []
+    for world_size, (reduce_rows, _) in rows.items():  # one set of ranks per W ran both groups
+        for row in reduce_rows:
             name = f"reduce W={world_size} V={NUM_MICROBATCHES} {row['size_mb']}MB"
-            cases.append(
-                Case(
-                    case=name,
-                    baseline="local sum + dist.all_reduce (gloo)",
-                    candidate="TreeReducer.all_reduce (gloo)",
-                    baseline_s=row["baseline_s"],
-                    candidate_s=row["candidate_s"],
-                    ratio=row["candidate_s"] / row["baseline_s"],
-                    target=TARGET_RATIO,
-                )
-            )
+            cases.append(_case(name, "local sum + dist.all_reduce (gloo)", "TreeReducer.all_reduce (gloo)", row))
             progress(name)
-    for world_size in (2, 4):
-        for row in partial_rows[world_size]:
+    for world_size, (_, partial_rows) in rows.items():
+        for row in partial_rows:
             tokens, dim = row["shape"]
             name = f"TP partials W={world_size} {tokens}x{dim} f32"
-            cases.append(
-                Case(
-                    case=name,
-                    baseline="dist.all_reduce (gloo)",
-                    candidate="all_reduce_partials: all-gather + fixed tree (gloo)",
-                    baseline_s=row["baseline_s"],
-                    candidate_s=row["candidate_s"],
-                    ratio=row["candidate_s"] / row["baseline_s"],
-                    target=TARGET_RATIO,
-                )
-            )
+            candidate = "all_reduce_partials: all-gather + fixed tree (gloo)"
+            cases.append(_case(name, "dist.all_reduce (gloo)", candidate, row))
             progress(name)
     return cases
