@@ -119,12 +119,13 @@ def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.
     return tree_sum(values, lo, mid) + tree_sum(values, mid, hi)
 
 
-def gather_in_index_order(local: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Every rank's block concatenated along dim 0 (rank order = microbatch index order)."""
+def gather_in_index_order(local: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's block of `group` (W ranks) concatenated along dim 0 (rank order = microbatch
+    index order)."""
     if world_size == 1:
         return local
     out = torch.empty((local.shape[0] * world_size, *local.shape[1:]), dtype=local.dtype)
-    all_gather_single(out.view(-1), local.contiguous().view(-1))
+    all_gather_single(out.view(-1), local.contiguous().view(-1), group=group)
     return out
 
 

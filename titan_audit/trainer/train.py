@@ -75,6 +75,7 @@ from titan_audit.trainer.fsdp import shard_model
 from titan_audit.trainer.init import check_init, check_resume_init, init_record, load_run_init
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, tree_sum
+from titan_audit.trainer.tensor_parallel import check_tensor_parallel, parallelize
 
 
 @dataclass
@@ -90,6 +91,7 @@ class TrainResult:
 def check_inputs(config: TrainConfig, world_size: int, init=None) -> None:
     """The request's own checks (ValueError naming the keys): W vs V, the backend, the init (files, shape), the data."""
     config.check_world_size(world_size)
+    check_tensor_parallel(config)
     check_backend(config)
     check_init(init, config.model)
     check_data(config)
@@ -252,7 +254,7 @@ def train(
                 figures = [_forward_backward(kit, model, j, mb, aux_scale) for j, mb in enumerate(microbatches)]
                 grad_norm = kit.finish()
             # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
-            step_sums = tree_sum(gather_in_index_order(torch.stack(figures), W))
+            step_sums = tree_sum(gather_in_index_order(torch.stack(figures), run.mesh.dp, run.mesh.dp_group))
             losses.append(float(step_sums[0]))
             seconds = time.perf_counter() - t0
             row = {"step": step, "loss": losses[-1]}
@@ -271,6 +273,8 @@ def _build_model(config: TrainConfig, run: Run):
     ac = config.model.activation_checkpointing
     model = build(config.model.model_config(), seed=config.seed, activation_checkpointing=ac)
     load_run_init(run, model, portable=config.determinism.batch_invariant)
+    if run.mesh.tp > 1:  # q/k/v, gate/up, LM head column-wise, o/down row-wise over the tp mesh
+        parallelize(model, run.mesh.tp_mesh)
     dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
         return model, shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype)
@@ -294,4 +298,5 @@ def _loader(config: TrainConfig, run: Run, blob: dict | None) -> ElasticLoader:
         packing=d.packing,
         workers=d.workers,
     )
-    return ElasticLoader(loader_config, rank=run.mesh.rank, world_size=run.mesh.world_size, state=state)
+    # TP ranks of one dp rank read the same microbatches: the loader's ranks are the dp ranks
+    return ElasticLoader(loader_config, rank=run.mesh.dp_rank, world_size=run.mesh.dp, state=state)
