@@ -169,17 +169,14 @@ def layout(weight: DTensor) -> str:
     return COLWISE if placements[0].dim == 0 else ROWWISE
 
 
-def _carry_version(weight: DTensor) -> None:
-    """Bump the local shard's version counter when the DTensor's has moved since the last call.
-    An in-place op on a DTensor (the optimizer step) bumps the wrapper's counter only, and the
-    gemm's packed-weight cache (batch_invariant/cpu/matmul.py) trusts the local tensor's counter:
-    without this it would serve the weight packed before the step."""
-    seen = getattr(weight, "_titan_audit_seen_version", None)
-    if seen != weight._version:
-        if seen is not None:
-            with torch.no_grad():
-                torch.autograd.graph.increment_version(weight.to_local())  # an alias: one shared counter
-        weight._titan_audit_seen_version = weight._version
+def _fresh_version(weight: DTensor) -> None:
+    """Bump the local shard's version counter, so the gemm's packed-weight cache
+    (batch_invariant/cpu/matmul.py), which trusts that counter, packs this weight afresh. Writes
+    into a DTensor's local shard can bypass the counter (an in-place op on the DTensor bumps the
+    wrapper's only; FSDP2's all-gather refills the unsharded shard's memory), so a tensor-parallel
+    weight is never served from the cache: correctness first, the cost is one packing per call."""
+    with torch.no_grad():
+        torch.autograd.graph.increment_version(weight.to_local())  # an alias: one shared counter
 
 
 def linear(x: torch.Tensor, weight: DTensor, *, gather_output: bool = False) -> torch.Tensor:
@@ -188,7 +185,7 @@ def linear(x: torch.Tensor, weight: DTensor, *, gather_output: bool = False) -> 
     full [..., N], gathered in rank order), row-wise takes this rank's K slice and returns the
     full (replicated) result."""
     group = weight.device_mesh.get_group()
-    _carry_version(weight)
+    _fresh_version(weight)
     w = weight.to_local()  # differentiable: the parameter's gradient comes back sharded alike
     if layout(weight) == ROWWISE:
         return _Rowwise.apply(x, w, group)

@@ -544,7 +544,11 @@ class StepKit:
         max_norm = self.config.optimizer.grad_clip
         if self.deterministic:  # the fixed tree; in BI mode the norm by the tree sum and our sqrt
             grad = self.reducer.all_reduce()
-            grad_norm = clip_(grad, max_norm, full_flat(self.params, grad) if self.tensor_parallel else None)
+            full = None
+            if self.tensor_parallel:  # the norm of the full gradient, in the TP=1 order
+                parts = self.sharded.full_tensors(self.params, grad) if self.sharded else None
+                full = full_flat(self.params, grad) if parts is None else torch.cat([t.reshape(-1) for t in parts])
+            grad_norm = clip_(grad, max_norm, full)
             if self.sharded:
                 self.sharded.set_sharded(self.params, grad)  # this rank's shard of the full reduced gradient
             else:

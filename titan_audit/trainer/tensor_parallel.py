@@ -101,9 +101,6 @@ def check_tensor_parallel(config) -> None:  # noqa: ANN001
             f"audit.level = 'full' records module outputs, which are sharded at parallel.tp = {tp}; "
             "use audit.level = 'params' (every data, loss, log-prob, gradient, optimizer and parameter record)"
         )
-    mode = getattr(config.parallel, "mode", "dp")  # the RL loop has data parallel only
-    if mode != "dp":
-        raise ValueError(f"parallel.mode = {mode!r} with parallel.tp = {tp} is not built; use parallel.mode = 'dp'")
     order = getattr(config.determinism, "bi_kernels", "v2") if config.determinism.batch_invariant else "v2"
     check_layout(config.model.model_config(), tp, gemm_order=order)
 

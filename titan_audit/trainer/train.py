@@ -263,6 +263,7 @@ def train(
             line = (
                 f"step {step}/{run.last_step}  loss {losses[-1]:.4f}  grad_norm {grad_norm:.3f}  "
                 f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={W}"
+                + (f" (tp {run.mesh.tp})" if run.mesh.tp > 1 else "")
             )
             run.end_step(step, row, line, lambda: {"loader": loader.state().to_dict()})
         return TrainResult(run.out, W, run.start_step, run.last_step, losses)
@@ -277,7 +278,8 @@ def _build_model(config: TrainConfig, run: Run):
         parallelize(model, run.mesh.tp_mesh)
     dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
-        return model, shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype)
+        dp_mesh = run.mesh.device_mesh["dp"] if run.mesh.tp > 1 else None
+        return model, shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype, mesh=dp_mesh)
     model.set_compute_dtype(dtype)  # the model casts each parameter once per forward, inside autograd
     return model, None
 
