@@ -198,6 +198,10 @@ class RLDeterminismSection:
     strict: bool = True
     batch_invariant: bool = True  # G4 needs it; false: native ops (the --compare-default control)
     census: Literal["record", "strict", "off"] = "record"  # BI op census: count native ops, or stop at one
+    # gemm summation order of BI mode (batch_invariant/order.py): "v2" the blocked halving tree
+    # (TP shards reproduce it), "v1" one fma chain over K (the order of runs and goldens recorded
+    # before v2: a saved config without this key reads as "v1")
+    bi_kernels: Literal["v1", "v2"] = "v2"
 
     @property
     def enabled(self) -> bool:
