@@ -24,9 +24,10 @@ remaining torch ops are correctly rounded elementwise ops, gathers and integer w
 (batch_invariant/census.py) sees every other op and records or refuses it. So when both fingerprints
 are BI-mode CPU fingerprints, the CPU model, its SIMD flags, ATen's dispatch ISA, the BLAS and
 oneDNN versions and the variables that steer them (`BI_CPU_PORTABLE_*`) become informational;
-what can still change bits stays compared: the kernel library's version (`bi_kernels`), the torch
-version (elementwise ops are still torch's), the CPU architecture (`arch`: another architecture
-runs other torch elementwise code), the thread count, dtype policy and the modes.
+what can still change bits stays compared: the kernel library's version and gemm order
+(`bi_kernels`), the torch version (elementwise ops are still torch's), the CPU architecture
+(`arch`: another architecture runs other torch elementwise code), the thread count, dtype policy
+and the modes.
 `fingerprint_version` names the file format and is not compared; version 1 files (no `arch`,
 no `bi_kernels`) read as `arch` unknown, `bi_kernels` None.
 """

@@ -15,7 +15,8 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   top_p, top_k, max_new_tokens), loss (clip_eps,
   kl_coef: the k3 KL to the frozen initial policy), optimizer, schedule, rollout (lag, buffer),
   parallel (threads, backend; data parallel only), checkpoint, audit, determinism
-  (batch_invariant on by default: the zero-gap guarantee needs it), logging (the train loop's:
+  (batch_invariant on by default: the zero-gap guarantee needs it; bi_kernels: the gemm order,
+  "v2" default, the trainer's and the generator's alike), logging (the train loop's:
   metrics.jsonl, TensorBoard); top-level `seed` (prompt sets,
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on), `generator` ("builtin": rl/builtin.py;
