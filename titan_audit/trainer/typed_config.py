@@ -221,11 +221,9 @@ def fill_added_keys(cls: type, saved: dict[str, Any]) -> dict[str, Any]:
             continue
         *sections, name = key.split(".")
         node = out
-        for part in sections:
-            node = node.get(part) if isinstance(node, dict) else None
-            if node is None:
-                break
-        if isinstance(node, dict):
+        for part in sections:  # a missing section is made (it would build at its defaults)
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if isinstance(node, dict):  # anything else is left for `build` to refuse, naming the key
             node.setdefault(name, value)
     return out
 
