@@ -14,8 +14,9 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   tokenizer (the byte tokenizer, or an HF tokenizer file / directory), sampling (temperature,
   top_p, top_k, max_new_tokens), loss (clip_eps,
   kl_coef: the k3 KL to the frozen initial policy), optimizer, schedule, rollout (lag, buffer),
-  parallel (threads, backend, tp: the trainer's tensor-parallel degree), checkpoint, audit, determinism
-  (batch_invariant on by default: the zero-gap guarantee needs it), logging (the train loop's:
+  parallel (threads, backend, tp: the trainer's tensor-parallel degree), checkpoint, audit,
+  determinism (batch_invariant on by default: the zero-gap guarantee needs it; bi_kernels: the
+  gemm order, "v2" default, the trainer's and the generator's alike), logging (the train loop's:
   metrics.jsonl, TensorBoard); top-level `seed` (prompt sets,
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on), `generator` ("builtin": rl/builtin.py;
@@ -198,6 +199,10 @@ class RLDeterminismSection:
     strict: bool = True
     batch_invariant: bool = True  # G4 needs it; false: native ops (the --compare-default control)
     census: Literal["record", "strict", "off"] = "record"  # BI op census: count native ops, or stop at one
+    # gemm summation order of BI mode (batch_invariant/order.py): "v2" the blocked halving tree
+    # (TP shards reproduce it), "v1" one fma chain over K (the order of runs and goldens recorded
+    # before v2: a saved config without this key reads as "v1")
+    bi_kernels: Literal["v1", "v2"] = "v2"
 
     @property
     def enabled(self) -> bool:

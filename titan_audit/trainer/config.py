@@ -15,9 +15,10 @@ Guarantees:
   load-balancing coefficient `router_aux_loss_coef`, `compute_dtype` float32 | bfloat16), data
   (token store or the built-in synthetic corpus; seq_len, global_batch_size, microbatch_size ->
   V), optimizer, schedule, parallel (mode dp | fsdp, tp: the tensor-parallel degree, threads per
-  rank, backend), checkpoint (interval, keep_last, fallback), audit (level,
-  modules, flush_every_steps), determinism (enabled, strict, batch_invariant), logging (jsonl,
-  tensorboard: the metrics streams beside metrics.parquet, trainer/metrics_out.py); top-level
+  rank, backend), checkpoint (interval, keep_last, fallback), audit (level, modules,
+  flush_every_steps), determinism (enabled, strict, batch_invariant, bi_kernels: the gemm order),
+  logging (jsonl, tensorboard: the metrics streams beside metrics.parquet,
+  trainer/metrics_out.py); top-level
   `seed` (model init and the data order) and `steps`.
 - Recipes `tiny-dense` and `tiny-moe`: V = 8 virtual microbatches of 1 x 64 tokens, a step well
   under a second on 2 CPU cores, a checkpoint every 4 steps; tiny-moe trains with the
@@ -204,6 +205,10 @@ class DeterminismSection:
     # (bi_census), "strict" stops the run at the first one, naming it and its call site, "off"
     # installs no census (what `bench train` measures it against)
     census: Literal["record", "strict", "off"] = "record"
+    # gemm summation order of BI mode (batch_invariant/order.py): "v2" the blocked halving tree
+    # (TP shards reproduce it), "v1" one fma chain over K (the order of runs and goldens recorded
+    # before v2: a saved config without this key reads as "v1")
+    bi_kernels: Literal["v1", "v2"] = "v2"
 
 
 @dataclass

@@ -19,9 +19,9 @@ Guarantees:
 - Set-up, in this order, identical for both loops: join the process group (the mesh: data
   parallel over W ranks; tensor parallelism and a device type are the next axes), the intra-op
   thread count from the config (never from W), the run's numerics (deterministic switches and
-  seeds; with `determinism.batch_invariant`, BI mode and its op census for the whole run, every
-  thread), then on rank 0 every input check (`check`: the loop's check_run, which its launcher runs too,
-  and which ends with `check_run_dir`), the run lock
+  seeds; with `determinism.batch_invariant`, BI mode, its op census and the gemm order
+  `determinism.bi_kernels` for the whole run, every thread), then on rank 0 every input check
+  (`check`: the loop's check_run, which its launcher runs too, and which ends with `check_run_dir`), the run lock
   (`claim_run_dir`, held until the run closes), the manifest with the numerics fingerprint taken
   under the run's own numerics. Rank 0's verdict reaches every rank before any work, so all fail or
   go on together; a new run's manifest is written at once, a resume's only after its checkpoint
@@ -228,7 +228,7 @@ def resolve_config(cls: type, load: Callable, source: str | None, out: Path, *, 
     if not resume:
         recipe = "an RL recipe" if kind == "rl" else "a recipe"
         raise ValueError(f"--config is required ({recipe} name or a TOML file) unless --resume")
-    saved = _saved_manifest(Path(out), kind)["config"]
+    saved = typed_config.fill_added_keys(cls, _saved_manifest(Path(out), kind)["config"])
     return typed_config.build(cls, typed_config.apply_overrides(saved, list(overrides)), f"{out}/manifest.json config")
 
 
@@ -310,7 +310,7 @@ class Run:
 
             if config.determinism.census == "off":
                 stack.enter_context(batch_invariant.census.off())
-            stack.enter_context(batch_invariant.enabled())
+            stack.enter_context(batch_invariant.enabled(gemm_order=config.determinism.bi_kernels))
             batch_invariant.census.reset()
             stack.enter_context(batch_invariant.census.strict(config.determinism.census == "strict"))
 

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from titan_audit.audit import CompareResult, compare_runs, read_audit_log
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.schema import SCHEMA
+from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.config import TrainConfig, from_dict
 from titan_audit.trainer.run_dir import MANIFEST, prepare_run_dir, read_manifest, write_manifest
@@ -36,7 +37,8 @@ def source_checkpoint(run: str | os.PathLike, from_step: int) -> tuple[TrainConf
     """(the run's config, checkpoint dir of step K, the run's last step); ValueError for bad input."""
     run = Path(run)
     manifest = read_manifest(run)
-    config = from_dict(manifest["config"], "manifest.json config")
+    # a run recorded before a key existed replays with the old behaviour (no bi_kernels: gemm order v1)
+    config = from_dict(typed_config.fill_added_keys(TrainConfig, manifest["config"]), "manifest.json config")
     ckpt = Checkpointer(run)
     steps = ckpt.steps()
     if from_step not in steps:
