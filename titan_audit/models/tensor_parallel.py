@@ -26,6 +26,7 @@ reduced across ranks on its own before the add, as TP=1 sums them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,9 +65,20 @@ def reduce_partials(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     return tree_combine(parts)
 
 
+_PARTIALS_REDUCER = [reduce_partials]
+
+
+def use_partials_reducer(reduce: Callable[[torch.Tensor, dist.ProcessGroup], torch.Tensor]) -> None:
+    """The cross-rank sum the linears use: `reduce(partial, group)` must give `reduce_partials`'s
+    bits (the halving tree over the rank index) by any transport. The trainer installs
+    `trainer.reduce.all_reduce_partials` (the same tree; above 1 MB a reduce-scatter and an
+    all-gather, which move less than one all-gather of every rank's partial)."""
+    _PARTIALS_REDUCER[0] = reduce
+
+
 def _sum_partials(partial_f32: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> torch.Tensor:
     if batch_invariant.is_enabled():
-        return reduce_partials(partial_f32, group).to(dtype)
+        return _PARTIALS_REDUCER[0](partial_f32, group).to(dtype)
     dist.all_reduce(partial_f32, group=group)  # conventional TP: the order is gloo's / NCCL's
     return partial_f32.to(dtype)
 

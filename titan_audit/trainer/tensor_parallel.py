@@ -29,7 +29,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titan_audit.models.config import ModelConfig
-from titan_audit.models.tensor_parallel import check_divisible
+from titan_audit.models.tensor_parallel import check_divisible, use_partials_reducer
+from titan_audit.trainer.reduce import all_reduce_partials
 
 
 class _ShardWeight(ParallelStyle):
@@ -122,5 +123,6 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard `model`'s linears over `tp_mesh` by `plan` (in place; returns the model)."""
     assert tp_mesh.ndim == 1, tp_mesh
     check_layout(model.config, tp_mesh.size())
+    use_partials_reducer(all_reduce_partials)  # the fixed tree; a reduce-scatter above 1 MB
     with torch.no_grad():
         return parallelize_module(model, tp_mesh, plan(model))
