@@ -140,8 +140,7 @@ def rl_train(
         model = load_initial_model(config, init)
         record_init_weights(run, model)
         reference = _frozen_copy(config, model) if config.loss.kl_coef > 0 else None
-        if run.mesh.tp > 1:  # the trainer's linears over the tp mesh; the generator keeps a TP=1 copy
-            parallelize(model, run.mesh.tp_mesh)
+        parallelize(model, run.mesh.tp_mesh)  # at tp > 1; the generator keeps a TP=1 copy
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=bi)
         blob = run.restore(model, optimizer)

@@ -112,6 +112,15 @@ class Mesh:
     def tp_mesh(self) -> Any:
         return None if self.device_mesh is None else self.device_mesh["tp"]
 
+    @property
+    def dp_mesh(self) -> Any:
+        """The dp dimension of the (dp, tp) mesh (None at tp = 1: FSDP2 then takes the whole group)."""
+        return None if self.device_mesh is None else self.device_mesh["dp"]
+
+    def describe(self) -> str:
+        """ "W=4", or with tensor parallelism "W=4 (dp 2 x tp 2)": the progress lines' layout."""
+        return f"W={self.world_size}" + (f" (dp {self.dp} x tp {self.tp})" if self.tp > 1 else "")
+
     def to_dict(self) -> dict[str, Any]:
         return {"device_type": self.device_type, "dp": self.dp, "tp": self.tp}
 

@@ -119,8 +119,11 @@ def plan(model: nn.Module) -> dict[str, ParallelStyle]:
     return out
 
 
-def parallelize(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard `model`'s linears over `tp_mesh` by `plan` (in place; returns the model)."""
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
+    """Shard `model`'s linears over `tp_mesh` by `plan` (in place; returns the model); None (tp = 1):
+    the model as it is."""
+    if tp_mesh is None:
+        return model
     assert tp_mesh.ndim == 1, tp_mesh
     check_layout(model.config, tp_mesh.size())
     use_partials_reducer(all_reduce_partials)  # the fixed tree; a reduce-scatter above 1 MB

@@ -29,9 +29,10 @@ microbatches):
      blob with the loader state and step) and an audit flush.
 Steps are numbered from 1; checkpoint `step_N` holds the state after N steps.
 
-Init (`titan-audit train --init`): the weights before step 1 are another run's latest checkpoint
-or an HF directory's (trainer/init.py: preflighted, loaded bitwise before FSDP2 shards them, their
-digest in the manifest); optimizer state, data order and schedule start fresh.
+Init (`--init`): the weights before step 1 are another run's latest checkpoint or an HF
+directory's (trainer/init.py: preflighted, loaded bitwise before TP/FSDP2 shard them, their digest
+in the manifest); optimizer state, data order and schedule start fresh. Tensor parallelism
+(`parallel.tp`, tensor_parallel.py): r, W above are the dp rank and size; TP peers share them.
 
 MoE auxiliary loss, why it keeps G3: a microbatch's aux loss is computed from its own tokens
 (moe.py: per-expert sums over the microbatch, fixed shape, fixed thread count), so its bits do not
@@ -53,8 +54,7 @@ same trajectory). The intra-op thread count is set from `parallel.threads` on ev
 any compute, whatever OMP_NUM_THREADS the launcher exported. With `determinism.enabled = false`
 the loop is a conventional trainer (gradients accumulated in .grad, one plain all_reduce; under
 FSDP2 its own reduce-scatter): the baseline of `bench train` and the negative control of the
-invariance tests. DP and FSDP2 give the same bits as each other, at every W.
-"""
+invariance tests. DP, FSDP2 and (in BI mode) TP give the same bits as each other, at every W."""
 
 from __future__ import annotations
 
@@ -262,8 +262,7 @@ def train(
             row |= {"grad_norm": grad_norm, "lr": lr, "tokens": tokens, "seconds": seconds, "world_size": W}
             line = (
                 f"step {step}/{run.last_step}  loss {losses[-1]:.4f}  grad_norm {grad_norm:.3f}  "
-                f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={W}"
-                + (f" (tp {run.mesh.tp})" if run.mesh.tp > 1 else "")
+                f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  {run.mesh.describe()}"
             )
             run.end_step(step, row, line, lambda: {"loader": loader.state().to_dict()})
         return TrainResult(run.out, W, run.start_step, run.last_step, losses)
@@ -274,12 +273,11 @@ def _build_model(config: TrainConfig, run: Run):
     ac = config.model.activation_checkpointing
     model = build(config.model.model_config(), seed=config.seed, activation_checkpointing=ac)
     load_run_init(run, model, portable=config.determinism.batch_invariant)
-    if run.mesh.tp > 1:  # q/k/v, gate/up, LM head column-wise, o/down row-wise over the tp mesh
-        parallelize(model, run.mesh.tp_mesh)
+    parallelize(model, run.mesh.tp_mesh)  # at tp > 1: q/k/v, gate/up, LM head column-wise, o/down row-wise
     dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
-        dp_mesh = run.mesh.device_mesh["dp"] if run.mesh.tp > 1 else None
-        return model, shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype, mesh=dp_mesh)
+        sharded = shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype, mesh=run.mesh.dp_mesh)
+        return model, sharded
     model.set_compute_dtype(dtype)  # the model casts each parameter once per forward, inside autograd
     return model, None
 
@@ -290,15 +288,6 @@ def _loader(config: TrainConfig, run: Run, blob: dict | None) -> ElasticLoader:
     if blob is not None:
         state = LoaderState.from_dict(blob["loader"], source=str(run.checkpointer.path(run.start_step)))
     store = config.data.store if config.data.store is not None else str(run.out / "data" / "tasks.zarr")
-    d = config.data
-    loader_config = LoaderConfig(
-        store=store,
-        seq_len=d.seq_len,
-        global_batch_size=d.global_batch_size,
-        microbatch_size=d.microbatch_size,
-        seed=config.seed,
-        packing=d.packing,
-        workers=d.workers,
-    )
-    # TP ranks of one dp rank read the same microbatches: the loader's ranks are the dp ranks
-    return ElasticLoader(loader_config, rank=run.mesh.dp_rank, world_size=run.mesh.dp, state=state)
+    same = ("seq_len", "global_batch_size", "microbatch_size", "packing", "workers")  # data.* keys as they are
+    loader_config = LoaderConfig(store=store, seed=config.seed, **{k: getattr(config.data, k) for k in same})
+    return ElasticLoader(loader_config, rank=run.mesh.dp_rank, world_size=run.mesh.dp, state=state)  # TP peers: same
