@@ -16,8 +16,8 @@
 A loop says only what is its own: where its microbatches come from and what their loss is.
 
 Guarantees:
-- Set-up, in this order, identical for both loops: join the process group (the mesh: data
-  parallel over W ranks; tensor parallelism and a device type are the next axes), the intra-op
+- Set-up, in this order, identical for both loops: join the process group (the mesh: W = dp x tp
+  ranks, a (dp, tp) DeviceMesh when `parallel.tp` > 1; the device type is the next axis), the intra-op
   thread count from the config (never from W), the run's numerics (deterministic switches and
   seeds; with `determinism.batch_invariant`, BI mode, its op census and the gemm order
   `determinism.bi_kernels` for the whole run, every thread), then on rank 0 every input check
@@ -30,8 +30,10 @@ Guarantees:
   are closed, BI mode and the deterministic switches are restored, the lock is
   released. The op census is written to the manifest when the run ends without an error.
 - The step kit: per-microbatch fp32 gradient buffers, the fixed-tree reduction over the V
-  microbatch gradients (reduce.py; the same bits on every rank and for every W), grad-norm clipping
-  on the full reduced vector, the optimizer step, the audit records of a step. With
+  microbatch gradients (reduce.py; the same bits on every rank and for every W; over the dp ranks:
+  a TP rank's buffer holds its local shards, reduced elementwise like the full vector's slices),
+  grad-norm clipping on the full reduced vector (under TP its shards gathered in the TP=1 order),
+  the optimizer step, the audit records of a step. With
   `determinism.enabled = false` (train only) it is a conventional trainer: gradients accumulated in
   .grad and one plain all_reduce (or FSDP2's own reduce-scatter), the negative control.
 - Checkpoints: `end_step` saves a verified checkpoint every `checkpoint.interval` steps and at the
