@@ -300,6 +300,7 @@ static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, i
             acc0[i] = _mm512_setzero_ps();
             acc1[i] = _mm512_setzero_ps();
         }
+#pragma GCC unroll 4
         for (int64_t k = 0; k < bs; ++k) {
             const float* bk = bj + k * ldb;
             _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
@@ -339,6 +340,7 @@ static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, i
         __m256 acc[R][V];
         for (int i = 0; i < R; ++i)
             for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
+#pragma GCC unroll 4
         for (int64_t k = 0; k < bs; ++k) {
             const float* bk = bj + k * ldb;
             _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
