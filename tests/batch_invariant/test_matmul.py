@@ -5,7 +5,8 @@ Proves: row i of a batched product equals the product of row i alone (and of any
 it) for random shapes, batch sizes 1..512, row positions, both B layouts ([K, N] and W.t()),
 float32 and bfloat16, threads 1 and 2; every ISA variant the CPU has (scalar, avx2, avx512) gives
 identical bits for random shapes (the in-CI stand-in for other CPUs); each output is literally one
-ascending fma chain over k from +0.0 (checked against exact rational arithmetic); the packed-weight
+ascending fma chain over k from +0.0 under gemm order v1, and the halving tree of such chains over
+K-blocks under v2 (the default; checked against exact rational arithmetic); the packed-weight
 cache never serves a stale packing; torch.compile keeps the bits; nothing of MKL/oneDNN runs;
 results are within float32 tolerance of a float64 reference. Negative controls: plain torch.mm
 gives the same rows other bits in a batch on this CPU, and a split-K gemm (two half-K products
@@ -200,11 +201,24 @@ def _fma_chain(a_row: list[float], b_col: list[float]) -> float:
     return float(acc)
 
 
+def _tree_of_chains(a_row: list[float], b_col: list[float], p: int) -> float:
+    """Gemm order v2: `_fma_chain` over each of p equal K-blocks, the block sums combined by the
+    halving tree (node = left + right, each add rounded once to float32)."""
+    bs = len(a_row) // p
+    sums = [Fraction(_fma_chain(a_row[j * bs : (j + 1) * bs], b_col[j * bs : (j + 1) * bs])) for j in range(p)]
+    while len(sums) > 1:
+        sums = [Fraction(_round_f32(sums[i] + sums[i + 1])) for i in range(0, len(sums), 2)]
+    return float(sums[0])
+
+
+@pytest.mark.parametrize("order", ["v1", "v2"])
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-def test_each_output_is_one_ascending_fma_chain(isa: str) -> None:
-    """The order by construction, literally: every output equals the exact-arithmetic float32 fma
-    chain over k ascending from +0.0; the chains over descending k or with separate multiply
-    and add (the control) give other bits for some outputs, so the comparison can fail."""
+def test_each_output_is_one_ascending_fma_chain(isa: str, order: str) -> None:
+    """The order by construction, literally: under gemm order v1 every output equals the
+    exact-arithmetic float32 fma chain over k ascending from +0.0; under v2 (K = 600: 8 blocks of
+    75) the halving tree of those chains over each block. The chains over descending k or with
+    separate multiply and add (the control) give other bits for some outputs, so the comparison
+    can fail; v1's chain and v2's tree differ too."""
     if isa not in _lib.available_isas():
         pytest.skip(f"this CPU cannot run the {isa} variant")
     # 13 rows: two row tiles on every variant, so K = 600 is cut into k-blocks (256 or 512) whose
@@ -213,16 +227,22 @@ def test_each_output_is_one_ascending_fma_chain(isa: str) -> None:
     cols_checked = [0, 5, 31, 32, 39]
     a = randn(m, k, seed=21, scale=3.0)
     b = randn(k, n, seed=22)
-    with _lib.forced_isa(isa):
+    with _lib.forced_isa(isa), bi.gemm_order(order):
         out = bi.mm(a, b)[:, cols_checked]
+        one_row = bi.mm(a[:1], b)[:, cols_checked]  # one row: B streamed in place (row-major)
+        two_rows = bi.mm(a[:2], b.t().contiguous().t())[:, cols_checked]  # one tile over all of K (W.t())
     rows, cols = a.tolist(), b.t()[cols_checked].tolist()
-    expected = torch.tensor([[_fma_chain(rows[i], col) for col in cols] for i in range(m)], dtype=torch.float32)
-    assert_bitwise_equal(out, expected, "ascending fma chain")
-    with _lib.forced_isa(isa):  # one row: B streamed in place (row-major) / one tile over all of K (W.t())
-        assert_bitwise_equal(bi.mm(a[:1], b)[:, cols_checked], expected[:1], "one row, row-major B")
-        assert_bitwise_equal(bi.mm(a[:2], b.t().contiguous().t())[:, cols_checked], expected[:2], "two rows, B = W.t()")
+    chains = torch.tensor([[_fma_chain(rows[i], col) for col in cols] for i in range(m)], dtype=torch.float32)
+    if order == "v1":
+        expected = chains
+    else:
+        expected = torch.tensor([[_tree_of_chains(rows[i], col, 8) for col in cols] for i in range(m)])
+        assert not bitwise_equal(expected, chains), "control: v2's tree must be visible in the bits"
+    assert_bitwise_equal(out, expected, f"gemm order {order}")
+    assert_bitwise_equal(one_row, expected[:1], "one row, row-major B")
+    assert_bitwise_equal(two_rows, expected[:2], "two rows, B = W.t()")
     descending = torch.tensor([_fma_chain(rows[0][::-1], col[::-1]) for col in cols], dtype=torch.float32)
-    assert not bitwise_equal(descending, expected[0]), "control: the k order must be visible in the bits"
+    assert not bitwise_equal(descending, chains[0]), "control: the k order must be visible in the bits"
     a32, b32 = rows[0], cols
     unfused = []
     for j in range(len(cols)):
@@ -230,16 +250,20 @@ def test_each_output_is_one_ascending_fma_chain(isa: str) -> None:
         for x, y in zip(a32, b32[j], strict=True):
             acc = acc + torch.tensor(x, dtype=torch.float32) * torch.tensor(y, dtype=torch.float32)
         unfused.append(acc)
-    assert not bitwise_equal(torch.stack(unfused), expected[0]), "control: fma must be visible in the bits"
+    assert not bitwise_equal(torch.stack(unfused), chains[0]), "control: fma must be visible in the bits"
 
 
-def test_negative_control_split_k_differs_and_is_caught() -> None:
-    """A gemm that splits k (two half-K products added: what a split-K or k-parallel kernel does)
-    gives other bits; the cross-variant check flags it."""
+@pytest.mark.parametrize(("order", "cut"), [("v1", 300), ("v2", 200)])
+def test_negative_control_split_k_differs_and_is_caught(order: str, cut: int) -> None:
+    """A gemm that splits k (two K-slice products added: what a split-K or k-parallel kernel does)
+    gives other bits; the cross-variant check flags it. Under v1 any split; under v2 a split off
+    its tree (K = 600 in 8 blocks of 75: at 200; the half at 300 is a subtree and reproduces v2,
+    which test_gemm_tree.py proves)."""
     a = randn(37, 600, seed=23)
     b = randn(600, 70, seed=24)
-    ours = bi.mm(a, b)
-    split = bi.mm(a[:, :300], b[:300]) + bi.mm(a[:, 300:], b[300:])
+    with bi.gemm_order(order):
+        ours = bi.mm(a, b)
+        split = bi.mm(a[:, :cut], b[:cut]) + bi.mm(a[:, cut:], b[cut:])
     assert not bitwise_equal(split, ours)
     torch.testing.assert_close(split, ours, rtol=1e-4, atol=1e-4)  # the same product, other rounding
     with pytest.raises(AssertionError):

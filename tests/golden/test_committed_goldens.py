@@ -15,6 +15,7 @@ is exact everywhere (`require_exact=True`), also when the run's CPU differs from
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -92,16 +93,23 @@ def test_committed_golden_catches_a_changed_run(golden_run):
         golden_run("tiny-dense", recipe="tiny-dense", steps=2, overrides=["seed=1"])
 
 
-def _rl_tiny_run(out):
-    """rl-tiny for 3 steps (lag 1, 4 prompts x 4 samples) from tiny-dense warmed up for 20 steps.
+@pytest.fixture(scope="module")
+def rl_warmup(tmp_path_factory):
+    """tiny-dense warmed up for 20 steps, the init of the rl-tiny golden run (one per module).
     The warm-up trains in BI mode too: a native warm-up's weights would tie the golden to the CPU."""
+    from titan_audit.golden.pytest_plugin import train_recipe
+
+    warm = tmp_path_factory.mktemp("rl-tiny") / "warmup"
+    train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512", *BI])
+    return warm
+
+
+def _rl_tiny_run(out, warm, tp=1):
+    """rl-tiny for 3 steps (lag 1, 4 prompts x 4 samples) from the warm-up; tp > 1: the trainer
+    tensor-parallel on tp ranks (the generator stays TP=1), a layout that must not move a bit."""
     import subprocess
     import sys
 
-    from titan_audit.golden.pytest_plugin import train_recipe
-
-    warm = out.with_name(out.name + "-warmup")
-    train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512", *BI])
     settings = [
         'task.name="reversal"',
         "task.prompts_per_step=4",
@@ -124,6 +132,7 @@ def _rl_tiny_run(out):
         "--steps",
         "3",
         *[a for s in settings for a in ("--set", s)],
+        *(["--nproc", str(tp), "--set", f"parallel.tp={tp}"] if tp > 1 else []),
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
@@ -131,10 +140,14 @@ def _rl_tiny_run(out):
 
 
 @pytest.mark.slow
-def test_rl_tiny(golden_run):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_rl_tiny(golden_run, rl_warmup, tp):
     """The RL golden: rollouts (generator weights, tokens, generator log-probs, rewards, advantages),
     trainer log-probs, losses, gradients, optimizer state and parameters of 3 RL steps, bitwise.
     Recorded under the BI fingerprint (the run is in BI mode from its first op), so the check is
-    exact on every CPU, like tiny-dense-bi."""
-    result = golden_run("rl-tiny", run=_rl_tiny_run, require_exact=True)
+    exact on every CPU, like tiny-dense-bi. At tp = 2 the trainer is tensor-parallel (issue 25):
+    the same golden, exact."""
+    if tp > 1 and golden_run.update:
+        pytest.skip("the golden is recorded at tp = 1")
+    result = golden_run("rl-tiny", run=functools.partial(_rl_tiny_run, warm=rl_warmup, tp=tp), require_exact=True)
     assert result.passed and result.mode in ("exact", "update")

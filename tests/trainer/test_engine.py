@@ -50,7 +50,7 @@ def test_rl_train_from_python_holds_the_run_lock_and_fingerprints_under_bi(tmp_p
     assert free.returncode == 0, free.stderr
     manifest = _manifest(out)
     assert manifest["kind"] == "rl" and manifest["fingerprint"]["batch_invariant"] is True
-    assert manifest["world_size_history"][-1]["mesh"] == {"device_type": "cpu", "dp": 1}
+    assert manifest["world_size_history"][-1]["mesh"] == {"device_type": "cpu", "dp": 1, "tp": 1}
 
 
 def test_native_fingerprint_and_a_failing_resume_is_closed(tmp_path):

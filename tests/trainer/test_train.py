@@ -140,7 +140,7 @@ def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(den
             "world_size": world_size,
             "start_step": 4,
             "parallel_mode": mode,
-            "mesh": {"device_type": "cpu", "dp": world_size},
+            "mesh": {"device_type": "cpu", "dp": world_size, "tp": 1},
             "time": 0,
         }
         assert compare_replay(root / "w1", switched, 4, 6).identical, mode

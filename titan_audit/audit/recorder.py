@@ -30,11 +30,13 @@ Guarantees:
   retain_graph) records as `name#k`. A forward that runs inside backward (activation-checkpoint
   recomputation) is not recorded again, so checkpointing does not change the log.
 - Distributed: records with a microbatch >= 0 are written by the rank that processes that
-  microbatch. Step-level records (microbatch -1: grad, optim, param, ckpt) are written by rank
-  `replicated_rank` only (others skip them at no cost), so a DDP run and a single-process run
-  log the same records. A DTensor is recorded as its full logical tensor: `full_tensor()` is a
-  collective, so every rank of its mesh must make the same record calls in the same order; the
-  record is written by the lowest rank of the mesh.
+  microbatch (with `writes_microbatches=False`, a tensor-parallel peer that processes the same
+  microbatches as another rank, by none). Step-level records (microbatch -1: grad, optim, param,
+  ckpt) are written by rank `replicated_rank` only (others skip them at no cost), so a DDP run and
+  a single-process run log the same records. A DTensor is recorded as its full logical tensor:
+  `full_tensor()` is a collective, so every rank of its mesh must make the same record calls in
+  the same order; a step-level one is written by `replicated_rank`, another by the lowest rank of
+  the mesh.
 - Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
 - Opening a run whose audit log already has parts (a resume appends to it) reads every existing
@@ -101,6 +103,7 @@ class Recorder:
         exclude: Iterable[str] = (),
         rank: int | None = None,
         replicated_rank: int = 0,
+        writes_microbatches: bool = True,
         flush_every_steps: int = 50,
         stats: bool | Iterable[str] = DEFAULT_STATS_PHASES,
         dump_names: Iterable[str] = (),
@@ -114,6 +117,7 @@ class Recorder:
         self.level = level
         self.rank = _dist_rank() if rank is None else rank
         self.replicated_rank = replicated_rank
+        self.writes_microbatches = writes_microbatches
         self.flush_every_steps = flush_every_steps
         self.stats_phases = frozenset(PHASES if stats is True else () if stats is False else stats)
         for phase in self.stats_phases:
@@ -293,11 +297,16 @@ class Recorder:
         if _is_dtensor(tensor):
             import torch.distributed as dist
 
-            writes = dist.get_rank() == int(tensor.device_mesh.mesh.min())
+            if microbatch == STEP_LEVEL:
+                writes = self.rank == self.replicated_rank
+            else:
+                writes = self.writes_microbatches and dist.get_rank() == int(tensor.device_mesh.mesh.min())
             tensor = tensor.full_tensor()  # collective: every rank of the mesh takes part
             if not writes:
                 return
         elif microbatch == STEP_LEVEL and self.rank != self.replicated_rank:
+            return
+        elif microbatch != STEP_LEVEL and not self.writes_microbatches:
             return
         summary = summarize(tensor, with_stats=phase in self.stats_phases)
         seq = self._seq.get(microbatch, 0)

@@ -4,13 +4,15 @@ them in place of the aten ops (guarantee G2).
 Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`,
 `log_softmax`, `rms_norm`, `attention`. Mode: `enabled()` (context manager), `enable()`,
 `disable()`, `is_enabled()` (read by the numerics fingerprint; it reports the overrides actually
-installed). `census`: what else computed on a CPU tensor while the mode was on (record or strict;
-census.py), so "only our kernels and exact IEEE ops run" is checked, not assumed. Kernels come from
-a backend chosen by device (`backend.backend_for`): on CPU our own compiled kernels (`cpu/kernels`,
-built by `make`; scalar, AVX2 and AVX-512 variants with identical bits, so BI results are the same
-on every CPU); on CUDA the Triton kernels (`gpu/`: persistent matmul with fixed tiles and no
-split-K, row ops, split-KV attention over a paged KV cache, deterministic attention backward),
-imported only when a CUDA tensor arrives.
+installed). Gemm order (`order.py`, process-wide, v2 by default): `gemm_order("v1"|"v2")` (context
+manager), `set_gemm_order`, `current_gemm_order()`; config key `determinism.bi_kernels`.
+`census`: what else computed on a CPU tensor while the mode was on (record or strict; census.py),
+so "only our kernels and exact IEEE ops run" is checked, not assumed. Kernels come from a backend
+chosen by device (`backend.backend_for`): on CPU our own compiled kernels (`cpu/kernels`, built by
+`make`; scalar, AVX2 and AVX-512 variants with identical bits, so BI results are the same on every
+CPU); on CUDA the Triton kernels (`gpu/`: persistent matmul with fixed tiles and no split-K, row
+ops, split-KV attention over a paged KV cache, deterministic attention backward), imported only
+when a CUDA tensor arrives.
 """
 
 from titan_audit.batch_invariant import census
@@ -29,16 +31,20 @@ from titan_audit.batch_invariant.ops import (
     softmax,
     sum,
 )
+from titan_audit.batch_invariant.order import GEMM_ORDERS, current_gemm_order, gemm_order, set_gemm_order
 
 __all__ = [
+    "GEMM_ORDERS",
     "addmm",
     "attention",
     "backend_for",
     "bmm",
     "census",
+    "current_gemm_order",
     "disable",
     "enable",
     "enabled",
+    "gemm_order",
     "is_enabled",
     "linear",
     "log_softmax",
@@ -47,6 +53,7 @@ __all__ = [
     "mm",
     "register_backend",
     "rms_norm",
+    "set_gemm_order",
     "softmax",
     "sum",
 ]

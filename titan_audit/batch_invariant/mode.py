@@ -14,6 +14,8 @@ kernels the CPU vendor's library picks (`elementwise.py`: exp, log, sqrt, rsqrt,
 silu, add/sub with alpha). Every other aten op with a CPU kernel that is not exact by IEEE gets a
 census guard (`census.py`): counted or, under `census.strict()`, refused. The device-key
 overrides sit below autograd, so autograd's backward formulas call the overridden ops too.
+The overridden mm / addmm / bmm call the backend's `mm` / `bmm`, as the functional ops do, so
+they sum in the same process-wide gemm order (`order.py`: v2 by default, `enabled(gemm_order=)`).
 
 State guarantee: the overrides are installed iff the mode is on, and `is_enabled()` reads the
 installed state itself (no separate flag that could disagree). `enabled()` restores the state
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from titan_audit.batch_invariant import census, elementwise
+from titan_audit.batch_invariant import census, elementwise, order
 from titan_audit.batch_invariant.backend import backend_for
 from titan_audit.batch_invariant.cpu.embedding import embedding_backward
 
@@ -477,13 +479,18 @@ def disable() -> None:
 
 
 @contextlib.contextmanager
-def enabled(on: bool = True) -> Iterator[None]:
-    """Turn the mode on (or off, with on=False) for the block; restore the previous state after."""
-    with _LOCK:
-        was_on = is_enabled()
-        enable() if on else disable()
-    try:
-        yield
-    finally:
+def enabled(on: bool = True, *, gemm_order: str | None = None) -> Iterator[None]:
+    """Turn the mode on (or off, with on=False) for the block; restore the previous state after.
+    gemm_order ("v1" | "v2"): the gemm order for the block too (`order.gemm_order`); None keeps the
+    process's order (v2 unless a run or an outer block set v1)."""
+    with contextlib.ExitStack() as stack:
+        if gemm_order is not None:
+            stack.enter_context(order.gemm_order(gemm_order))
         with _LOCK:
-            enable() if was_on else disable()
+            was_on = is_enabled()
+            enable() if on else disable()
+        try:
+            yield
+        finally:
+            with _LOCK:
+                enable() if was_on else disable()

@@ -14,19 +14,29 @@ from titan_audit.cli.output import print_json
 @click.command(short_help="Replay a checkpoint on W ranks; compare bitwise.")
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--from-step", "from_step", type=int, required=True, help="The checkpoint step to resume from.")
-@click.option("--nproc", type=int, default=1, show_default=True, help="World size W of the replay.")
+@click.option("--nproc", type=int, default=1, show_default=True, help="World size W of the replay (dp x tp).")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel degree of the replay (default: the run's).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The new run directory.")
 @click.option("--verify-to", "verify_to", type=int, default=None, help="Stop (and compare) at this step.")
 @overwrite_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def replay(
-    run: Path, from_step: int, nproc: int, out: Path, verify_to: int | None, overwrite: bool | str, as_json: bool
+    run: Path,
+    from_step: int,
+    nproc: int,
+    tp: int | None,
+    out: Path,
+    verify_to: int | None,
+    overwrite: bool | str,
+    as_json: bool,
 ) -> None:
     """Exit 0: identical from the checkpoint on; 1: a difference (first divergence shown); 2: bad input."""
     from titan_audit.trainer.replay import elastic_replay
 
     try:
-        result, to_step = elastic_replay(run, from_step, out, nproc=nproc, verify_to=verify_to, overwrite=overwrite)
+        result, to_step = elastic_replay(
+            run, from_step, out, nproc=nproc, tp=tp, verify_to=verify_to, overwrite=overwrite
+        )
     except RuntimeError as error:
         raise click.ClickException(str(error)) from None
     verdict = "identical" if result.identical else "different"

@@ -10,7 +10,7 @@ BLAS and oneDNN versions; CUDA, cuDNN and GPU compute capability; intra-op threa
 policy (default dtype, fp32 matmul precision); deterministic-algorithms and batch-invariant modes;
 and the environment variables that steer MKL, oneDNN, OpenBLAS and cuBLAS numerics; on CUDA also
 NCCL's algorithm / protocol / channel variables (`NCCL_ENV_VARS`) and, in BI mode, the Triton
-release that compiles the kernels (`bi_kernels`).
+release that compiles the kernels (`bi_kernels`; it also names the gemm order, see `_bi_kernels`).
 
 Informational fields (recorded, never compared): python, numpy and titan-audit versions, the
 platform string, CPU count, and the thread-count variables a launcher sets (the effective thread
@@ -24,9 +24,10 @@ remaining torch ops are correctly rounded elementwise ops, gathers and integer w
 (batch_invariant/census.py) sees every other op and records or refuses it. So when both fingerprints
 are BI-mode CPU fingerprints, the CPU model, its SIMD flags, ATen's dispatch ISA, the BLAS and
 oneDNN versions and the variables that steer them (`BI_CPU_PORTABLE_*`) become informational;
-what can still change bits stays compared: the kernel library's version (`bi_kernels`), the torch
-version (elementwise ops are still torch's), the CPU architecture (`arch`: another architecture
-runs other torch elementwise code), the thread count, dtype policy and the modes.
+what can still change bits stays compared: the kernel library's version and gemm order
+(`bi_kernels`), the torch version (elementwise ops are still torch's), the CPU architecture
+(`arch`: another architecture runs other torch elementwise code), the thread count, dtype policy
+and the modes.
 `fingerprint_version` names the file format and is not compared; version 1 files (no `arch`,
 no `bi_kernels`) read as `arch` unknown, `bi_kernels` None.
 """
@@ -257,19 +258,29 @@ def fingerprint(device: str | torch.device | None = None) -> NumericsFingerprint
     )
 
 
+def _gemm_suffix() -> str:
+    """ "" under gemm order v1 (the strings of fingerprints recorded before v2 existed), " gemm-v2"
+    under v2 (batch_invariant/order.py): the order changes every gemm's bits."""
+    from titan_audit.batch_invariant.order import current_gemm_order
+
+    order = current_gemm_order()
+    return "" if order == "v1" else f" gemm-{order}"
+
+
 def _bi_kernels() -> str:
-    """The CPU kernel library's identity: its bits-version (bumped whenever an output changes)."""
+    """The CPU kernel library's identity: its bits-version (bumped whenever an output changes) and
+    the gemm order: "titan-bi-cpu v2" (order v1), "titan-bi-cpu v2 gemm-v2" (order v2)."""
     from titan_audit.batch_invariant.cpu import kernel_library
 
     kernel_library.library()  # a missing or stale build is an error here too
-    return f"titan-bi-cpu v{kernel_library.KERNELS_VERSION}"
+    return f"titan-bi-cpu v{kernel_library.KERNELS_VERSION}{_gemm_suffix()}"
 
 
 def _bi_kernels_cuda() -> str:
-    """The CUDA kernels' identity: the Triton backend and the Triton release compiling it."""
+    """The CUDA kernels' identity: the Triton backend, the Triton release compiling it, the gemm order."""
     import triton
 
-    return f"titan-bi-triton (triton {triton.__version__})"
+    return f"titan-bi-triton (triton {triton.__version__}){_gemm_suffix()}"
 
 
 def _kernel_isa() -> str | None:

@@ -152,12 +152,24 @@ def kernels_change(golden_fp: dict | None, run_fp: dict | None) -> dict[str, str
     return {"golden": golden_kernels, "run": run_kernels}
 
 
+def _gemm_order(kernels: str | None) -> str:
+    """The gemm order a `bi_kernels` string names (deterministic/numerics.py: " gemm-v2" or none = v1)."""
+    return "v2" if kernels and kernels.endswith(" gemm-v2") else "v1"
+
+
 def kernels_change_note(change: dict[str, str | None]) -> str:
-    return (
+    note = (
         f"the batch-invariant kernels changed version (golden {change['golden']!r}, run {change['run']!r}): "
         "a kernel release that moves bits changes every BI run's hashes once, so this difference comes "
         "from the upgrade, not from the run; `titan-audit golden update RUN GOLDEN` re-records the golden"
     )
+    golden_order, run_order = _gemm_order(change["golden"]), _gemm_order(change["run"])
+    if golden_order != run_order:
+        note += (
+            f"; the gemm order differs (golden {golden_order}, run {run_order}): a run made with "
+            f"--set determinism.bi_kernels={golden_order} checks exact against this golden"
+        )
+    return note
 
 
 # ---------------------------------------------------------------------------------- record

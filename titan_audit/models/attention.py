@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_audit.models import ops
 from titan_audit.models.norm import RMSNorm
@@ -45,12 +46,15 @@ class Attention(nn.Module):
         packing: PackedLayout | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x_BTD.shape
-        q_BTHd = ops.linear(x_BTD, self.q_proj.weight).view(batch, seq, self.num_heads, self.head_dim)
-        k_BTHd = ops.linear(x_BTD, self.k_proj.weight).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v_BTHd = ops.linear(x_BTD, self.v_proj.weight).view(batch, seq, self.num_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism this rank's heads (its q/k/v columns), else all
+        q_BTHd = ops.linear(x_BTD, self.q_proj.weight).view(batch, seq, -1, self.head_dim)
+        k_BTHd = ops.linear(x_BTD, self.k_proj.weight).view(batch, seq, -1, self.head_dim)
+        v_BTHd = ops.linear(x_BTD, self.v_proj.weight).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
-            q_BTHd = self.q_norm(q_BTHd)
-            k_BTHd = self.k_norm(k_BTHd)
+            weight = self.q_proj.weight  # a DTensor under tensor parallelism: q/k hold this rank's heads
+            tp_group = weight.device_mesh.get_group() if isinstance(weight, DTensor) else None
+            q_BTHd = self.q_norm(q_BTHd, tp_group)
+            k_BTHd = self.k_norm(k_BTHd, tp_group)
         q_BHTd = apply_rope(q_BTHd.transpose(1, 2), cos_BTd, sin_BTd)
         k_BHTd = apply_rope(k_BTHd.transpose(1, 2), cos_BTd, sin_BTd)
         v_BHTd = v_BTHd.transpose(1, 2)
@@ -64,5 +68,5 @@ class Attention(nn.Module):
         else:
             q_pos_BT = torch.arange(seq, device=x_BTD.device).expand(batch, seq)
             out_BTHd = ops.attention(q_BHTd, k_BHTd, v_BHTd, q_pos_BT).transpose(1, 2)
-        out_BTF = out_BTHd.reshape(batch, seq, self.num_heads * self.head_dim)
+        out_BTF = out_BTHd.reshape(batch, seq, -1)
         return ops.linear(out_BTF, self.o_proj.weight)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_audit import batch_invariant
-from titan_audit.models import pointwise
+from titan_audit.models import pointwise, tensor_parallel
 
 
 def bi_mode() -> bool:
@@ -31,19 +32,32 @@ def bi_mode() -> bool:
     return batch_invariant.is_enabled()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gather_output: bool = False
+) -> torch.Tensor:
+    """x @ weight.T (+ bias). A tensor-parallel weight (a DTensor sharded column- or row-wise)
+    runs through `tensor_parallel.linear` (its bits are the unsharded linear's; `gather_output`:
+    a column-wise result gathered to the full width, the LM head's)."""
+    if isinstance(weight, DTensor):
+        assert bias is None, "tensor-parallel linears have no bias"
+        return tensor_parallel.linear(x, weight, gather_output=gather_output)
     if bi_mode():
         return batch_invariant.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF-style RMSNorm: normalise in float32, cast back to x's dtype, then scale by `weight`."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp_group=None) -> torch.Tensor:  # noqa: ANN001
+    """HF-style RMSNorm: normalise in float32, cast back to x's dtype, then scale by `weight`.
+    `tp_group`: x [B, T, H/t, d] holds this tensor-parallel rank's heads of a per-head norm
+    (q/k-norm), so the weight's gradient, a sum over every head, is taken over all ranks' heads
+    (`tensor_parallel.scale_heads`)."""
     x32 = x.float()
     if bi_mode():
         normed = batch_invariant.rms_norm(x32, None, eps)
     else:
         normed = F.rms_norm(x32, (x.shape[-1],), None, eps)
+    if tp_group is not None:
+        return tensor_parallel.scale_heads(weight, normed.to(x.dtype), tp_group)
     return weight * normed.to(x.dtype)
 
 

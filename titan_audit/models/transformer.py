@@ -235,7 +235,7 @@ class Transformer(nn.Module):
             else:
                 h_BTD = out
         output_weight = self.output_weight if cast is None else cast[id(self.output_weight)]
-        logits_BTV = ops.linear(call(self.norm, h_BTD), output_weight)
+        logits_BTV = ops.linear(call(self.norm, h_BTD), output_weight, gather_output=True)
         if cache_step is not None:
             cache_step.commit()
         logits = logits_BTV[0] if squeeze else logits_BTV

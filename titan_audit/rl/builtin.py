@@ -56,6 +56,7 @@ from titan_audit.models.kv_cache import PagedKVCache
 from titan_audit.models.transformer import Transformer
 from titan_audit.rl.generator import FinishReason, GenerationRequest, Sample, SamplingParams, check_weights
 from titan_audit.rl.requests import check_requests
+from titan_audit.rl.rollouts import snapshot
 from titan_audit.rl.sampling import sample_rows, scale_logits, stream_key, uniform_from_stream
 
 
@@ -138,7 +139,7 @@ class BuiltinGenerator:
         self._cache: PagedKVCache | None = None
         self._policy_version = 0
         self.last_schedule: list[Iteration] = []
-        self.load_weights(model.state_dict(), policy_version)
+        self.load_weights(snapshot(model), policy_version)  # full tensors of a tensor-parallel trainer
 
     # -- weights -------------------------------------------------------------------------------
     @property

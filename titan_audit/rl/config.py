@@ -14,8 +14,9 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   tokenizer (the byte tokenizer, or an HF tokenizer file / directory), sampling (temperature,
   top_p, top_k, max_new_tokens), loss (clip_eps,
   kl_coef: the k3 KL to the frozen initial policy), optimizer, schedule, rollout (lag, buffer),
-  parallel (threads, backend; data parallel only), checkpoint, audit, determinism
-  (batch_invariant on by default: the zero-gap guarantee needs it), logging (the train loop's:
+  parallel (threads, backend, tp: the trainer's tensor-parallel degree), checkpoint, audit,
+  determinism (batch_invariant on by default: the zero-gap guarantee needs it; bi_kernels: the
+  gemm order, "v2" default, the trainer's and the generator's alike), logging (the train loop's:
   metrics.jsonl, TensorBoard); top-level `seed` (prompt sets,
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on), `generator` ("builtin": rl/builtin.py;
@@ -198,6 +199,10 @@ class RLDeterminismSection:
     strict: bool = True
     batch_invariant: bool = True  # G4 needs it; false: native ops (the --compare-default control)
     census: Literal["record", "strict", "off"] = "record"  # BI op census: count native ops, or stop at one
+    # gemm summation order of BI mode (batch_invariant/order.py): "v2" the blocked halving tree
+    # (TP shards reproduce it), "v1" one fma chain over K (the order of runs and goldens recorded
+    # before v2: a saved config without this key reads as "v1")
+    bi_kernels: Literal["v1", "v2"] = "v2"
 
     @property
     def enabled(self) -> bool:
@@ -219,7 +224,7 @@ class RLConfig:
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4, weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_steps=0, min_lr_ratio=1.0))
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    parallel: ProcessSection = field(default_factory=ProcessSection)  # data parallel only
+    parallel: ProcessSection = field(default_factory=ProcessSection)  # dp x tp (the generator: TP=1)
     checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(interval=10, keep_last=2))
     audit: AuditSection = field(default_factory=AuditSection)
     determinism: RLDeterminismSection = field(default_factory=RLDeterminismSection)
@@ -240,12 +245,14 @@ class RLConfig:
         return self.task.prompts_per_step
 
     def check_world_size(self, world_size: int) -> None:
-        """ValueError unless W divides P (each rank serves a whole block of prompt ids)."""
-        p = self.task.prompts_per_step
-        if world_size < 1 or p % world_size:
+        """ValueError unless dp = W / parallel.tp divides P (each dp rank serves a whole block of
+        prompt ids; its TP ranks serve the same one)."""
+        p, dp = self.task.prompts_per_step, self.parallel.data_parallel_size(world_size)
+        if p % dp:
+            what = f"world size {world_size}" if dp == world_size else f"dp = {dp} (world size {world_size} / tp)"
             raise ValueError(
-                f"world size {world_size} does not divide task.prompts_per_step = {p}; "
-                f"use W in {[w for w in range(1, p + 1) if p % w == 0]}"
+                f"{what} does not divide task.prompts_per_step = {p}; "
+                f"use dp in {[w for w in range(1, p + 1) if p % w == 0]}"
             )
 
 

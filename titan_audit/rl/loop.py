@@ -58,6 +58,7 @@ from titan_audit.trainer.init import check_init, check_resume_init, digest_tenso
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, rank_block
 from titan_audit.trainer.run_dir import read_manifest
+from titan_audit.trainer.tensor_parallel import check_tensor_parallel, parallelize
 
 
 @dataclass
@@ -74,6 +75,7 @@ class RLResult:
 def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: int):
     """Every check of the RL request that needs no compute (ValueError naming the key); the task."""
     config.check_world_size(world_size)
+    check_tensor_parallel(config)
     check_backend(config)
     if config.generator == "vllm":
         from titan_audit.rl import vllm as rl_vllm
@@ -133,18 +135,22 @@ def rl_train(
     with run:
         task = checked.get("task") or build_task(config)  # other ranks: rank 0 checked the same inputs
         W, bi = run.mesh.world_size, config.determinism.batch_invariant
+        dp, dp_rank, dp_group = run.mesh.dp, run.mesh.dp_rank, run.mesh.dp_group  # TP peers: the same prompts
         init = run.manifest["init"]["source"]
         model = load_initial_model(config, init)
         record_init_weights(run, model)
         reference = _frozen_copy(config, model) if config.loss.kl_coef > 0 else None
+        parallelize(model, run.mesh.tp_mesh)  # at tp > 1; the generator keeps a TP=1 copy
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=bi)
         blob = run.restore(model, optimizer)
 
-        lo, hi = rank_block(config.task.prompts_per_step, W, run.mesh.rank)
+        lo, hi = rank_block(config.task.prompts_per_step, dp, dp_rank)
         slots = max(1, (hi - lo) * config.task.samples_per_prompt)
         factory = generator_factory or (lambda m, b: build_generator(config.generator, m, b, slots))
-        schedule = run.closing(RolloutSchedule(config, factory(model, bi), task, rank_block=(lo, hi), world_size=W))
+        schedule = run.closing(
+            RolloutSchedule(config, factory(model, bi), task, rank_block=(lo, hi), world_size=dp, group=dp_group)
+        )
         schedule.start(run.start_step, model, [RolloutResult.from_state(s) for s in (blob or {}).get("pending", [])])
         run.begin(model, optimizer)
 
@@ -172,6 +178,7 @@ def rl_train(
 def _train_step(config, run, kit, model, reference, schedule, task, result, step: int, lr: float) -> dict:
     """Rewards, per-group loss and backward into the tree, the update; the step's metrics row."""
     W, G = run.mesh.world_size, config.task.samples_per_prompt
+    dp, dp_group = run.mesh.dp, run.mesh.dp_group  # figures are gathered over the dp ranks
     run.recorder.record_rollout("generator_weights", digest_tensor(result.generator_fingerprint))
     run.recorder.record_rollout("policy_version", torch.tensor([result.version], dtype=torch.int64))
     timer = time.perf_counter
@@ -182,7 +189,7 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
         for p, samples in groups
     ]
     local_tokens = torch.tensor([[sum(len(s.tokens) for s in samples)] for _, samples in groups], dtype=torch.int64)
-    denominator = max(int(gather_in_index_order(local_tokens, W).sum()), 1)  # the step's global token count
+    denominator = max(int(gather_in_index_order(local_tokens, dp, dp_group).sum()), 1)  # the step's global token count
     seconds = {"reward": timer() - t, "logprobs": 0.0, "backward": 0.0}  # timing only: never compared
 
     stats_rows, ratio_rows, gap_rows = [], [], []
@@ -209,11 +216,11 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
     grad_norm = kit.finish()  # the tree reduction, clipping and the optimizer step
     seconds["optimizer"] = timer() - t
 
-    stats = gather_in_index_order(torch.stack(stats_rows), W)
-    ratios = gather_in_index_order(torch.stack(ratio_rows), W)
+    stats = gather_in_index_order(torch.stack(stats_rows), dp, dp_group)
+    ratios = gather_in_index_order(torch.stack(ratio_rows), dp, dp_group)
     row = metrics_row(step, stats, ratios, lr, grad_norm, result.version, W)
     if config.verify:
-        row.update(combine_gap(gather_in_index_order(torch.stack(gap_rows), W), "gap"))
+        row.update(combine_gap(gather_in_index_order(torch.stack(gap_rows), dp, dp_group), "gap"))
     row.update({f"seconds_{phase}": value for phase, value in seconds.items()})
     return row
 

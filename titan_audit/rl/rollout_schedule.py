@@ -89,11 +89,18 @@ class RolloutSchedule:
     """The rollout side of an RL rank (see the module docstring); close() stops its thread."""
 
     def __init__(
-        self, config: RLConfig, generator: Generator, task, *, rank_block: tuple[int, int], world_size: int
+        self,
+        config: RLConfig,
+        generator: Generator,
+        task,
+        *,
+        rank_block: tuple[int, int],
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config, self.generator, self.task = config, generator, task
         self.lo, self.hi = rank_block
-        self.world_size = world_size
+        self.world_size, self.group = world_size, group  # the dp ranks (TP peers share a block)
         self.lag = config.rollout.lag
         s = config.sampling
         self.params = SamplingParams(
@@ -156,7 +163,7 @@ class RolloutSchedule:
         if self.world_size == 1:
             return results
         box: list = [None] * self.world_size
-        dist.all_gather_object(box, [r.to_state() for r in results])
+        dist.all_gather_object(box, [r.to_state() for r in results], group=self.group)
         merged = []
         for parts in zip(*box):
             parts = [RolloutResult.from_state(p) for p in parts]

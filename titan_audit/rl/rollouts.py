@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_audit.audit.fingerprint import fingerprint_many
 from titan_audit.rl.generator import GenerationRequest, Generator, Sample, SampleKey, SamplingParams
@@ -72,8 +73,13 @@ def random_delay() -> None:
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of the model's state dict (what a weight sync ships)."""
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    """A detached copy of the model's full state dict (what a weight sync ships): a tensor-parallel
+    trainer's DTensors are gathered to full tensors (collective over their mesh: every TP rank
+    calls this at the same point), so a TP=1 generator gets the weights it would get from TP=1."""
+    return {
+        name: t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+        for name, t in model.state_dict().items()
+    }
 
 
 def first_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> str | None:

@@ -14,18 +14,20 @@ Guarantees:
 - Sections: model (preset + ModelConfig overrides, activation checkpointing, the MoE
   load-balancing coefficient `router_aux_loss_coef`, `compute_dtype` float32 | bfloat16), data
   (token store or the built-in synthetic corpus; seq_len, global_batch_size, microbatch_size ->
-  V), optimizer, schedule, parallel (mode
-  dp | fsdp, threads per rank, backend), checkpoint (interval, keep_last, fallback), audit (level,
-  modules, flush_every_steps), determinism (enabled, strict, batch_invariant), logging (jsonl,
-  tensorboard: the metrics streams beside metrics.parquet, trainer/metrics_out.py); top-level
+  V), optimizer, schedule, parallel (mode dp | fsdp, tp: the tensor-parallel degree, threads per
+  rank, backend), checkpoint (interval, keep_last, fallback), audit (level, modules,
+  flush_every_steps), determinism (enabled, strict, batch_invariant, bi_kernels: the gemm order),
+  logging (jsonl, tensorboard: the metrics streams beside metrics.parquet,
+  trainer/metrics_out.py); top-level
   `seed` (model init and the data order) and `steps`.
 - Recipes `tiny-dense` and `tiny-moe`: V = 8 virtual microbatches of 1 x 64 tokens, a step well
   under a second on 2 CPU cores, a checkpoint every 4 steps; tiny-moe trains with the
   load-balancing loss at `model.router_aux_loss_coef = 0.01`.
 - Neither `model.router_aux_loss_coef` nor `model.compute_dtype` is resume-mutable: both change
   the bits of every later step.
-- `parallel.mode` is resume-mutable: checkpoints are DCP state dicts from `get_state_dict`, so a
-  DP checkpoint loads into FSDP2 and back, and both modes give the same bits (tested).
+- `parallel.mode` and `parallel.tp` are resume-mutable: checkpoints are DCP state dicts from
+  `get_state_dict`, so a DP checkpoint loads into FSDP2 and back, a TP=2 one into TP=1, and every
+  layout gives the same bits in batch-invariant mode (tested).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ RUN_MUTABLE_KEYS = frozenset(
         "logging.tensorboard",
     }
 )
-RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"parallel.mode", "data.workers"}
+RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"parallel.mode", "parallel.tp", "data.workers"}
 
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -138,10 +140,21 @@ class ProcessSection:
 
     threads: int = 1  # intra-op threads per rank: part of the numerics, never derived from W
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    tp: int = 1  # tensor-parallel ranks per data-parallel rank (W = dp * tp): a layout, never the bits
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"parallel.threads must be >= 1, got {self.threads}")
+        if self.tp < 1:
+            raise ValueError(f"parallel.tp must be >= 1, got {self.tp}")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """dp = W / parallel.tp (ValueError unless tp divides W)."""
+        if world_size < 1 or world_size % self.tp:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of parallel.tp = {self.tp} (--nproc = dp x tp)"
+            )
+        return world_size // self.tp
 
 
 @dataclass
@@ -192,6 +205,10 @@ class DeterminismSection:
     # (bi_census), "strict" stops the run at the first one, naming it and its call site, "off"
     # installs no census (what `bench train` measures it against)
     census: Literal["record", "strict", "off"] = "record"
+    # gemm summation order of BI mode (batch_invariant/order.py): "v2" the blocked halving tree
+    # (TP shards reproduce it), "v1" one fma chain over K (the order of runs and goldens recorded
+    # before v2: a saved config without this key reads as "v1")
+    bi_kernels: Literal["v1", "v2"] = "v2"
 
 
 @dataclass
@@ -219,12 +236,15 @@ class TrainConfig:
         return self.data.num_microbatches
 
     def check_world_size(self, world_size: int) -> None:
-        """ValueError unless W divides V (the global batch plan needs whole blocks per rank)."""
-        v = self.num_microbatches
-        if world_size < 1 or v % world_size:
+        """ValueError unless dp = W / parallel.tp divides V (the global batch plan needs whole
+        blocks per data-parallel rank)."""
+        v, dp = self.num_microbatches, self.parallel.data_parallel_size(world_size)
+        if v % dp:
+            what = f"world size {world_size}" if dp == world_size else f"dp = {dp} (world size {world_size} / tp)"
             raise ValueError(
-                f"world size {world_size} does not divide the number of virtual microbatches V = {v} "
-                f"(data.global_batch_size / data.microbatch_size); use W in {[w for w in range(1, v + 1) if not v % w]}"
+                f"{what} does not divide the number of virtual microbatches V = {v} "
+                f"(data.global_batch_size / data.microbatch_size); "
+                f"use dp in {[w for w in range(1, v + 1) if not v % w]}"
             )
 
 

@@ -16,12 +16,12 @@
 A loop says only what is its own: where its microbatches come from and what their loss is.
 
 Guarantees:
-- Set-up, in this order, identical for both loops: join the process group (the mesh: data
-  parallel over W ranks; tensor parallelism and a device type are the next axes), the intra-op
+- Set-up, in this order, identical for both loops: join the process group (the mesh: W = dp x tp
+  ranks, a (dp, tp) DeviceMesh when `parallel.tp` > 1; the device type is the next axis), the intra-op
   thread count from the config (never from W), the run's numerics (deterministic switches and
-  seeds; with `determinism.batch_invariant`, BI mode and its op census for the whole run, every
-  thread), then on rank 0 every input check (`check`: the loop's check_run, which its launcher runs too,
-  and which ends with `check_run_dir`), the run lock
+  seeds; with `determinism.batch_invariant`, BI mode, its op census and the gemm order
+  `determinism.bi_kernels` for the whole run, every thread), then on rank 0 every input check
+  (`check`: the loop's check_run, which its launcher runs too, and which ends with `check_run_dir`), the run lock
   (`claim_run_dir`, held until the run closes), the manifest with the numerics fingerprint taken
   under the run's own numerics. Rank 0's verdict reaches every rank before any work, so all fail or
   go on together; a new run's manifest is written at once, a resume's only after its checkpoint
@@ -30,8 +30,10 @@ Guarantees:
   are closed, BI mode and the deterministic switches are restored, the lock is
   released. The op census is written to the manifest when the run ends without an error.
 - The step kit: per-microbatch fp32 gradient buffers, the fixed-tree reduction over the V
-  microbatch gradients (reduce.py; the same bits on every rank and for every W), grad-norm clipping
-  on the full reduced vector, the optimizer step, the audit records of a step. With
+  microbatch gradients (reduce.py; the same bits on every rank and for every W; over the dp ranks:
+  a TP rank's buffer holds its local shards, reduced elementwise like the full vector's slices),
+  grad-norm clipping on the full reduced vector (under TP its shards gathered in the TP=1 order),
+  the optimizer step, the audit records of a step. With
   `determinism.enabled = false` (train only) it is a conventional trainer: gradients accumulated in
   .grad and one plain all_reduce (or FSDP2's own reduce-scatter), the negative control.
 - Checkpoints: `end_step` saves a verified checkpoint every `checkpoint.interval` steps and at the
@@ -51,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_audit import deterministic
 from titan_audit.audit import Recorder
@@ -79,35 +82,75 @@ log = get_logger(__name__)
 # ---------------------------------------------------------------------------------- the mesh
 @dataclass(frozen=True)
 class Mesh:
-    """Where this process sits. Data parallel over the whole group for now (dp = W); tensor
-    parallelism and the device type are the next axes. Recorded in the manifest's history, like the
-    world size: never part of the numerics."""
+    """Where this process sits: data parallel (dp ranks) x tensor parallel (tp ranks), W = dp * tp,
+    global rank = dp_rank * tp + tp_rank (torch's row-major DeviceMesh). TP ranks of one dp rank
+    read the same microbatches; the loader and the gradient tree run over the dp group.
+    Recorded in the manifest's history, like the world size: never part of the numerics."""
 
     device_type: str
     world_size: int
     rank: int
+    tp: int = 1
+    device_mesh: Any = None  # the (dp, tp) DeviceMesh when tp > 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's dp peers (None: the default group, at tp = 1)."""
+        return None if self.device_mesh is None else self.device_mesh.get_group("dp")
+
+    @property
+    def tp_mesh(self) -> Any:
+        return None if self.device_mesh is None else self.device_mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> Any:
+        """The dp dimension of the (dp, tp) mesh (None at tp = 1: FSDP2 then takes the whole group)."""
+        return None if self.device_mesh is None else self.device_mesh["dp"]
+
+    def describe(self) -> str:
+        """ "W=4", or with tensor parallelism "W=4 (dp 2 x tp 2)": the progress lines' layout."""
+        return f"W={self.world_size}" + (f" (dp {self.dp} x tp {self.tp})" if self.tp > 1 else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device_type": self.device_type, "dp": self.world_size}
+        return {"device_type": self.device_type, "dp": self.dp, "tp": self.tp}
 
 
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def init_mesh(backend: str = "auto", *, single_group: bool = False) -> Mesh:
+def init_mesh(backend: str = "auto", *, single_group: bool = False, tp: int = 1) -> Mesh:
     """Join the process group torchrun describes in the environment (if any and not joined yet).
-    `single_group`: without one, make a one-rank group (FSDP2 needs a group even at W=1)."""
+    `single_group`: without one, make a one-rank group (FSDP2 needs a group even at W=1). tp > 1:
+    the (dp, tp) DeviceMesh over the group (the caller checked that tp divides W)."""
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             dist.init_process_group(backend)
-        elif single_group:
+        elif single_group or tp > 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if dist.is_initialized():
-        return Mesh("cpu", dist.get_world_size(), dist.get_rank())
-    return Mesh("cpu", 1, 0)
+    if not dist.is_initialized():
+        return Mesh("cpu", 1, 0)
+    world_size = dist.get_world_size()
+    device_mesh = None
+    if tp > 1 and world_size % tp == 0:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Mesh("cpu", world_size, dist.get_rank(), tp if device_mesh is not None else 1, device_mesh)
 
 
 def broadcast_error(message: str | None) -> None:
@@ -196,7 +239,7 @@ def resolve_config(cls: type, load: Callable, source: str | None, out: Path, *, 
     if not resume:
         recipe = "an RL recipe" if kind == "rl" else "a recipe"
         raise ValueError(f"--config is required ({recipe} name or a TOML file) unless --resume")
-    saved = _saved_manifest(Path(out), kind)["config"]
+    saved = typed_config.fill_added_keys(cls, _saved_manifest(Path(out), kind)["config"])
     return typed_config.build(cls, typed_config.apply_overrides(saved, list(overrides)), f"{out}/manifest.json config")
 
 
@@ -260,7 +303,7 @@ class Run:
         config = self.config
         if not 1 <= self.last_step <= config.steps:
             raise ValueError(f"stop step {self.last_step} is outside 1..steps={config.steps}")
-        self.mesh = init_mesh(config.parallel.backend, single_group=self._single_group)
+        self.mesh = init_mesh(config.parallel.backend, single_group=self._single_group, tp=config.parallel.tp)
         torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
         self._enter_numerics()
         self._claim()
@@ -278,7 +321,7 @@ class Run:
 
             if config.determinism.census == "off":
                 stack.enter_context(batch_invariant.census.off())
-            stack.enter_context(batch_invariant.enabled())
+            stack.enter_context(batch_invariant.enabled(gemm_order=config.determinism.bi_kernels))
             batch_invariant.census.reset()
             stack.enter_context(batch_invariant.census.strict(config.determinism.census == "strict"))
 
@@ -345,7 +388,12 @@ class Run:
         audit = self.config.audit
         self.recorder = self.closing(
             Recorder(
-                self.out, model, level=audit.level, modules=audit.modules, flush_every_steps=audit.flush_every_steps
+                self.out,
+                model,
+                level=audit.level,
+                modules=audit.modules,
+                flush_every_steps=audit.flush_every_steps,
+                writes_microbatches=self.mesh.tp_rank == 0,  # TP peers hold the same microbatches
             )
         )
         if self.mesh.rank == 0:
@@ -403,24 +451,34 @@ class Run:
 
 # ---------------------------------------------------------------------------------- the step kit
 def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Each parameter's .grad becomes its slice of `flat` (a view, cast to the parameter's dtype)."""
+    """Each parameter's .grad becomes its slice of `flat` (a view, cast to the parameter's dtype);
+    a tensor-parallel (DTensor) parameter's local shard is its slice, wrapped in its placement."""
     offset = 0
     for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        local = local_shape(p)
+        n = local.numel()
+        grad = flat[offset : offset + n].view(local).to(p.dtype)
+        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False) if is_dtensor(p) else grad
         offset += n
     assert offset == flat.numel(), (offset, flat.numel())
 
 
 def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Every parameter's .grad (zeros where None) as one fresh fp32 vector, in parameter order."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    """Every parameter's .grad (zeros where None; a DTensor's local shard) as one fresh fp32
+    vector, in parameter order."""
+    parts = []
+    for p in params:
+        grad = p.grad if p.grad is not None else torch.zeros(local_shape(p), dtype=p.dtype)
+        parts.append((grad.to_local() if is_dtensor(grad) else grad).reshape(-1).float())
+    return torch.cat(parts)
 
 
-def clip_(flat: torch.Tensor, max_norm: float) -> torch.Tensor:
+def clip_(flat: torch.Tensor, max_norm: float, full: torch.Tensor | None = None) -> torch.Tensor:
     """Scale `flat` in place to global norm <= max_norm (0: no clipping); returns the norm before.
-    `flat` is the full reduced gradient, identical on every rank, so every rank clips alike."""
-    norm = torch.linalg.vector_norm(flat, 2.0)
+    The norm is that of the full reduced gradient (`flat` itself, or under tensor parallelism
+    `full`: every shard gathered, in the TP=1 order), identical on every rank, so every rank clips
+    alike."""
+    norm = torch.linalg.vector_norm(flat if full is None else full, 2.0)
     if max_norm > 0:
         flat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
@@ -454,8 +512,10 @@ class StepKit:
         self.run, self.params, self.optimizer, self.sharded = run, params, optimizer, sharded
         self.config = run.config
         self.deterministic = bool(run.config.determinism.enabled)
-        self.reducer = TreeReducer(run.config.num_microbatches) if self.deterministic else None
-        self.buffers = GradBuffers(sum(p.numel() for p in params))
+        group = run.mesh.dp_group  # TP ranks of a dp rank hold the same microbatches: the tree is over dp
+        self.reducer = TreeReducer(run.config.num_microbatches, group) if self.deterministic else None
+        self.buffers = GradBuffers(sum(local_shape(p).numel() for p in params))
+        self.tensor_parallel = run.mesh.tp > 1
         self._leaf: torch.Tensor | None = None
 
     def start(self, step: int) -> float:
@@ -495,7 +555,11 @@ class StepKit:
         max_norm = self.config.optimizer.grad_clip
         if self.deterministic:  # the fixed tree; in BI mode the norm by the tree sum and our sqrt
             grad = self.reducer.all_reduce()
-            grad_norm = clip_(grad, max_norm)
+            full = None
+            if self.tensor_parallel:  # the norm of the full gradient, in the TP=1 order
+                parts = self.sharded.full_tensors(self.params, grad) if self.sharded else None
+                full = full_flat(self.params, grad) if parts is None else torch.cat([t.reshape(-1) for t in parts])
+            grad_norm = clip_(grad, max_norm, full)
             if self.sharded:
                 self.sharded.set_sharded(self.params, grad)  # this rank's shard of the full reduced gradient
             else:
@@ -508,14 +572,36 @@ class StepKit:
                     p.grad.mul_(world_size)
             return _full(torch.nn.utils.clip_grad_norm_(self.params, max_norm or float("inf")))
         grad = flat_grad(self.params)
-        if world_size > 1:
-            dist.all_reduce(grad)
-        grad_norm = clip_(grad, max_norm)
+        if self.run.mesh.dp > 1:
+            dist.all_reduce(grad, group=self.run.mesh.dp_group)
+        grad_norm = clip_(grad, max_norm, full_flat(self.params, grad) if self.tensor_parallel else None)
         set_grads(self.params, grad)
         return grad_norm
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if is_dtensor(t) else t
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local_shape(p: torch.Tensor) -> torch.Size:
+    """The shape this rank holds of `p` (a DTensor's local shard; else p's own)."""
+    return p.to_local().shape if is_dtensor(p) else p.shape
+
+
+def full_flat(params: list[torch.nn.Parameter], flat: torch.Tensor) -> torch.Tensor:
+    """The full gradient vector in the TP=1 order from this rank's `flat` of local shards: every
+    tensor-parallel parameter's slice gathered to its full tensor (collective over its mesh)."""
+    parts, offset = [], 0
+    for p in params:
+        local = local_shape(p)
+        piece = flat[offset : offset + local.numel()]
+        offset += local.numel()
+        if is_dtensor(p):
+            piece = DTensor.from_local(piece.view(local), p.device_mesh, p.placements, run_check=False)
+            piece = piece.full_tensor().reshape(-1)
+        parts.append(piece)
+    return torch.cat(parts)

@@ -6,7 +6,10 @@
     grads.set_sharded(params, reduced_flat)             # each rank keeps its dim-0 shard as .grad
 
 Guarantees:
-- Parameters are sharded on dim 0 over the default group (FSDP2's layout). Forward and backward
+- Parameters are sharded on dim 0 over the default group (FSDP2's layout), or with `mesh` over the
+  dp dimension of a (dp, tp) mesh, composed with tensor parallelism: a TP-sharded parameter is
+  then 2-D and its "full" gradient in the flat vector is its local TP shard (`full_tensors`
+  gathers it). Forward and backward
   run on all-gathered (bit-exact) parameters with the same ops as replicated data parallel, so a
   microbatch's unsharded gradient has the same bits as in DP; FSDP's reduce-scatter is switched
   off (`set_requires_gradient_sync(False)`), and the gradient of each microbatch is taken from
@@ -30,6 +33,8 @@ internal of torch.distributed.fsdp; it is checked on this torch (2.13) by the te
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -46,13 +51,21 @@ class ShardedGrads:
                         self.by_param[id(fsdp_param.sharded_param)] = fsdp_param
         assert self.by_param, "no FSDP-managed parameters"
 
+    def _unsharded_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        """The shape of p's gradient in the flat vector: FSDP's unsharded parameter (under tensor
+        parallelism, its local TP shard)."""
+        unsharded = self.by_param[id(p)]._unsharded_param
+        return unsharded.to_local().shape if isinstance(unsharded, DTensor) else unsharded.shape
+
     def take_flat(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        """The microbatch's full gradient of every parameter (zeros where unused) as one fresh fp32
-        vector in parameter order; FSDP's unsharded gradients are cleared for the next microbatch."""
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+        """The microbatch's full gradient of every parameter (zeros where unused; under tensor
+        parallelism, its local TP shard) as one fresh fp32 vector in parameter order; FSDP's
+        unsharded gradients are cleared for the next microbatch."""
+        flat = torch.zeros(sum(self._unsharded_shape(p).numel() for p in params), dtype=torch.float32)
         offset = 0
         for p in params:
             fsdp_param = self.by_param[id(p)]
+            shape = self._unsharded_shape(p)
             unsharded = fsdp_param._unsharded_param
             # Mixed precision without gradient sync: FSDP moves the bf16 gradient into an fp32
             # `unsharded_accumulated_grad` (its exact widening); otherwise it stays on .grad.
@@ -62,27 +75,37 @@ class ShardedGrads:
             if grad is not None:
                 if isinstance(grad, DTensor):
                     grad = grad.to_local()
-                assert grad.shape == p.shape, (grad.shape, p.shape)
-                flat[offset : offset + p.numel()].add_(grad.reshape(-1))  # 0 + g, as the DP path
+                assert grad.shape == shape, (grad.shape, shape)
+                flat[offset : offset + shape.numel()].add_(grad.reshape(-1))  # 0 + g, as the DP path
                 unsharded.grad = None
                 fsdp_param.unsharded_accumulated_grad = None
-            offset += p.numel()
+            offset += shape.numel()
         return flat
 
-    @staticmethod
-    def set_sharded(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-        """Each parameter's .grad = this rank's shard of its slice of the full reduced vector."""
-        offset = 0
+    def full_tensors(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's full gradient from `flat` (take_flat's layout): under tensor
+        parallelism a TP shard is gathered over its TP mesh (collective)."""
+        out, offset = [], 0
         for p in params:
-            n = p.numel()
-            full = flat[offset : offset + n].view(p.shape).to(p.dtype)
-            p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            offset += n
+            shape = self._unsharded_shape(p)
+            piece = flat[offset : offset + shape.numel()].view(shape)
+            unsharded = self.by_param[id(p)]._unsharded_param
+            if isinstance(unsharded, DTensor):
+                piece = DTensor.from_local(piece, unsharded.device_mesh, unsharded.placements, run_check=False)
+                piece = piece.full_tensor()
+            out.append(piece)
+            offset += shape.numel()
         assert offset == flat.numel(), (offset, flat.numel())
+        return out
+
+    def set_sharded(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+        """Each parameter's .grad = this rank's shard of its slice of the full reduced vector."""
+        for p, full in zip(params, self.full_tensors(params, flat), strict=True):
+            p.grad = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
 
 
 def shard_model(
-    model: torch.nn.Module, *, deterministic: bool = True, param_dtype: torch.dtype = torch.float32
+    model: torch.nn.Module, *, deterministic: bool = True, param_dtype: torch.dtype = torch.float32, mesh=None
 ) -> ShardedGrads:
     """fully_shard every decoder block and the root (default mesh: all ranks). Deterministic: FSDP's
     gradient sync off (the tree reduction replaces it). Otherwise FSDP2 as usual: an averaging
@@ -99,6 +122,11 @@ def shard_model(
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
+    if mesh is not None:  # the dp dimension of a (dp, tp) mesh: TP-sharded parameters become 2-D
+        kwargs["mesh"] = mesh
+        # full_tensor() of a 2-D parameter (audit records, checkpoints) is two all-gathers, exact
+        # copies whatever their order; torch warns about it at every call
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

@@ -34,8 +34,9 @@ from pathlib import Path
 from titan_audit.audit import OpLogComparison, compare_op_logs
 from titan_audit.audit.oplog import oplog_path
 from titan_audit.progress import progress_bar
+from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
-from titan_audit.trainer.config import from_dict
+from titan_audit.trainer.config import TrainConfig, from_dict
 from titan_audit.trainer.replay import last_recorded_step, prepare_replay
 from titan_audit.trainer.run_dir import read_manifest
 
@@ -61,7 +62,8 @@ def step_op_log(run: str | os.PathLike, step: int, work: str | os.PathLike) -> t
     recorded = oplog_path(run, f"step_{step}")
     if recorded.is_file():
         return recorded, str(recorded)
-    config = from_dict(read_manifest(run)["config"], f"{run}/manifest.json config")
+    saved = typed_config.fill_added_keys(TrainConfig, read_manifest(run)["config"])  # old runs: gemm order v1
+    config = from_dict(saved, f"{run}/manifest.json config")
     from_step = rerun_checkpoint(run, step)
     replay = prepare_replay(run, from_step, Path(work))
     from titan_audit.trainer.train import train

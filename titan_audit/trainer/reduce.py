@@ -119,12 +119,13 @@ def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.
     return tree_sum(values, lo, mid) + tree_sum(values, mid, hi)
 
 
-def gather_in_index_order(local: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Every rank's block concatenated along dim 0 (rank order = microbatch index order)."""
+def gather_in_index_order(local: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's block of `group` (W ranks) concatenated along dim 0 (rank order = microbatch
+    index order)."""
     if world_size == 1:
         return local
     out = torch.empty((local.shape[0] * world_size, *local.shape[1:]), dtype=local.dtype)
-    all_gather_single(out.view(-1), local.contiguous().view(-1))
+    all_gather_single(out.view(-1), local.contiguous().view(-1), group=group)
     return out
 
 
@@ -140,7 +141,8 @@ def all_reduce_partials(partial: torch.Tensor, group: dist.ProcessGroup | None =
     over the group's rank index: rank r's partial is leaf r, so the bits are the same on every rank
     and equal `tree_sum` of the partials stacked in rank order, whatever the transport.
 
-    This is the fixed-order all-reduce for tensor-parallel partial sums: when rank r holds the sum
+    This is the fixed-order all-reduce for tensor-parallel partial sums (the TP linears of
+    models/tensor_parallel.py use it, installed by trainer/tensor_parallel.py): when rank r holds the sum
     over its shard of a reduced dimension and the shards are whole subtrees of the reduction's own
     tree (a power-of-two number of equal shards of a halving tree), the result is the unsharded
     reduction's bits. A plain `dist.all_reduce` promises no order (gloo and NCCL pick one by size

@@ -16,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ import pyarrow.compute as pc
 from titan_audit.audit import CompareResult, compare_runs, read_audit_log
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.schema import SCHEMA
+from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.config import TrainConfig, from_dict
 from titan_audit.trainer.run_dir import MANIFEST, prepare_run_dir, read_manifest, write_manifest
@@ -35,7 +37,8 @@ def source_checkpoint(run: str | os.PathLike, from_step: int) -> tuple[TrainConf
     """(the run's config, checkpoint dir of step K, the run's last step); ValueError for bad input."""
     run = Path(run)
     manifest = read_manifest(run)
-    config = from_dict(manifest["config"], "manifest.json config")
+    # a run recorded before a key existed replays with the old behaviour (no bi_kernels: gemm order v1)
+    config = from_dict(typed_config.fill_added_keys(TrainConfig, manifest["config"]), "manifest.json config")
     ckpt = Checkpointer(run)
     steps = ckpt.steps()
     if from_step not in steps:
@@ -109,16 +112,23 @@ def elastic_replay(
     out: str | os.PathLike,
     *,
     nproc: int = 1,
+    tp: int | None = None,
     verify_to: int | None = None,
     overwrite: bool | str = False,
     quiet: bool = False,
 ) -> tuple[CompareResult, int]:
     """Resume `run`'s checkpoint `from_step` on `nproc` ranks into `out`, run to `verify_to` (default:
-    the run's last step) and compare. Returns (comparison, to_step). Bad input: ValueError, before
-    any work; a failed replay run: RuntimeError."""
+    the run's last step) and compare. `tp`: the replay's tensor-parallel degree (default: the
+    run's; nproc = dp x tp), a layout like W (the checkpoint reshards through DCP). Returns
+    (comparison, to_step). Bad input: ValueError, before any work; a failed replay run:
+    RuntimeError."""
     from titan_audit.trainer.launch import launch
+    from titan_audit.trainer.tensor_parallel import check_tensor_parallel
 
     config, _, last = source_checkpoint(run, from_step)
+    if tp is not None:
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=tp))
+        check_tensor_parallel(config)
     to_step = last if verify_to is None else verify_to
     if not from_step < to_step <= last:
         raise ValueError(f"--verify-to {to_step}: must lie in {from_step + 1}..{last} (the run's recorded steps)")

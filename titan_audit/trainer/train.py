@@ -29,9 +29,10 @@ microbatches):
      blob with the loader state and step) and an audit flush.
 Steps are numbered from 1; checkpoint `step_N` holds the state after N steps.
 
-Init (`titan-audit train --init`): the weights before step 1 are another run's latest checkpoint
-or an HF directory's (trainer/init.py: preflighted, loaded bitwise before FSDP2 shards them, their
-digest in the manifest); optimizer state, data order and schedule start fresh.
+Init (`--init`): the weights before step 1 are another run's latest checkpoint or an HF
+directory's (trainer/init.py: preflighted, loaded bitwise before TP/FSDP2 shard them, their digest
+in the manifest); optimizer state, data order and schedule start fresh. Tensor parallelism
+(`parallel.tp`, tensor_parallel.py): r, W above are the dp rank and size; TP peers share them.
 
 MoE auxiliary loss, why it keeps G3: a microbatch's aux loss is computed from its own tokens
 (moe.py: per-expert sums over the microbatch, fixed shape, fixed thread count), so its bits do not
@@ -53,8 +54,7 @@ same trajectory). The intra-op thread count is set from `parallel.threads` on ev
 any compute, whatever OMP_NUM_THREADS the launcher exported. With `determinism.enabled = false`
 the loop is a conventional trainer (gradients accumulated in .grad, one plain all_reduce; under
 FSDP2 its own reduce-scatter): the baseline of `bench train` and the negative control of the
-invariance tests. DP and FSDP2 give the same bits as each other, at every W.
-"""
+invariance tests. DP, FSDP2 and (in BI mode) TP give the same bits as each other, at every W."""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ from titan_audit.trainer.fsdp import shard_model
 from titan_audit.trainer.init import check_init, check_resume_init, init_record, load_run_init
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import gather_in_index_order, tree_sum
+from titan_audit.trainer.tensor_parallel import check_tensor_parallel, parallelize
 
 
 @dataclass
@@ -90,6 +91,7 @@ class TrainResult:
 def check_inputs(config: TrainConfig, world_size: int, init=None) -> None:
     """The request's own checks (ValueError naming the keys): W vs V, the backend, the init (files, shape), the data."""
     config.check_world_size(world_size)
+    check_tensor_parallel(config)
     check_backend(config)
     check_init(init, config.model)
     check_data(config)
@@ -252,7 +254,7 @@ def train(
                 figures = [_forward_backward(kit, model, j, mb, aux_scale) for j, mb in enumerate(microbatches)]
                 grad_norm = kit.finish()
             # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
-            step_sums = tree_sum(gather_in_index_order(torch.stack(figures), W))
+            step_sums = tree_sum(gather_in_index_order(torch.stack(figures), run.mesh.dp, run.mesh.dp_group))
             losses.append(float(step_sums[0]))
             seconds = time.perf_counter() - t0
             row = {"step": step, "loss": losses[-1]}
@@ -260,7 +262,7 @@ def train(
             row |= {"grad_norm": grad_norm, "lr": lr, "tokens": tokens, "seconds": seconds, "world_size": W}
             line = (
                 f"step {step}/{run.last_step}  loss {losses[-1]:.4f}  grad_norm {grad_norm:.3f}  "
-                f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  W={W}"
+                f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  {run.mesh.describe()}"
             )
             run.end_step(step, row, line, lambda: {"loader": loader.state().to_dict()})
         return TrainResult(run.out, W, run.start_step, run.last_step, losses)
@@ -271,9 +273,11 @@ def _build_model(config: TrainConfig, run: Run):
     ac = config.model.activation_checkpointing
     model = build(config.model.model_config(), seed=config.seed, activation_checkpointing=ac)
     load_run_init(run, model, portable=config.determinism.batch_invariant)
+    parallelize(model, run.mesh.tp_mesh)  # at tp > 1: q/k/v, gate/up, LM head column-wise, o/down row-wise
     dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
-        return model, shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype)
+        sharded = shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype, mesh=run.mesh.dp_mesh)
+        return model, sharded
     model.set_compute_dtype(dtype)  # the model casts each parameter once per forward, inside autograd
     return model, None
 
@@ -284,14 +288,6 @@ def _loader(config: TrainConfig, run: Run, blob: dict | None) -> ElasticLoader:
     if blob is not None:
         state = LoaderState.from_dict(blob["loader"], source=str(run.checkpointer.path(run.start_step)))
     store = config.data.store if config.data.store is not None else str(run.out / "data" / "tasks.zarr")
-    d = config.data
-    loader_config = LoaderConfig(
-        store=store,
-        seq_len=d.seq_len,
-        global_batch_size=d.global_batch_size,
-        microbatch_size=d.microbatch_size,
-        seed=config.seed,
-        packing=d.packing,
-        workers=d.workers,
-    )
-    return ElasticLoader(loader_config, rank=run.mesh.rank, world_size=run.mesh.world_size, state=state)
+    same = ("seq_len", "global_batch_size", "microbatch_size", "packing", "workers")  # data.* keys as they are
+    loader_config = LoaderConfig(store=store, seed=config.seed, **{k: getattr(config.data, k) for k in same})
+    return ElasticLoader(loader_config, rank=run.mesh.dp_rank, world_size=run.mesh.dp, state=state)  # TP peers: same

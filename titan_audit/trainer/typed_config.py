@@ -207,12 +207,34 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def fill_added_keys(cls: type, saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (a manifest's `config`) with each key `cls` has that was added after the
+    config was written set to the value that keeps the old behaviour (`ADDED_KEY_DEFAULTS` of
+    audit/config_diff.py, e.g. `determinism.bi_kernels` = "v1": a run recorded before the gemm
+    order v2 existed rebuilds as a v1 run). Keys the config holds are left alone; a copy."""
+    from titan_audit.audit.config_diff import ADDED_KEY_DEFAULTS
+
+    known = flatten(to_dict(cls()))
+    out = _deep_copy(saved)
+    for key, value in ADDED_KEY_DEFAULTS.items():
+        if key not in known:
+            continue
+        *sections, name = key.split(".")
+        node = out
+        for part in sections:  # a missing section is made (it would build at its defaults)
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if isinstance(node, dict):  # anything else is left for `build` to refuse, naming the key
+            node.setdefault(name, value)
+    return out
+
+
 def resume_differences(saved: dict[str, Any], current: Any, mutable: frozenset[str]) -> list[str]:
     """Dotted keys whose values differ between a run's saved config and `current` (a config
     dataclass), other than the `mutable` keys a resume may change. Empty: the resume is allowed. A
-    key the saved config lacks (a run written before the key existed) counts as its default value:
-    new keys default to the behaviour that existed before them."""
-    a, b = flatten(saved), flatten(to_dict(current))
+    key the saved config lacks (a run written before the key existed) counts as the value that
+    keeps the old behaviour (`fill_added_keys`), else as its default value: new keys default to
+    the behaviour that existed before them."""
+    a, b = flatten(fill_added_keys(type(current), saved)), flatten(to_dict(current))
     defaults = flatten(to_dict(type(current)()))
     a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults and k != "model.overrides"})
     return [

@@ -2,14 +2,16 @@
 sum is fixed by construction, so a row's bits depend only on that row, K and the other operand,
 and the same bits come out on every CPU, ISA variant and thread count.
 
-Order ("v1", `blocks=1`, the default): C[i, j] = one sequential fma chain over k = 0..K-1
+Order ("v1", `blocks=1`, the default of `mm` / `bmm` here): C[i, j] = one sequential fma chain over k = 0..K-1
 ascending, starting from +0.0, whatever M, the batch, the thread count, the B layout or the ISA
 (see `kernels/ta_gemm.h`). Order "v2" (`blocks=tree_blocks(K)`): the blocked halving tree. P(K) =
 the largest power of two P with K % P == 0 and K / P >= 64 (1 when none > 1); block b (k in
 [b bs, (b+1) bs), bs = K / P) is v1's chain over that block; the P block sums are combined by
 node [lo, hi) = node [lo, mid) + node [mid, hi), mid = (lo + hi) / 2 (left + right). P = 1 is v1.
 Since P(K/2) == P(K)/2 for P(K) >= 2, for t | P(K) the v2 partials of the t contiguous K-shards,
-combined by `tree_combine`, are the unsharded v2 result bit for bit.
+combined by `tree_combine`, are the unsharded v2 result bit for bit. The backend entry points
+`backend_mm` / `backend_bmm` (what `cpu.mm` / `cpu.bmm` are, so every batch-invariant gemm) use
+the process-wide order (`batch_invariant.order`: v2 unless a run or a block says v1).
 
 Guarantees:
 - `mm(a, b)` and `bmm(a, b)` give, for each output row, the same bits whatever other rows are
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_audit.batch_invariant.cpu import _lib
+from titan_audit.batch_invariant.order import gemm_blocks, tree_blocks  # noqa: F401 (tree_blocks: re-exported)
 
 PANEL = 32  # packed panel width (ta::gemm::PANEL)
 PACKED_CACHE_MAX_BYTES = 1 << 30  # the packed-weight cache's bound (least recently used go first)
@@ -227,14 +230,6 @@ def _upcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def tree_blocks(k: int) -> int:
-    """P(K): the largest power of two P with K % P == 0 and K / P >= 64 (1 when no such P > 1)."""
-    p = 1
-    while k % (2 * p) == 0 and k // (2 * p) >= 64:
-        p *= 2
-    return p
-
-
 def tree_combine(partials: list[torch.Tensor]) -> torch.Tensor:
     """The halving tree over a power-of-two list: node [lo, hi) = node [lo, mid) + node [mid, hi)."""
     n = len(partials)
@@ -320,3 +315,13 @@ def bmm(a: torch.Tensor, b: torch.Tensor, *, blocks: int = 1) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.titan_audit.bmm(a, b, blocks)
     return _bmm_eager(a, b, blocks)
+
+
+def backend_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`mm` in the process-wide gemm order (`batch_invariant.order.gemm_blocks`)."""
+    return mm(a, b, blocks=gemm_blocks(a.shape[1]))
+
+
+def backend_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`bmm` in the process-wide gemm order."""
+    return bmm(a, b, blocks=gemm_blocks(a.shape[2]))

@@ -20,6 +20,10 @@ pid, pid + P, ...) changes only which program computes a tile, never the tile's 
 Operand layouts: any strides (a transposed weight `w.t()` is read in place); the layout does
 change the compiled kernel (strides of 1 are specialised), not the order of the sum.
 
+Gemm order: this is order "v1" (one ascending chain over K); under the process-wide order "v2"
+(`batch_invariant.order`, config key `determinism.bi_kernels`) `mm` / `bmm` raise
+NotImplementedError naming that key for any K the v2 tree splits (P(K) > 1), never other bits.
+
 Interpreter (CPU tensors, tests): the same kernel; bfloat16/float16 tiles are upcast to float32
 before `tl.dot` (`DOT_F32`, see `_runtime`).
 float32 inputs use `input_precision="ieee"` (no TF32).
@@ -32,6 +36,7 @@ import triton
 import triton.language as tl
 
 from titan_audit.batch_invariant.gpu._runtime import interpreted, jit, persistent_grid
+from titan_audit.batch_invariant.order import require_single_chain
 
 # (BM, BN, BK, warps, stages) per input dtype: fixed, never derived from the problem's shape.
 CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
@@ -182,6 +187,7 @@ def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N], added to the float32 accumulator), in a's dtype."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    require_single_chain(a.shape[1], "Triton")
     a, b = _common(a, b)
     return _launch(a.unsqueeze(0), b.unsqueeze(0), bias)[0]
 
@@ -189,5 +195,6 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N]; matrix j's rows depend on a[j] and b[j] only."""
     assert a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]
+    require_single_chain(a.shape[2], "Triton")
     a, b = _common(a, b)
     return _launch(a, b, None)

@@ -15,7 +15,9 @@ What it guarantees (on top of the Generator contract):
   the tokens are the built-in generator's for the same keys (`BuiltinGenerator` in BI mode): the
   logits of every token are the trainer's bits whatever vLLM batched with it or cached, and the
   token and its log-prob come from rl/sampling.py's keyed draw and our BI log_softmax inside
-  vLLM's sampler (`sampler.py`). Tested in tests/rl/test_vllm_*.py.
+  vLLM's sampler (`sampler.py`). Tested in tests/rl/test_vllm_*.py. Its gemms sum in the gemm
+  order of the process that starts the engine (`batch_invariant.current_gemm_order()` at start:
+  in-process the same order, with multiprocessing passed to the workers by `plugin.py`).
 - Its own weights: the constructor exports the given model once (`models.save_pretrained` into a
   temporary directory, removed by `close()`) for vLLM to load; afterwards `load_weights` copies a
   trainer state dict into the engine's parameters in place (`collective_rpc` into each worker:
@@ -217,6 +219,7 @@ class VllmGenerator:
         if cfg.batch_invariant:
             env[plugin.BATCH_INVARIANT_ENV] = "1"
             env[plugin.PARENT_PID_ENV] = str(os.getpid())
+            env[plugin.GEMM_ORDER_ENV] = bi.current_gemm_order()  # the workers follow this process's order
         extra = {}
         if cfg.implementation == "titan":
             extra = {

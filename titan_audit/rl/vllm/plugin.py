@@ -9,7 +9,9 @@ It:
   batch-invariant ops process-wide (`batch_invariant.enable()`) in every vLLM process other than
   the one that started the engine (`TITAN_AUDIT_VLLM_PARENT_PID`): that process keeps its own
   mode (the model and the sampler enter BI mode around their work themselves, so an in-process
-  engine never leaves the caller's process switched).
+  engine never leaves the caller's process switched). There it also sets the gemm order the
+  engine's starter ran in (`TITAN_AUDIT_VLLM_GEMM_ORDER`, batch_invariant/order.py), so the
+  workers' gemms sum in the run's `determinism.bi_kernels` order.
 Idempotent; importing this module does not import vLLM.
 """
 
@@ -19,6 +21,7 @@ import os
 
 BATCH_INVARIANT_ENV = "TITAN_AUDIT_VLLM_BATCH_INVARIANT"
 PARENT_PID_ENV = "TITAN_AUDIT_VLLM_PARENT_PID"
+GEMM_ORDER_ENV = "TITAN_AUDIT_VLLM_GEMM_ORDER"
 
 
 def register() -> None:
@@ -31,4 +34,7 @@ def register() -> None:
     if os.environ.get(BATCH_INVARIANT_ENV) == "1" and os.environ.get(PARENT_PID_ENV) != str(os.getpid()):
         from titan_audit import batch_invariant
 
+        order = os.environ.get(GEMM_ORDER_ENV)
+        if order is not None:
+            batch_invariant.set_gemm_order(order)
         batch_invariant.enable()
