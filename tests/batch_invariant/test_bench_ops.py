@@ -27,6 +27,19 @@ def test_bench_ops_quick_json() -> None:
     assert targets["linear M=1 K=256 N=256"] is None and targets["matmul M=16 K=256 N=256"] is None
     groups = {c["case"]: c["cases_in_group"] for c in data["cases"] if c.get("aggregate")}
     assert groups["matmul+linear geomean M>=16"] == 2 and groups["matmul+linear geomean M<=4"] == 4
+    # the gemm orders: per shape v2 vs native and v2 vs v1 (the kernel's own times, same run), aggregated
+    cases = {c["case"]: c for c in data["cases"]}
+    for op in ("linear", "matmul"):
+        for m in (1, 4, 16):
+            shape = f"M={m} K=256 N=256"
+            base, v2, v2v1 = cases[f"{op} {shape}"], cases[f"{op} v2 {shape}"], cases[f"{op} v2/v1 {shape}"]
+            assert v2["baseline_s"] == base["baseline_s"] and v2["candidate_s"] == base["v2_s"]
+            assert v2v1["baseline_s"] == base["v1_s"] and v2v1["candidate_s"] == base["v2_s"]
+            assert v2["target"] is None and v2v1["target"] is None
+            assert v2v1["candidate"] == "cpu mm blocks=4 (v2)"
+    assert targets["matmul+linear v2 geomean M>=16"] == 1.1 and targets["matmul+linear v2 geomean M<=4"] == 1.25
+    assert targets["gemm v2/v1 geomean"] == 1.05 and groups["gemm v2/v1 geomean"] == 6
+    assert groups["matmul+linear v2 geomean M>=16"] == 2 and groups["matmul+linear v2 geomean M<=4"] == 4
     # attention: the geomean <= 1.3x over every case, and a decode step of plain MHA <= 2x
     assert targets["attention geomean"] == 1.3 and groups["attention geomean"] == 3
     assert targets["attention decode B=2 Hq=4 Hkv=4 Tq=1 Tk=128 D=32"] == 2.0

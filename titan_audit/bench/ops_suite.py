@@ -14,6 +14,12 @@ Targets (issue 14, our own kernels; ratios are same-run times, ours / native):
   M<=4` <= 1.25x, whose times are the geometric means of their group's times (so their ratio is
   the group's geometric-mean ratio; `"aggregate": true`). Single gemm cases carry no target
   (M = 8 is in neither group).
+- gemm summation orders: every gemm case also times the CPU kernel (`cpu.matmul.mm`, same B
+  layout) in order v1 (`blocks=1`) and v2 (`blocks=tree_blocks(K)`), interleaved with the two sides
+  (`v1_s`, `v2_s` in the case's extra). From those times, per shape: `<op> v2 <shape>` (v2 against
+  the native side) and `<op> v2/v1 <shape>` (v2 against v1), no targets; aggregates `matmul+linear
+  v2 geomean M>=16` <= 1.1x, `matmul+linear v2 geomean M<=4` <= 1.25x and `gemm v2/v1 geomean`
+  (every shape) <= 1.05x.
 - attention: `attention geomean` (every prefill and decode case) <= 1.3x, and each decode step
   of plain multi-head attention (Hq == Hkv: one query row per KV head) <= 2x.
 - softmax, log_softmax and rms_norm: each case <= 1.5x.
@@ -35,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_audit import batch_invariant as bi
+from titan_audit.batch_invariant.cpu import matmul as cpu_matmul
 from titan_audit.bench.core import BenchOptions, Case, compare
 
 MS = [1, 2, 4, 8, 16, 64, 256, 1024]
@@ -43,6 +50,7 @@ QUICK_MS = [1, 4, 16]
 QUICK_KN = [(256, 256)]
 TARGET_GEOMEAN_MATMUL_LARGE_M = 1.1  # M >= 16
 TARGET_GEOMEAN_MATMUL_SMALL_M = 1.25  # M <= 4
+TARGET_GEMM_V2_V1 = 1.05  # the tree order (v2) within 5% of one chain (v1), geomean over every gemm case
 TARGET_ATTENTION_GEOMEAN = 1.3
 TARGET_DECODE_MHA = 2.0
 TARGET_ROW_OPS = 1.5
@@ -81,20 +89,40 @@ def ops_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Ca
     cases: list[Case] = []
     big_m: list[Case] = []
     small_m: list[Case] = []
+    big_m_v2: list[Case] = []
+    small_m_v2: list[Case] = []
+    v2_v1: list[Case] = []
     for k, n in QUICK_KN if options.quick else KN:
         w = torch.randn(n, k, generator=g)
         wt = w.t().contiguous()
+        p = cpu_matmul.tree_blocks(k)
         for m in QUICK_MS if options.quick else MS:
             x = torch.randn(m, k, generator=g)
-            for op, base, cand in (
-                ("linear", ("F.linear", lambda: F.linear(x, w)), ("bi.linear", lambda: bi.linear(x, w))),
-                ("matmul", ("torch.matmul", lambda: x @ wt), ("bi.matmul", lambda: bi.matmul(x, wt))),
+            for op, base, cand, b in (
+                ("linear", ("F.linear", lambda: F.linear(x, w)), ("bi.linear", lambda: bi.linear(x, w)), w.t()),
+                ("matmul", ("torch.matmul", lambda: x @ wt), ("bi.matmul", lambda: bi.matmul(x, wt)), wt),
             ):
                 name = f"{op} M={m} K={k} N={n}"
-                case = compare(name, base, cand, options, target=None)
+                # the kernel in either order, timed interleaved with the two sides (same run)
+                orders = {
+                    "v1": lambda x=x, b=b: cpu_matmul.mm(x, b, blocks=1),
+                    "v2": lambda x=x, b=b, p=p: cpu_matmul.mm(x, b, blocks=p),
+                }
+                case = compare(name, base, cand, options, target=None, others=orders)
                 case.extra["gflops"] = 2 * m * k * n / case.candidate_s / 1e9
                 cases.append(case)
                 (big_m if m >= 16 else small_m if m <= 4 else []).append(case)
+                v1_s, v2_s = case.extra["v1_s"], case.extra["v2_s"]
+                v2_label = f"cpu mm blocks={p} (v2)"
+                v2 = Case(
+                    f"{op} v2 M={m} K={k} N={n}", base[0], v2_label, case.baseline_s, v2_s, v2_s / case.baseline_s, None
+                )
+                ratio = Case(
+                    f"{op} v2/v1 M={m} K={k} N={n}", "cpu mm blocks=1 (v1)", v2_label, v1_s, v2_s, v2_s / v1_s, None
+                )
+                cases += [v2, ratio]
+                (big_m_v2 if m >= 16 else small_m_v2 if m <= 4 else []).append(v2)
+                v2_v1.append(ratio)
                 progress(name)
     attention: list[Case] = []
     for kind, shapes in (
@@ -136,6 +164,9 @@ def ops_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Ca
         cases.extend(cuda_cases(options, progress))
     cases.append(_aggregate("matmul+linear geomean M>=16", big_m, TARGET_GEOMEAN_MATMUL_LARGE_M))
     cases.append(_aggregate("matmul+linear geomean M<=4", small_m, TARGET_GEOMEAN_MATMUL_SMALL_M))
+    cases.append(_aggregate("matmul+linear v2 geomean M>=16", big_m_v2, TARGET_GEOMEAN_MATMUL_LARGE_M))
+    cases.append(_aggregate("matmul+linear v2 geomean M<=4", small_m_v2, TARGET_GEOMEAN_MATMUL_SMALL_M))
+    cases.append(_aggregate("gemm v2/v1 geomean", v2_v1, TARGET_GEMM_V2_V1))
     cases.append(_aggregate("attention geomean", attention, TARGET_ATTENTION_GEOMEAN))
     return cases
 

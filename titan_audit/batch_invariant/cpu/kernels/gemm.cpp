@@ -132,7 +132,7 @@ void gemm(int64_t batch, int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
     const int64_t tasks = batch * m_blocks * groups;
     ta::parallel_for(tasks, nthreads, [&](int64_t begin, int64_t end) {
         AlignedBuffer<T> abuf(ta::gemm::a_buffer_elems(mc, K, blocks));
-        AlignedBuffer<T> tree(ta::gemm::tree_tile_elems(blocks));
+        AlignedBuffer<T> tree(ta::gemm::tree_block_elems(mc, K, blocks, (np + groups - 1) / groups));
         for (int64_t t = begin; t < end; ++t) {
             const int64_t g = t % groups, rest = t / groups;
             const int64_t blk = rest % m_blocks, bi = rest / m_blocks;

@@ -13,10 +13,11 @@
 // such P > 1). P(K/2) == P(K)/2 whenever P(K) >= 2, so for t | P(K) the t contiguous K-shards are
 // the subtrees at depth log2(t): v2 of each shard alone, combined by the same halving tree over
 // the shard index, is v2 of the whole K bit for bit (tensor parallelism over K).
-// Implementation: a tile (or rows_axpy's column range) computes block j into a scratch slot, then
-// merges into a per-tile stack: carry = block j; for level l while bit l of j is 1: carry =
-// stack[l] + carry; then stack[l] = carry (after the last block carry is the result). With P > 1
-// the k-block is K (no K-blocking: the stack stays per tile).
+// Implementation: block j's sums (a register tile's accumulators, restarted from +0.0 per block,
+// or rows_axpy's scratch slot) merge into a stack: carry = block j; for level l while bit l of j
+// is 1: carry = stack[l] + carry; then stack[l] = carry (after the last block carry is the result).
+// With P > 1 a k-block is 2^q whole tree blocks (a complete subtree): stack levels < q are empty at
+// its end and shared by all tiles, levels >= q are kept per (row tile, panel) across k-blocks.
 // Why it cannot depend on M, threads or the ISA: a lane of a register tile holds exactly one
 // output (lanes run along N), the chain for that output is the same fma sequence whatever tile,
 // row count or thread computes it, K-blocking stores and reloads the fp32/fp64 partial (exact),
@@ -248,18 +249,148 @@ static inline void micro(const T* a, const T* b, int64_t ldb, int64_t kc, T* c,
         micro_generic<T, R>(a, b, ldb, kc, c, ldc, first);
 }
 
+
+// ---------------------------------------------------------------- tree microkernels
+// micro_tree<T, R>(a, b, ldb, bs, j0, j1, last, slots, c, ldc): blocks j0 <= j < j1 of the tree
+// order for an R x 32 tile, with a at block j0's A (packed row tile) and b at block j0's B rows.
+// Each block: the accumulators restart from +0.0 and run one fma chain over its bs k ascending
+// (the same chain as micro), then merge in registers: for level l while bit l of j is 1:
+// acc = slots[l] + acc (left + right); then acc is parked at slots[l] (R x 32, row stride 32), or,
+// for j == last (the final block), stored to c as the result.
+
+template <typename T, int R>
+static inline void micro_tree_generic(const T* a, const T* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1,
+                                      int64_t last, T* const* slots, T* c, int64_t ldc) {
+    constexpr int64_t W = PANEL;
+    for (int64_t j = j0; j < j1; ++j) {
+        const T* aj = a + (j - j0) * bs * MR;
+        const T* bj = b + (j - j0) * bs * ldb;
+        T acc[R][W];
+        for (int i = 0; i < R; ++i)
+            for (int64_t e = 0; e < W; ++e) acc[i][e] = T(0);
+        for (int64_t k = 0; k < bs; ++k) {
+            const T* bk = bj + k * ldb;
+            for (int i = 0; i < R; ++i) {
+                const T av = aj[k * MR + i];
+                for (int64_t e = 0; e < W; ++e) acc[i][e] = std::fma(av, bk[e], acc[i][e]);
+            }
+        }
+        int l = 0;
+        for (; (j >> l) & 1; ++l) {
+            const T* left = slots[l];
+            for (int i = 0; i < R; ++i)
+                for (int64_t e = 0; e < W; ++e) acc[i][e] = left[i * W + e] + acc[i][e];
+        }
+        T* dst = j == last ? c : slots[l];
+        const int64_t ld = j == last ? ldc : W;
+        for (int i = 0; i < R; ++i)
+            for (int64_t e = 0; e < W; ++e) dst[i * ld + e] = acc[i][e];
+    }
+}
+
+#if defined(TA_ISA_AVX512)
+template <int R>
+static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1,
+                                  int64_t last, float* const* slots, float* c, int64_t ldc) {
+    for (int64_t j = j0; j < j1; ++j) {
+        const float* aj = a + (j - j0) * bs * MR;
+        const float* bj = b + (j - j0) * bs * ldb;
+        __m512 acc0[R], acc1[R];
+        for (int i = 0; i < R; ++i) {
+            acc0[i] = _mm512_setzero_ps();
+            acc1[i] = _mm512_setzero_ps();
+        }
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < bs; ++k) {
+            const float* bk = bj + k * ldb;
+            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb + 16), _MM_HINT_T0);
+            const __m512 b0 = _mm512_loadu_ps(bk);
+            const __m512 b1 = _mm512_loadu_ps(bk + 16);
+            for (int i = 0; i < R; ++i) {
+                const __m512 av = _mm512_set1_ps(aj[k * MR + i]);
+                acc0[i] = _mm512_fmadd_ps(av, b0, acc0[i]);
+                acc1[i] = _mm512_fmadd_ps(av, b1, acc1[i]);
+            }
+        }
+        int l = 0;
+        for (; (j >> l) & 1; ++l) {
+            const float* left = slots[l];
+            for (int i = 0; i < R; ++i) {
+                acc0[i] = _mm512_add_ps(_mm512_loadu_ps(left + i * PANEL), acc0[i]);
+                acc1[i] = _mm512_add_ps(_mm512_loadu_ps(left + i * PANEL + 16), acc1[i]);
+            }
+        }
+        float* dst = j == last ? c : slots[l];
+        const int64_t ld = j == last ? ldc : PANEL;
+        for (int i = 0; i < R; ++i) {
+            _mm512_storeu_ps(dst + i * ld, acc0[i]);
+            _mm512_storeu_ps(dst + i * ld + 16, acc1[i]);
+        }
+    }
+}
+#elif defined(TA_ISA_AVX2)
+template <int R>
+static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1,
+                                  int64_t last, float* const* slots, float* c, int64_t ldc) {
+    constexpr int V = int(PANEL / 8);  // ymm vectors per row
+    for (int64_t j = j0; j < j1; ++j) {
+        const float* aj = a + (j - j0) * bs * MR;
+        const float* bj = b + (j - j0) * bs * ldb;
+        __m256 acc[R][V];
+        for (int i = 0; i < R; ++i)
+            for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < bs; ++k) {
+            const float* bk = bj + k * ldb;
+            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
+            __m256 bv[V];
+            for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(bk + 8 * v);
+            for (int i = 0; i < R; ++i) {
+                const __m256 av = _mm256_broadcast_ss(aj + k * MR + i);
+                for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+            }
+        }
+        int l = 0;
+        for (; (j >> l) & 1; ++l) {
+            const float* left = slots[l];
+            for (int i = 0; i < R; ++i)
+                for (int v = 0; v < V; ++v)
+                    acc[i][v] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL + 8 * v), acc[i][v]);
+        }
+        float* dst = j == last ? c : slots[l];
+        const int64_t ld = j == last ? ldc : PANEL;
+        for (int i = 0; i < R; ++i)
+            for (int v = 0; v < V; ++v) _mm256_storeu_ps(dst + i * ld + 8 * v, acc[i][v]);
+    }
+}
+#else
+template <int R>
+static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1,
+                                  int64_t last, float* const* slots, float* c, int64_t ldc) {
+    micro_tree_generic<float, R>(a, b, ldb, bs, j0, j1, last, slots, c, ldc);
+}
+#endif
+
+template <typename T, int R>
+static inline void micro_tree(const T* a, const T* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1, int64_t last,
+                              T* const* slots, T* c, int64_t ldc) {
+    if constexpr (std::is_same<T, float>::value)
+        micro_tree_f32<R>(a, b, ldb, bs, j0, j1, last, slots, c, ldc);
+    else
+        micro_tree_generic<T, R>(a, b, ldb, bs, j0, j1, last, slots, c, ldc);
+}
+
 // log2 of a power of two.
 inline int tree_levels(int64_t blocks) {
     int l = 0;
     while ((int64_t(1) << l) < blocks) ++l;
     return l;
 }
-// Elements of the tree stack a tile needs for `blocks` blocks (0 for v1): levels + 2 slots of MR x 32.
-inline int64_t tree_tile_elems(int64_t blocks) { return blocks > 1 ? (tree_levels(blocks) + 2) * MR * PANEL : 0; }
-
 // The merge step after block j (its sums in *cur, n elements): carry = stack[l] + carry for each
 // set low bit l of j, then the carry is parked at stack[l] (pointer swap: no copy). Returns the
-// slot holding the carry. slots[l] for l < levels are the stack, *cur a free slot.
+// slot holding the carry. slots[l] for l < levels are the stack, *cur a free slot. (rows_axpy's
+// tree; the register tiles merge in registers, micro_tree.)
 template <typename T>
 static inline T* tree_merge(int64_t j, T** slots, T** cur, int64_t n) {
     T* carry = *cur;
@@ -276,27 +407,36 @@ static inline T* tree_merge(int64_t j, T** slots, T** cur, int64_t n) {
     return carry;
 }
 
+// Blocks [j0, j1) of one tile in the tree order (r <= MR rows, w <= 32 valid columns; a, b at
+// block j0); `last` = P - 1, the block whose carry is the result (written to c). Edge tiles
+// (w < 32) write the result through a 32-wide scratch tile (only the valid columns are kept).
 template <typename T>
-static inline void tile(int r, int64_t w, const T* a, const T* b, int64_t ldb,
-                        int64_t kc, T* c, int64_t ldc, bool first);
-
-// One tile in the tree order: kc == K, `blocks` blocks, `tree` >= tree_tile_elems(blocks) scratch.
-template <typename T>
-static inline void tile_tree(int r, int64_t w, const T* a, const T* b, int64_t ldb, int64_t K, T* c,
-                             int64_t ldc, int64_t blocks, T* tree) {
+static inline void tile_tree(int r, int64_t w, const T* a, const T* b, int64_t ldb, int64_t bs, int64_t j0,
+                             int64_t j1, int64_t last, T* const* slots, T* c, int64_t ldc) {
     constexpr int64_t W = PANEL;
-    const int levels = tree_levels(blocks);
-    const int64_t bs = K / blocks, n = int64_t(r) * W;
-    T* slots[64];
-    for (int l = 0; l <= levels; ++l) slots[l] = tree + l * MR * W;
-    T* cur = tree + (levels + 1) * MR * W;
-    T* carry = nullptr;
-    for (int64_t j = 0; j < blocks; ++j) {
-        tile<T>(r, W, a + j * bs * MR, b + j * bs * ldb, ldb, bs, cur, W, true);
-        carry = tree_merge<T>(j, slots, &cur, n);
+    alignas(64) T scratch[MR * W];
+    const bool edge = w < W && j1 > last;
+    T* cc = edge ? scratch : c;
+    const int64_t lc = edge ? W : ldc;
+    switch (r) {
+#if defined(TA_ISA_AVX512)
+        case 12: micro_tree<T, 12>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 11: micro_tree<T, 11>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 10: micro_tree<T, 10>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 9: micro_tree<T, 9>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 8: micro_tree<T, 8>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 7: micro_tree<T, 7>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+#endif
+        case 6: micro_tree<T, 6>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 5: micro_tree<T, 5>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 4: micro_tree<T, 4>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 3: micro_tree<T, 3>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        case 2: micro_tree<T, 2>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
+        default: micro_tree<T, 1>(a, b, ldb, bs, j0, j1, last, slots, cc, lc); break;
     }
-    for (int i = 0; i < r; ++i)
-        for (int64_t jj = 0; jj < w; ++jj) c[i * ldc + jj] = carry[i * W + jj];
+    if (edge)
+        for (int i = 0; i < r; ++i)
+            for (int64_t jj = 0; jj < w; ++jj) c[i * ldc + jj] = scratch[i * W + jj];
 }
 
 // One tile of r <= MR rows and w <= 32 valid columns: full tiles write C directly, edge tiles
@@ -454,23 +594,48 @@ static inline void pack_a(const T* a, int64_t sam, int64_t sak, int64_t m0, int6
 }
 
 // The k-block for a block of `rows` rows: with a single row tile the B sub-panel is not reused,
-// so whole panels are streamed (kc = K).
-// In the tree order (blocks > 1) kc = K: the per-tile stack lives through the whole K.
-inline int64_t k_block(int64_t rows, int64_t K, int64_t blocks = 1) { return rows <= MR || blocks > 1 ? K : KC; }
+// so whole panels are streamed (kc = K). In the tree order (blocks = P > 1) a k-block is a whole
+// number of tree blocks: bs * 2^q with 2^q the most (a power of two, <= P) that fits in KC, at
+// least one block; k-blocks start at multiples of 2^q blocks, so each is a complete subtree.
+inline int64_t k_block(int64_t rows, int64_t K, int64_t blocks = 1) {
+    if (rows <= MR) return K;
+    if (blocks <= 1) return KC;
+    const int64_t bs = K / blocks;
+    int64_t nb = 1;
+    while (nb * 2 <= blocks && bs * nb * 2 <= KC) nb *= 2;
+    return bs * nb;
+}
 
 // Elements of the A buffer `block` needs for any row block of at most `rows` rows.
 inline int64_t a_buffer_elems(int64_t rows, int64_t K, int64_t blocks = 1) {
-    return std::max<int64_t>(((rows + MR - 1) / MR) * MR * std::min<int64_t>(blocks > 1 ? K : KC, K), MR * K);
+    const int64_t kb = std::min<int64_t>(K, std::max<int64_t>(KC, blocks > 1 ? K / blocks : 0));
+    return std::max<int64_t>(((rows + MR - 1) / MR) * MR * kb, MR * K);
+}
+
+// The tree stack of `block` (blocks = P > 1, levels = log2 P, 2^q blocks per k-block): levels < q
+// are empty at every k-block's end, so one set of q slots (MR x 32) serves every tile; levels >= q
+// live across k-blocks, levels - q slots per (row tile, panel) of the block.
+inline int64_t tree_block_elems(int64_t rows, int64_t K, int64_t blocks, int64_t panels) {
+    if (blocks <= 1) return 0;
+    const int levels = tree_levels(blocks), q = tree_levels(k_block(rows, K, blocks) / (K / blocks));
+    const int64_t tiles = (rows + MR - 1) / MR;
+    return (int64_t(q) + int64_t(levels - q) * tiles * panels) * MR * PANEL;
 }
 
 // Rows [m0, m1) x panels [p0, p1) of one product: k-blocks outermost (the packed A block and the
 // B sub-panel stay in cache), then panels, then row tiles. Each output still sees k ascending.
+// With blocks > 1, `tree` >= tree_block_elems(m1 - m0, K, blocks, p1 - p0) elements.
 template <typename T>
 static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& bp, T* c, int64_t ldc,
                          int64_t m0, int64_t m1, int64_t p0, int64_t p1, T* abuf, int64_t blocks = 1,
                          T* tree = nullptr) {
     const int64_t K = bp.K, N = bp.N;
     const int64_t kb = k_block(m1 - m0, K, blocks);
+    const int64_t bs = K / blocks, tiles = (m1 - m0 + MR - 1) / MR;
+    const int levels = tree_levels(blocks), q = blocks > 1 ? tree_levels(kb / bs) : 0;
+    T* slots[64];
+    for (int l = 0; l < q; ++l) slots[l] = tree + l * MR * PANEL;
+    T* persistent = tree + q * MR * PANEL;
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
         const int64_t kc = std::min<int64_t>(kb, K - k0);
         const bool first = k0 == 0;
@@ -482,11 +647,15 @@ static inline void block(const T* a, int64_t sam, int64_t sak, const Panels<T>& 
             const int64_t w = std::min<int64_t>(PANEL, N - n0);
             for (int64_t i = m0; i < m1; i += MR) {
                 const int r = int(std::min<int64_t>(MR, m1 - i));
-                if (blocks > 1)
-                    tile_tree<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, bpan, ldb, kc, c + i * ldc + n0, ldc,
-                                 blocks, tree);
-                else
-                    tile<T>(r, w, abuf + ((i - m0) / MR) * kc * MR, bpan, ldb, kc, c + i * ldc + n0, ldc, first);
+                const T* at = abuf + ((i - m0) / MR) * kc * MR;
+                if (blocks > 1) {
+                    T* mine = persistent + ((p - p0) * tiles + (i - m0) / MR) * (levels - q) * MR * PANEL;
+                    for (int l = q; l < levels; ++l) slots[l] = mine + (l - q) * MR * PANEL;
+                    tile_tree<T>(r, w, at, bpan, ldb, bs, k0 / bs, (k0 + kc) / bs, blocks - 1, slots,
+                                 c + i * ldc + n0, ldc);
+                } else {
+                    tile<T>(r, w, at, bpan, ldb, kc, c + i * ldc + n0, ldc, first);
+                }
             }
         }
     }
