@@ -29,6 +29,7 @@ CONFIG_KEYS_IGNORED: tuple[str, ...] = (
     "checkpoint.",
     "audit.flush_every_steps",
     "parallel.backend",
+    "parallel.tp",  # a layout, like the world size (never the bits in BI mode: tests/trainer/test_tensor_parallel.py)
     "data.workers",
     "determinism.census",  # record | strict | off: never the bits of a step
     "logging.",  # metrics.jsonl, TensorBoard: where the metrics go, never their bits

@@ -46,7 +46,7 @@ from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 
 # rollout.buffer: how far ahead rollouts may run, not which; generator: builtin and vllm give the
 # same samples in BI mode (tests/rl/test_vllm_rl.py)
-RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"rollout.buffer", "generator"}
+RESUME_MUTABLE_KEYS = RUN_MUTABLE_KEYS | {"rollout.buffer", "generator", "parallel.tp"}
 
 
 def _absolute(path: str) -> str:
