@@ -52,6 +52,7 @@ XDIST_FIRST = (
     "tests/batch_invariant/test_knobs_train.py",
     "tests/rl/test_learning.py",
     "tests/trainer/test_multinode.py",
+    "tests/trainer/test_tensor_parallel.py",
 )
 
 
