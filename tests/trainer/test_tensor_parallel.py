@@ -1,9 +1,10 @@
 """Tensor parallelism (issue 25): in batch-invariant mode a run has the same audit log, record for
 record, at every (dp, tp) layout: tiny-dense (float32) and tiny-moe (bfloat16) at (1,1), (2,1),
-(1,2), (2,2), and FSDP2 x TP at (2,2); a TP=2 checkpoint replays at TP=1 and at W=2 DP. Negative
-controls: native kernels at TP=2 (DTensor-style plain all_reduce of the partial sums, library
-gemm orders) differ from TP=1; at TP=4 a plain all_reduce of row-wise partial sums differs from
-the unsharded gemm while the fixed tree matches it; layouts off the rule are refused by name.
+(1,2), (2,2), tiny-dense bfloat16 at (1,2), and FSDP2 x TP at (2,2); a TP=2 checkpoint replays
+at TP=1 and at W=2 DP. Negative controls: native kernels at TP=2 (DTensor-style plain all_reduce
+of the partial sums, library gemm orders) differ from TP=1; at TP=4 a plain all_reduce of
+row-wise partial sums differs from the unsharded gemm while the fixed tree matches it; layouts
+off the rule are refused by name.
 
 One shared grid: three process groups (W = 2, 4, 1, in that order), each running its runs one
 after the other, so the suite pays three process start-ups.
@@ -36,7 +37,10 @@ RUNS = {  # name: (recipe, overrides, world size)
     "dense-12": ("tiny-dense", ["parallel.tp=2"], 2),
     "dense-22": ("tiny-dense", ["parallel.tp=2"], 4),
     "dense-fsdp-22": ("tiny-dense", ["parallel.tp=2", "parallel.mode=fsdp"], 4),
+    "dense-bf16-11": ("tiny-dense", ["model.compute_dtype=bfloat16"], 1),
+    "dense-bf16-12": ("tiny-dense", ["model.compute_dtype=bfloat16", "parallel.tp=2"], 2),
     "moe-bf16-11": ("tiny-moe", ["model.compute_dtype=bfloat16"], 1),
+    "moe-bf16-21": ("tiny-moe", ["model.compute_dtype=bfloat16"], 2),
     "moe-bf16-12": ("tiny-moe", ["model.compute_dtype=bfloat16", "parallel.tp=2"], 2),
     "moe-bf16-22": ("tiny-moe", ["model.compute_dtype=bfloat16", "parallel.tp=2"], 4),
     "native-11": ("tiny-dense", ["determinism.batch_invariant=false"], 1),
@@ -109,16 +113,19 @@ def _identical(root, a, b):
     return result
 
 
-@pytest.mark.parametrize("model", ["dense", "moe-bf16"])
-def test_every_dp_x_tp_layout_has_the_tp1_audit_log(grid, model):
+LAYOUTS = [("dense", ("21", "12", "22")), ("moe-bf16", ("21", "12", "22")), ("dense-bf16", ("12",))]
+
+
+@pytest.mark.parametrize(("model", "layouts"), LAYOUTS)
+def test_every_dp_x_tp_layout_has_the_tp1_audit_log(grid, model, layouts):
     root, _ = grid
-    layouts = ("21", "12", "22") if model == "dense" else ("12", "22")
     for layout in layouts:
         _identical(root, f"{model}-11", f"{model}-{layout}")
-    phases = set(read_audit_log(root / f"{model}-22", columns=["phase"])["phase"].to_pylist())
+    last = root / f"{model}-{layouts[-1]}"
+    phases = set(read_audit_log(last, columns=["phase"])["phase"].to_pylist())
     assert {"data", "loss", "grad", "optim", "param"} <= phases, phases
-    history = json.loads((root / f"{model}-22" / "manifest.json").read_text())["world_size_history"]
-    assert history[0]["world_size"] == 4 and history[0]["mesh"] == {"device_type": "cpu", "dp": 2, "tp": 2}
+    mesh = json.loads((last / "manifest.json").read_text())["world_size_history"][0]["mesh"]
+    assert mesh == {"device_type": "cpu", "dp": int(layouts[-1][0]), "tp": int(layouts[-1][1])}
 
 
 def test_fsdp2_x_tp_has_the_tp1_audit_log(grid):
