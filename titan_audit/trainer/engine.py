@@ -120,7 +120,7 @@ class Mesh:
         return None if self.device_mesh is None else self.device_mesh["dp"]
 
     def describe(self) -> str:
-        """ "W=4", or with tensor parallelism "W=4 (dp 2 x tp 2)": the progress lines' layout."""
+        """The progress lines' layout: W=4, or with tensor parallelism W=4 (dp 2 x tp 2)."""
         return f"W={self.world_size}" + (f" (dp {self.dp} x tp {self.tp})" if self.tp > 1 else "")
 
     def to_dict(self) -> dict[str, Any]:
