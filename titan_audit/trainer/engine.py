@@ -555,11 +555,13 @@ class StepKit:
         max_norm = self.config.optimizer.grad_clip
         if self.deterministic:  # the fixed tree; in BI mode the norm by the tree sum and our sqrt
             grad = self.reducer.all_reduce()
-            full = None
-            if self.tensor_parallel:  # the norm of the full gradient, in the TP=1 order
-                parts = self.sharded.full_tensors(self.params, grad) if self.sharded else None
-                full = full_flat(self.params, grad) if parts is None else torch.cat([t.reshape(-1) for t in parts])
-            grad_norm = clip_(grad, max_norm, full)
+            if self.sharded and self.tensor_parallel:  # one gather: the norm and every shard come from it
+                full = torch.cat([t.reshape(-1) for t in self.sharded.full_tensors(self.params, grad)])
+                grad_norm = clip_(full, max_norm)
+                self.sharded.set_sharded(self.params, full, gathered=True)
+                return grad_norm
+            # under TP the norm of the full gradient, gathered in the TP=1 order
+            grad_norm = clip_(grad, max_norm, full_flat(self.params, grad) if self.tensor_parallel else None)
             if self.sharded:
                 self.sharded.set_sharded(self.params, grad)  # this rank's shard of the full reduced gradient
             else:

@@ -98,10 +98,22 @@ class ShardedGrads:
         assert offset == flat.numel(), (offset, flat.numel())
         return out
 
-    def set_sharded(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-        """Each parameter's .grad = this rank's shard of its slice of the full reduced vector."""
-        for p, full in zip(params, self.full_tensors(params, flat), strict=True):
+    def set_sharded(self, params: list[torch.nn.Parameter], flat: torch.Tensor, *, gathered: bool = False) -> None:
+        """Each parameter's .grad = this rank's shard of its slice of the full reduced vector:
+        `flat` in take_flat's layout, or with `gathered` already the full tensors end to end."""
+        fulls = _slices(params, flat) if gathered else self.full_tensors(params, flat)
+        for p, full in zip(params, fulls, strict=True):
             p.grad = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+
+
+def _slices(params: list[torch.nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Every parameter's full (logical) shape, cut from `flat` in parameter order."""
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    assert offset == flat.numel(), (offset, flat.numel())
+    return out
 
 
 def shard_model(
