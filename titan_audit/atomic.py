@@ -20,11 +20,14 @@ Guarantees:
   takes it. The kernel drops the lock when its holder dies, so a stale lock file never blocks;
   the holder removes the lock file when it is done.
   Use it for an output all of whose writers take it (data/ token stores do).
+- `move_aside(path)` renames a directory to `NAME.replaced-<UTC time>` (`-2`, `-3`, ... when that
+  name is taken, say by a second replacement in the same second), never onto anything that exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import fcntl
 import json
 import os
@@ -197,3 +200,27 @@ def _lock_file(path: Path) -> int:
         if same:
             return fd
         os.close(fd)  # its holder removed it between our open and our flock: take the new one
+
+
+def move_aside(path: str | os.PathLike) -> Path:
+    """Rename the directory `path` to a fresh sibling `NAME.replaced-<UTC time>[-k]`; that name.
+
+    The sibling is claimed with an exclusive mkdir first, so two replacements in one second (or two
+    processes) never pick the same name; the rename then replaces only that empty claim (the moved
+    directory keeps its own mode).
+    """
+    path = Path(path)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    for k in range(1, 10_000):
+        aside = path.with_name(f"{path.name}.replaced-{stamp}" + (f"-{k}" if k > 1 else ""))
+        try:
+            os.mkdir(aside, 0o700)
+        except FileExistsError:
+            continue
+        try:
+            os.rename(path, aside)
+        except BaseException:
+            os.rmdir(aside)
+            raise
+        return aside
+    raise ValueError(f"{path}: no free NAME.replaced-{stamp}-k name to move it aside to")

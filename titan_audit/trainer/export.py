@@ -26,7 +26,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from titan_audit.atomic import atomic_output_dir, output_lock
+from titan_audit.atomic import atomic_output_dir, move_aside, output_lock
 from titan_audit.log import get_logger
 from titan_audit.models import ModelConfig
 from titan_audit.trainer.checkpoint import Checkpointer
@@ -79,7 +78,6 @@ def export_run(
     generation = _generation_config(read_manifest(run))
     with output_lock(out):
         replace = out.is_dir()
-        aside = out.with_name(f"{out.name}.replaced-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}")
         move = replace and has_entries(out) and overwrite in (True, "move")
         with atomic_output_dir(out, overwrite=replace) as tmp:
             save_pretrained(model, tmp)
@@ -87,7 +85,7 @@ def export_run(
                 (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
             files = sorted(p.name for p in tmp.iterdir())
             if move:  # the old one aside only once the new one is complete
-                os.replace(out, aside)
+                aside = move_aside(out)
                 log.info(
                     "--overwrite: the old contents of %s are now in %s (--overwrite=delete removes them)", out, aside
                 )

@@ -25,7 +25,6 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import fcntl
 import os
 import shutil
@@ -36,6 +35,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from titan_audit.atomic import move_aside
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest, write_manifest
 from titan_audit.log import get_logger
 
@@ -216,9 +216,7 @@ def prepare_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: Overwri
         return path
     check_out_path(path, overwrite=overwrite)
     if path.is_dir() and has_entries(path):
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-        aside = path.with_name(f"{path.name}.replaced-{stamp}")
-        path.rename(aside)
+        aside = move_aside(path)
         if overwrite == "delete":
             shutil.rmtree(aside)
             log.info("--overwrite=delete: removed the old contents of %s", path)
