@@ -5,8 +5,9 @@ Proves: over several steps, on every ISA variant this CPU runs and at 1 and 2 th
 0, 1, odd lengths around the vector widths and ones the threads split, weight decay on and off,
 values over the whole float32 range (zeros of both signs, subnormals, values whose squares overflow
 or underflow, negatives), the parameter and both moments are bit-identical to the torch path; a
-gradient of +-inf gives the same bits (the invalid division's NaN). Tensors the kernel cannot take
-(bf16, non-contiguous) stay on the torch path. Negative controls: the same comparison fails for a
+gradient of +-inf gives the same bits (the invalid division's NaN). DTensor parameters (FSDP2 / TP)
+take the kernel on their local shards with the same bits; tensors it cannot take (bf16,
+non-contiguous) stay on the torch path. Negative controls: the same comparison fails for a
 reference with eps one ulp larger, and for one with the weight decay applied after the update
 (the ops reordered).
 """
@@ -164,3 +165,37 @@ def test_negative_control_a_changed_reference_differs(monkeypatch, variant):
     assert _equal(fused_bits, _run(False, sizes, 0.1, grad_fn=near_eps))
     monkeypatch.setattr(optim, "_update_torch", variant)
     assert not _equal(fused_bits, _run(False, sizes, 0.1, grad_fn=near_eps))
+
+
+def test_dtensor_shards_take_the_kernel_with_the_torch_paths_bits(tmp_path, monkeypatch):
+    """FSDP2 / TP parameters are DTensors: the kernel updates their local shards in place."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    calls = []
+    real = fused.adamw_step_
+    monkeypatch.setattr(fused, "adamw_step_", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(2)
+        value, grads = _wide(1023, g), [_wide(1023, g) for _ in range(3)]
+        out = []
+        for kernel in (True, False):
+            p = torch.nn.Parameter(distribute_tensor(value.clone(), mesh, [Shard(0)]))
+            opt = PortableAdamW([p], weight_decay=0.1, foreach=False, fused=False, **HYPER)
+            opt.fused_kernel = kernel
+            for grad in grads:
+                p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+                opt.step()
+            assert isinstance(p.data, DTensor) and isinstance(opt.state[p]["exp_avg"], DTensor)
+            out.append(
+                [p.detach().to_local(), opt.state[p]["exp_avg"].to_local(), opt.state[p]["exp_avg_sq"].to_local()]
+            )
+        assert calls == [torch.Size([1023])] * 3, "the DTensor parameter took the kernel"
+        assert _equal([t.view(torch.int32) for t in out[0]], [t.view(torch.int32) for t in out[1]])
+    finally:
+        dist.destroy_process_group()

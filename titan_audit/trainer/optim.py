@@ -15,8 +15,12 @@ its code path by CPU vendor (1 ulp off on ~17% of inputs on an AMD EPYC, ~0.6% o
 Xeon; tests/batch_invariant/test_census.py keeps the control against the correctly rounded root).
 Torch's own AdamW uses `lerp_`, `addcmul_` and `addcdiv_`, whose vector kernels fuse multiply-adds
 on AVX2/AVX-512 and not in the default (scalar) build, so its bits change with `ATEN_CPU_CAPABILITY`
-(tested). Its state dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints load
-either way.
+(tested). For float32 contiguous CPU parameters (DTensors: their local shards) the update runs as
+one fused pass over memory (`batch_invariant.cpu.optim`, kernels/optim.cpp: the same IEEE float32
+operations in the same order, each scalar rounded to float32 as torch rounds it, so the same bits;
+tests/trainer/test_portable_adamw_kernel.py compares them with the torch-op path, which stays the
+path for everything else). Its state dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`),
+so checkpoints load either way.
 """
 
 from __future__ import annotations
