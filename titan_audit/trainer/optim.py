@@ -15,8 +15,12 @@ its code path by CPU vendor (1 ulp off on ~17% of inputs on an AMD EPYC, ~0.6% o
 Xeon; tests/batch_invariant/test_census.py keeps the control against the correctly rounded root).
 Torch's own AdamW uses `lerp_`, `addcmul_` and `addcdiv_`, whose vector kernels fuse multiply-adds
 on AVX2/AVX-512 and not in the default (scalar) build, so its bits change with `ATEN_CPU_CAPABILITY`
-(tested). Its state dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints load
-either way.
+(tested). For float32 contiguous CPU parameters (DTensors: their local shards) the update runs as
+one fused pass over memory (`batch_invariant.cpu.optim`, kernels/optim.cpp: the same IEEE float32
+operations in the same order, each scalar rounded to float32 as torch rounds it, so the same bits;
+tests/trainer/test_portable_adamw_kernel.py compares them with the torch-op path, which stays the
+path for everything else). Its state dict has torch's layout (`step`, `exp_avg`, `exp_avg_sq`),
+so checkpoints load either way.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_audit.batch_invariant.cpu import optim as fused
 from titan_audit.batch_invariant.cpu import pointwise
 
 
@@ -79,10 +84,84 @@ def _portable_sqrt(x: torch.Tensor) -> torch.Tensor:
     return pointwise.sqrt(x).to(x.dtype)
 
 
+def _update_torch(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """PortableAdamW's update of one parameter as torch ops (any dtype, layout, device, DTensor)."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    p.mul_(1 - lr * weight_decay)
+    exp_avg.mul_(beta1).add_(grad * (1 - beta1))
+    exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
+    denom = _portable_sqrt(exp_avg_sq).div_(bias_correction2_sqrt).add_(eps)
+    p.add_(exp_avg.div(denom).mul_(-lr / bias_correction1))
+
+
+def _update_fused(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> bool:
+    """The same update by the fused kernel (`batch_invariant.cpu.optim`, the same bits) when the
+    operands qualify (float32, contiguous, CPU; DTensors of one mesh and placements by their local
+    shards: the update is elementwise, so the torch path's DTensor ops are those local ops).
+    Returns False, having done nothing, when they do not."""
+    tensors = (p, grad, exp_avg, exp_avg_sq)
+    if isinstance(p, DTensor):
+        if not all(isinstance(t, DTensor) for t in tensors):
+            return False
+        if any(t.device_mesh != p.device_mesh or t.placements != p.placements for t in tensors):
+            return False
+        local = tuple(t.to_local() for t in tensors)
+    elif any(isinstance(t, DTensor) for t in tensors):
+        return False
+    else:
+        local = tensors
+    if not fused.fusable(*local):
+        return False
+    # the Python scalars of _update_torch, computed by the same expressions
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    fused.adamw_step_(
+        *local,
+        decay=1 - lr * weight_decay,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        bias_correction2_sqrt=bias_correction2_sqrt,
+        step_size=-lr / bias_correction1,
+    )
+    if local is not tensors:  # the DTensors were written in place too
+        for t in (p, exp_avg, exp_avg_sq):
+            torch.autograd.graph.increment_version(t)
+    return True
+
+
 class PortableAdamW(torch.optim.AdamW):
     """AdamW (decoupled weight decay) whose bits are the same on every CPU: see the module doc.
     Order per element: p *= 1 - lr*wd; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2);
-    p += (m / (sqrt(v) / sqrt(1-b2^t) + eps)) * (-lr / (1-b1^t))."""
+    p += (m / (sqrt(v) / sqrt(1-b2^t) + eps)) * (-lr / (1-b1^t)).
+    `fused_kernel` (default True; False: torch ops only, the reference the kernel is tested against)."""
+
+    fused_kernel: bool = True
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201
@@ -90,7 +169,8 @@ class PortableAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             assert not group["amsgrad"] and not group["maximize"], "PortableAdamW: amsgrad/maximize unsupported"
             beta1, beta2 = group["betas"]
-            lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+            hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"]}
+            hyper["weight_decay"] = group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -102,14 +182,9 @@ class PortableAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = int(state["step"].item())
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                p.mul_(1 - lr * weight_decay)
-                exp_avg.mul_(beta1).add_(grad * (1 - beta1))
-                exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
-                bias_correction1 = 1 - beta1**step
-                bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-                denom = _portable_sqrt(exp_avg_sq).div_(bias_correction2_sqrt).add_(eps)
-                p.add_(exp_avg.div(denom).mul_(-lr / bias_correction1))
+                operands = (p, grad, state["exp_avg"], state["exp_avg_sq"])
+                if not (self.fused_kernel and _update_fused(*operands, **hyper, step=step)):
+                    _update_torch(*operands, **hyper, step=step)
         return None
 
 

@@ -74,6 +74,8 @@
     void ta_rope_inv_freq_f32__##isa(double, int64_t, float*);                                                   \
     void ta_embedding_backward_f32__##isa(const float*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, \
                                           int);                                                                  \
+    void ta_adamw_step_f32__##isa(float*, const float*, float*, float*, int64_t, double, double, double, double,   \
+                                  double, double, double, double, int);                                          \
     }
 
 #define TA_DECLARE_ROWOPS(isa, T, sfx)                                                                           \
@@ -132,6 +134,8 @@ struct Variant {
     void (*cos_sin)(const float*, float*, float*, int64_t, int);
     void (*rope_inv_freq)(double, int64_t, float*);
     void (*embedding_backward)(const float*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, int);
+    void (*adamw_step)(float*, const float*, float*, float*, int64_t, double, double, double, double, double, double,
+                       double, double, int);
 };
 
 #define TA_ROWOPS_OF(isa, sfx)                                                                                   \
@@ -147,7 +151,8 @@ struct Variant {
             TA_ROWOPS_OF(isa, f64), ta_exp_f32__##isa, ta_exp2_f32__##isa, ta_log_f32__##isa, ta_sqrt_f32__##isa,  \
             ta_sigmoid_f32__##isa, ta_silu_f32__##isa, ta_sigmoid_backward_f32__##isa, ta_silu_backward_f32__##isa, \
             ta_exp_f64__##isa, ta_log_f64__##isa, ta_sqrt_f64__##isa, ta_normal_from_bits__##isa,                \
-            ta_cos_sin_f32__##isa, ta_rope_inv_freq_f32__##isa, ta_embedding_backward_f32__##isa}
+            ta_cos_sin_f32__##isa, ta_rope_inv_freq_f32__##isa, ta_embedding_backward_f32__##isa,                \
+            ta_adamw_step_f32__##isa}
 
 TA_DECLARE(scalar)
 #if defined(TA_BATTERY_X86)
@@ -760,6 +765,45 @@ void build_cases() {
             std::vector<float> out(vocab * d, 7.0f);
             v.embedding_backward(g.data(), idx.data(), out.data(), n, d, vocab, pad, t);
             sink.emit("", out);
+        });
+    }
+
+    // AdamW (PortableAdamW's fused step): three steps in place on the lengths around every vector
+    // width and one the threads split, with and without weight decay. The values are finite bit
+    // patterns of exponents 0 (zeros, subnormals) to 2^63 (so nothing overflows and no NaN is
+    // made: an invalid operation's NaN is negative on x86, positive on arm64); the moments start
+    // from such patterns too (exp_avg_sq >= 0) or, for "zeros", from 0 as a fresh optimizer does.
+    // The scalars are PortableAdamW's, in double: b^t by repeated multiplication, IEEE sqrt.
+    for (const char* kase : {"bits_1", "bits_7", "bits_17", "bits_33", "bits_1023", "nowd_bits_33", "zeros_100003"}) {
+        const std::string k = kase;
+        add("adamw_step_f32", k, true, [=](const Variant& v, int t, const Sink& sink) {
+            Rng r = rng_for("adamw_step_f32", k);
+            const int64_t n = std::atoll(k.substr(k.rfind('_') + 1).c_str());
+            const bool zeros = k.rfind("zeros", 0) == 0;
+            auto finite = [&](bool nonneg) {
+                std::vector<float> x(n);
+                for (auto& e : x) {
+                    const uint32_t sign = nonneg ? 0u : (r.next32() & 1u) << 31;
+                    const uint32_t exponent = (uint32_t)r.below(191), mantissa = r.next32() & 0x7fffffu;
+                    e = r.below(16) == 0 ? 0.0f : f32_of(sign | exponent << 23 | mantissa);
+                }
+                return x;
+            };
+            std::vector<float> p = zeros ? values<float>(r, n, kUniform) : finite(false);
+            std::vector<float> m = zeros ? std::vector<float>(n, 0.0f) : finite(false);
+            std::vector<float> sq = zeros ? std::vector<float>(n, 0.0f) : finite(true);
+            const double lr = 3e-3, wd = k.rfind("nowd", 0) == 0 ? 0.0 : 0.1, b1 = 0.9, b2 = 0.95, eps = 1e-8;
+            double b1t = 1.0, b2t = 1.0;
+            for (int step = 1; step <= 3; ++step) {
+                const std::vector<float> g = zeros ? values<float>(r, n, kUniform, -1e-3f, 1e-3f) : finite(false);
+                b1t = b1t * b1;
+                b2t = b2t * b2;
+                v.adamw_step(p.data(), g.data(), m.data(), sq.data(), n, 1.0 - lr * wd, b1, 1.0 - b1, b2, 1.0 - b2,
+                             std::sqrt(1.0 - b2t), eps, -lr / (1.0 - b1t), t);
+            }
+            sink.emit("param", p);
+            sink.emit("exp_avg", m);
+            sink.emit("exp_avg_sq", sq);
         });
     }
 
