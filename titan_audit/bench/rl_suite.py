@@ -23,7 +23,9 @@ Cases:
   Extra keys of the TRL cases: `trl_version`, `trl_optimizer`, `trl_loss_type`.
 When trl cannot be imported (`trl_peer.trl_missing`; the `peers` extra installs it), both TRL
 cases are skipped, never given a figure: a warning line on stderr names each, and the first case's
-`skipped` key lists them with the reason. `--quick` runs them at the quick shape too.
+`skipped` key lists them with the reason. `--quick` runs the W=1 TRL case at the quick shape and
+skips the all-cores case the same way (QUICK_SKIP: torchrun's start and a second TRL process
+would be most of a smoke run's time).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ NATIVE, BI = "native ops", "BI mode"
 BI_ALL_CORES = f"BI mode, W={CORES} (1 thread per rank)"
 TRL_1, TRL_ALL_CORES = "TRL GRPOTrainer, 1 thread", f"TRL GRPOTrainer, {CORES} threads"
 SIDES = {NATIVE: ["determinism.batch_invariant=false"], BI: []}
+QUICK_SKIP = "left out of --quick (torchrun's start and a second TRL process); the full suite runs it"
 QUICK = ["task.prompts_per_step=2", "task.samples_per_prompt=2", "sampling.max_new_tokens=4"]
 
 
@@ -87,6 +90,7 @@ def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Cas
                 keep(side, _run_side(overrides, options.quick, Path(tmp) / f"r{repeat}-s{i}"))
             if missing is None:
                 keep(TRL_1, trl_peer.trl_step_seconds(_config([], options.quick), threads=1))
+            if missing is None and not options.quick:
                 keep(BI_ALL_CORES, _run_side([], options.quick, Path(tmp) / f"r{repeat}-w{CORES}", nproc=CORES))
                 keep(TRL_ALL_CORES, trl_peer.trl_step_seconds(_config([], options.quick), threads=CORES))
     extra = {f"baseline_seconds_{p}": best[NATIVE][f"seconds_{p}"] for p in PHASES}
@@ -99,7 +103,12 @@ def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Cas
             log.warning("bench rl: skipped case %r: %s", case, missing)
         cases[0].extra["skipped"] = [{"case": c, "reason": missing} for c in (TRL_CASE, TRL_ALL_CORES_CASE)]
         return cases
-    for name, trl_side, ours in ((TRL_CASE, TRL_1, BI), (TRL_ALL_CORES_CASE, TRL_ALL_CORES, BI_ALL_CORES)):
+    peers = [(TRL_CASE, TRL_1, BI), (TRL_ALL_CORES_CASE, TRL_ALL_CORES, BI_ALL_CORES)]
+    if options.quick:
+        log.warning("bench rl: skipped case %r: %s", TRL_ALL_CORES_CASE, QUICK_SKIP)
+        cases[0].extra["skipped"] = [{"case": TRL_ALL_CORES_CASE, "reason": QUICK_SKIP}]
+        peers = peers[:1]
+    for name, trl_side, ours in peers:
         trl = best[trl_side]
         extra = {f"candidate_seconds_{p}": best[ours][f"seconds_{p}"] for p in PHASES}
         extra |= {
