@@ -17,6 +17,10 @@ Cases per decode batch B in {8, 32, 64}:
   through `models.save_pretrained` and `AutoModelForCausalLM.from_pretrained`, do_sample with
   top_k=0, min_new_tokens = max_new_tokens, KV cache on), candidate the built-in generator in BI
   mode; no target. Skipped when transformers is not installed.
+- `generate qwen3-0.6b widths L=2 B=8` (the widths of qwen3-0.6b, hidden 1024, 16/8 heads, head_dim
+  128, vocab 151936 tied, with 2 layers, deterministic init seed 0; `REAL_WIDTH`): the built-in
+  generator BI mode against native ops on the same workload at B = 8. Target: TARGET_RATIO.
+  Left out of `--quick` (the init of the ~187M-parameter model alone takes seconds).
 Extra keys: `baseline_tokens_per_s`, `candidate_tokens_per_s` (new tokens per second of each side),
 `new_tokens` (per call), and on the HF case `builtin_native_tokens_per_s`.
 The three sides of one B are timed interleaved (bench/core.py), so noise hits them alike.
@@ -24,6 +28,7 @@ The three sides of one B are timed interleaved (bench/core.py), so noise hits th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import tempfile
 from collections.abc import Callable
@@ -32,6 +37,7 @@ import torch
 
 from titan_audit import models
 from titan_audit.bench.core import BenchOptions, Case, time_interleaved
+from titan_audit.models.presets import get_preset
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
 from titan_audit.rl.generator import GenerationRequest, SampleKey, SamplingParams
 
@@ -40,6 +46,8 @@ BATCHES = [8, 32, 64]
 PROMPT_LEN, NEW_TOKENS = 32, 32
 QUICK_BATCHES = [8]
 QUICK_PROMPT_LEN, QUICK_NEW_TOKENS = 8, 4
+REAL_WIDTH = {"preset": "qwen3-0.6b", "num_hidden_layers": 2}  # the preset's widths, 2 layers
+REAL_WIDTH_BATCH = 8
 NATIVE, BI, HF = "builtin generator, native ops", "builtin generator, BI mode", "HF transformers generate"
 
 
@@ -82,6 +90,15 @@ def _workload(options: BenchOptions) -> tuple[int, int, BenchOptions, models.Tra
     return prompt_len, new_tokens, timing, models.build("tiny-dense", seed=0), params
 
 
+def real_width_config() -> models.ModelConfig:
+    """The real-width case's model: the preset's widths with REAL_WIDTH's layer count."""
+    return dataclasses.replace(get_preset(REAL_WIDTH["preset"]), num_hidden_layers=REAL_WIDTH["num_hidden_layers"])
+
+
+def _requests(prompts_BT: torch.Tensor) -> list[GenerationRequest]:
+    return [GenerationRequest(tuple(row), SampleKey(0, 0, i, 0)) for i, row in enumerate(prompts_BT.tolist())]
+
+
 def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     if options.generator == "vllm":
         return vllm_generate_suite(options, progress)
@@ -95,9 +112,7 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
     with tempfile.TemporaryDirectory(prefix="titan-audit-bench-generate-") as tmp:
         for batch in batches:
             prompts_BT = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
-            requests = [
-                GenerationRequest(tuple(row), SampleKey(0, 0, i, 0)) for i, row in enumerate(prompts_BT.tolist())
-            ]
+            requests = _requests(prompts_BT)
             sides = {
                 NATIVE: lambda: native.generate(requests, params),
                 BI: lambda: bi.generate(requests, params),
@@ -115,6 +130,17 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
                 case.extra["builtin_native_tokens_per_s"] = tokens / seconds[NATIVE]
                 cases.append(case)
                 progress(name)
+    if options.quick:
+        return cases
+    real = models.build(real_width_config(), seed=0)
+    native = BuiltinGenerator(real, BuiltinGeneratorConfig(batch_invariant=False, max_batch_size=REAL_WIDTH_BATCH))
+    bi = BuiltinGenerator(real, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=REAL_WIDTH_BATCH))
+    requests = _requests(torch.randint(0, real.config.vocab_size, (REAL_WIDTH_BATCH, prompt_len), generator=g))
+    sides = {NATIVE: lambda: native.generate(requests, params), BI: lambda: bi.generate(requests, params)}
+    seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing)))
+    name = f"generate {REAL_WIDTH['preset']} widths L={REAL_WIDTH['num_hidden_layers']} B={REAL_WIDTH_BATCH}"
+    cases.append(_case(name, NATIVE, BI, seconds, REAL_WIDTH_BATCH * new_tokens, TARGET_RATIO))
+    progress(name)
     return cases
 
 
@@ -183,7 +209,7 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
         cases: list[Case] = []
         for batch in batches:
             prompts_BT = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
-            requests = [GenerationRequest(tuple(r), SampleKey(0, 0, i, 0)) for i, r in enumerate(prompts_BT.tolist())]
+            requests = _requests(prompts_BT)
             prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
 
             def run_default(prompts=prompts) -> object:

@@ -12,9 +12,20 @@ Cases:
   seconds of each phase, `seconds_generate` (what the step waits for in `schedule.take`),
   `seconds_reward`, `seconds_logprobs` (trainer forward), `seconds_backward`, `seconds_optimizer`
   (tree reduction, clipping, optimizer step).
-- `rl rl-tiny W=1 vs TRL` (TRL's GRPOTrainer on the same shape, target <= 0.8) is not built: trl
-  cannot be installed beside vLLM here, so the case could never run. A warning line on stderr and
-  the first case's `skipped` key say so (never a figure).
+- `rl rl-tiny W=1 vs TRL` (target <= 0.8): baseline TRL's GRPOTrainer on the same config with 1
+  intra-op thread (bench/trl_peer.py: our init exported to HF, the same prompts, group size,
+  prompts per step, completion length, temperature, reward, lr and AdamW shape; median seconds per
+  step after the first, in a subprocess), candidate the first case's `BI mode` side (W = 1,
+  parallel.threads = 1).
+- `rl rl-tiny all cores (W=2 vs TRL threads=2)` (target <= 0.8): our BI mode on CORES = 2 ranks
+  of 1 thread each (`launch_rl(nproc=2)`: torchrun; rank 0's metrics) against TRL with 2 intra-op
+  threads. CORES is the 2 cores of the project's reference machines, not os.cpu_count().
+  Extra keys of the TRL cases: `trl_version`, `trl_optimizer`, `trl_loss_type`.
+When trl cannot be imported (`trl_peer.trl_missing`; the `peers` extra installs it), both TRL
+cases are skipped, never given a figure: a warning line on stderr names each, and the first case's
+`skipped` key lists them with the reason. `--quick` runs the W=1 TRL case at the quick shape and
+skips the all-cores case the same way (QUICK_SKIP: torchrun's start and a second TRL process
+would be most of a smoke run's time).
 """
 
 from __future__ import annotations
@@ -27,18 +38,21 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from titan_audit.bench import trl_peer
 from titan_audit.bench.core import BenchOptions, Case
 
 log = logging.getLogger(__name__)
 
+TRL_TARGET_RATIO = 0.8  # our BI step <= 0.8x TRL's step on the same cores (issue 26)
+CORES = 2  # the all-cores case: our W = CORES ranks x 1 thread against TRL with CORES threads
 TRL_CASE = "rl rl-tiny W=1 vs TRL"
-TRL_NOT_BUILT = (
-    "not implemented: the TRL GRPOTrainer peer needs trl, which this project's machines cannot install "
-    "beside vLLM (trl 1.13 downgrades huggingface_hub and fsspec); issue 26"
-)
+TRL_ALL_CORES_CASE = f"rl rl-tiny all cores (W={CORES} vs TRL threads={CORES})"
 PHASES = ("generate", "reward", "logprobs", "backward", "optimizer")
 NATIVE, BI = "native ops", "BI mode"
+BI_ALL_CORES = f"BI mode, W={CORES} (1 thread per rank)"
+TRL_1, TRL_ALL_CORES = "TRL GRPOTrainer, 1 thread", f"TRL GRPOTrainer, {CORES} threads"
 SIDES = {NATIVE: ["determinism.batch_invariant=false"], BI: []}
+QUICK_SKIP = "left out of --quick (torchrun's start and a second TRL process); the full suite runs it"
 QUICK = ["task.prompts_per_step=2", "task.samples_per_prompt=2", "sampling.max_new_tokens=4"]
 
 
@@ -50,31 +64,60 @@ def _config(overrides: list[str], quick: bool):
     return load_rl_config("rl-tiny", [*base, *overrides])
 
 
-def _run_side(overrides: list[str], quick: bool, out: Path) -> dict[str, float]:
-    """Median seconds per step (and per phase) over the steps after the first."""
+def _run_side(overrides: list[str], quick: bool, out: Path, nproc: int | None = None) -> dict[str, float]:
+    """Median seconds per step (and per phase) over the steps after the first (rank 0's metrics)."""
     from titan_audit.rl.launch import launch_rl
 
-    launch_rl(_config(overrides, quick), out, quiet=True)
+    rc = launch_rl(_config(overrides, quick), out, nproc=nproc, quiet=True)
+    if rc != 0:
+        raise RuntimeError(f"bench rl: the run in {out} (nproc {nproc}) exited with code {rc}")
     rows = pq.read_table(out / "metrics.parquet").to_pylist()[1:]
     keys = ["seconds", *(f"seconds_{p}" for p in PHASES)]
     return {k: statistics.median(r[k] for r in rows) for k in keys}
 
 
 def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
-    best = {side: {"seconds": float("inf")} for side in SIDES}
+    missing = trl_peer.trl_missing()
+    best = {side: {"seconds": float("inf")} for side in (*SIDES, BI_ALL_CORES, TRL_1, TRL_ALL_CORES)}
+
+    def keep(side: str, figures: dict) -> None:
+        if figures["seconds"] < best[side]["seconds"]:
+            best[side] = figures
+
     with tempfile.TemporaryDirectory(prefix="titan-audit-bench-rl-") as tmp:
         for repeat in range(1 if options.quick else options.repeats):
             for i, (side, overrides) in enumerate(SIDES.items()):
-                figures = _run_side(overrides, options.quick, Path(tmp) / f"r{repeat}-s{i}")
-                if figures["seconds"] < best[side]["seconds"]:
-                    best[side] = figures
-        extra = {f"baseline_seconds_{p}": best[NATIVE][f"seconds_{p}"] for p in PHASES}
-        extra |= {f"candidate_seconds_{p}": best[BI][f"seconds_{p}"] for p in PHASES}
-        name = "rl rl-tiny W=1"
-        cases = [_case(name, NATIVE, BI, best[NATIVE]["seconds"], best[BI]["seconds"], None, extra)]
+                keep(side, _run_side(overrides, options.quick, Path(tmp) / f"r{repeat}-s{i}"))
+            if missing is None:
+                keep(TRL_1, trl_peer.trl_step_seconds(_config([], options.quick), threads=1))
+            if missing is None and not options.quick:
+                keep(BI_ALL_CORES, _run_side([], options.quick, Path(tmp) / f"r{repeat}-w{CORES}", nproc=CORES))
+                keep(TRL_ALL_CORES, trl_peer.trl_step_seconds(_config([], options.quick), threads=CORES))
+    extra = {f"baseline_seconds_{p}": best[NATIVE][f"seconds_{p}"] for p in PHASES}
+    extra |= {f"candidate_seconds_{p}": best[BI][f"seconds_{p}"] for p in PHASES}
+    name = "rl rl-tiny W=1"
+    cases = [_case(name, NATIVE, BI, best[NATIVE]["seconds"], best[BI]["seconds"], None, extra)]
+    progress(name)
+    if missing is not None:
+        for case in (TRL_CASE, TRL_ALL_CORES_CASE):
+            log.warning("bench rl: skipped case %r: %s", case, missing)
+        cases[0].extra["skipped"] = [{"case": c, "reason": missing} for c in (TRL_CASE, TRL_ALL_CORES_CASE)]
+        return cases
+    peers = [(TRL_CASE, TRL_1, BI), (TRL_ALL_CORES_CASE, TRL_ALL_CORES, BI_ALL_CORES)]
+    if options.quick:
+        log.warning("bench rl: skipped case %r: %s", TRL_ALL_CORES_CASE, QUICK_SKIP)
+        cases[0].extra["skipped"] = [{"case": TRL_ALL_CORES_CASE, "reason": QUICK_SKIP}]
+        peers = peers[:1]
+    for name, trl_side, ours in peers:
+        trl = best[trl_side]
+        extra = {f"candidate_seconds_{p}": best[ours][f"seconds_{p}"] for p in PHASES}
+        extra |= {
+            "trl_version": trl["trl_version"],
+            "trl_optimizer": trl["optimizer"],
+            "trl_loss_type": trl["loss_type"],
+        }
+        cases.append(_case(name, trl_side, ours, trl["seconds"], best[ours]["seconds"], TRL_TARGET_RATIO, extra))
         progress(name)
-        log.warning("bench rl: skipped case %r: %s", TRL_CASE, TRL_NOT_BUILT)
-        cases[0].extra["skipped"] = [{"case": TRL_CASE, "reason": TRL_NOT_BUILT}]
     return cases
 
 
