@@ -36,6 +36,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from titan_audit import batch_invariant as bi
 from titan_audit.models import ops
 
 
@@ -124,17 +125,17 @@ class TitanAttentionImpl(AttentionImpl):
         if plan.all_decode:  # the common step: every request decodes, its token at row r
             k_BHSD, v_BHSD = self._gather(cache_BNHCD, plan.decode_blocks)
             q_BH1D = query_NHD[:n, :, None]
-            return ops.attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions).view(n, -1)
+            return _attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions).view(n, -1)
         out_NHD = query_NHD.new_empty((n, self.num_heads, dim))
         if plan.decodes:
             k_BHSD, v_BHSD = self._gather(cache_BNHCD, plan.decode_blocks)
             q_BH1D = query_NHD.index_select(0, plan.decode_rows)[:, :, None]
-            out_BH1D = ops.attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
+            out_BH1D = _attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
             out_NHD.index_copy_(0, plan.decode_rows, out_BH1D[:, :, 0])
         for start, q_len, blocks, positions_1T in plan.prefills:
             k_1HSD, v_1HSD = self._gather(cache_BNHCD, blocks)
             q_1HTD = query_NHD[start : start + q_len].transpose(0, 1)[None]
-            out_1HTD = ops.attention(q_1HTD, k_1HSD, v_1HSD, positions_1T)
+            out_1HTD = _attention(q_1HTD, k_1HSD, v_1HSD, positions_1T)
             out_NHD[start : start + q_len] = out_1HTD[0].transpose(0, 1)
         return out_NHD.view(n, -1)
 
@@ -147,6 +148,15 @@ class TitanAttentionImpl(AttentionImpl):
         kv = cache_BNHCD.index_select(0, blocks_RB.reshape(-1))  # [R * blocks, block_size, Hkv, 2, D]
         kv_RSHCD = kv.view(rows, count * cache_BNHCD.shape[1], self.num_kv_heads, 2, self.head_size)
         return kv_RSHCD[:, :, :, 0].transpose(1, 2), kv_RSHCD[:, :, :, 1].transpose(1, 2)
+
+
+def _attention(q_BHTD, k_BHSD, v_BHSD, positions_BT) -> torch.Tensor:
+    """`models.ops.attention` without key documents: in BI mode the call it makes
+    (`batch_invariant.attention`, causal, at the given query positions), without its
+    torch.compile barrier (vLLM runs this model eagerly)."""
+    if bi.is_enabled():
+        return bi.attention(q_BHTD, k_BHSD, v_BHSD, causal=True, q_positions=positions_BT)
+    return ops.attention(q_BHTD, k_BHSD, v_BHSD, positions_BT)
 
 
 class _Plan:

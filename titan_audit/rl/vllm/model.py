@@ -109,7 +109,8 @@ class TitanForCausalLM(nn.Module):
 
     # -- the vLLM interface ----------------------------------------------------------------------
     def _mode(self):
-        return bi.enabled() if self.batch_invariant else contextlib.nullcontext()
+        # already on (the in-process generator turns it on around a whole generate call): no-op
+        return bi.enabled() if self.batch_invariant and not bi.is_enabled() else contextlib.nullcontext()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)
