@@ -2,14 +2,17 @@
 
 vLLM hands a layer the new tokens of every scheduled request as one flat batch (`query`
 [num_tokens, Hq, D], `key`/`value` [num_tokens, Hkv, D]) plus the metadata of the step
-(`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`). `TitanAttentionImpl.forward`:
+(`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`). `TitanAttentionImpl.attend`
+(what `model.py` calls per layer; `forward`, vLLM's `Attention`-layer entry, wraps it):
 1. writes the new keys and values into the layer's paged cache at their slots (we own both the
-   write and the read, so the layout inside a block is ours: the block
-   `[kv_heads, block_size, 2 * D]` holds, per token, its key in the first D values and its value
-   in the last D);
+   write and the read, so the layout inside a block is ours: the block `[block_size, kv_heads,
+   2, D]` holds, per token and kv head, its key then its value; one `index_copy_` per layer,
+   the token's slot being its row in the cache viewed as [num_blocks * block_size, ...]);
 2. per request, gathers its keys and values in absolute position order from its blocks (whole
-   blocks: the keys beyond seq_len are invisible to its queries), and runs `models.ops.attention`
-   (in BI mode `batch_invariant.attention`) with the request's queries at their absolute positions
+   blocks, one `index_select` for keys and values together: the keys beyond seq_len are
+   invisible to its queries) as strided [R, Hkv, S, D] views that the kernel reads in place, and
+   runs `batch_invariant.attention` (what `models.ops.attention` runs in BI mode; natively
+   `models.ops.attention`) with the request's queries at their absolute positions
    seq_len - q_len .. seq_len - 1.
 So a query row sees exactly the keys a full forward of its sequence gives it, at the same key
 indices, and `batch_invariant.attention` reduces over keys in fixed chunks aligned to absolute
@@ -19,9 +22,14 @@ bits) or a decode step, alone or with any other requests, and equal to the train
 forward (guarantee G4). Decode requests (one new token) run together in one call, their keys
 right-padded to the longest: padding keys lie beyond each query's position, so they are
 invisible and (BI attention contract) do not change its bits. Other requests run one per call.
+In a step where every request decodes, the queries are read in place and the call's output is
+the layer's output (no copy in or out).
 
-The metadata builder and cache shape are vLLM's CPU ones (`CPUAttentionBackend`); only the
-implementation differs. The backend is selected per layer by `model.py`
+What the layers of a step share (slots to write, decode/prefill split, block rows, query
+positions) is computed once per step (`_Plan`, kept on the step's metadata object). The
+metadata and cache shape are vLLM's CPU ones (`CPUAttentionBackend`); the builder
+(`TitanAttentionMetadataBuilder`) only skips the scheduler metadata of vLLM's own CPU kernel,
+which never runs here. The backend is selected per layer by `model.py`
 (`Attention(..., attn_backend=TitanAttentionBackend)`), so no global registration is needed in
 any process.
 """

@@ -9,11 +9,19 @@ below calls its modules and the same `models.ops` functions in the same order as
 `Transformer.forward` / `Block.forward` / `models.attention.Attention.forward`: embedding,
 RMSNorms, q/k/v projections, q/k-norm, RoPE from the model's own table, o-projection, SwiGLU MLP
 or MoE, final norm, LM head. vLLM's flat `[num_tokens]` batch (every scheduled token of every
-request) is one `[1, num_tokens, D]` row block: every op but attention acts on one token's row,
-and in batch-invariant mode a row's bits do not depend on the other rows. Attention goes
-through a vLLM `Attention` layer per block (so vLLM allocates and schedules the paged KV cache)
-whose backend is ours (`attention.py`). Hence in BI mode a token's logits are bitwise those of
-the trainer's full forward of its sequence (guarantee G4; tests/rl/test_vllm_parity.py).
+request) is one `[num_tokens, D]` row block: every op but attention acts on one token's row,
+and in batch-invariant mode a row's bits do not depend on the other rows. Three regroupings
+keep every bit (tests/rl/test_vllm_parity.py proves it against the trainer): q/k/v are one gemm
+over the row-stacked weights [q; k; v], gate/up one gemm over [gate; up] (an output column of the
+BI gemm is one fixed-order sum over K of its own weight row, whatever the other columns), q- and
+k-norm one RMSNorm call over the heads of both (a row per head) and RoPE one call over q's and
+k's heads (element-wise). The stacked weights are the storage: each q/k/v/gate/up parameter is
+a view of its row block, so `load_weights` and the in-place weight sync write them and the
+packed-weight cache sees the writes (a view bumps its base's version counter). Attention calls
+our backend (`attention.py`) through the vLLM `Attention` layer of each block (so vLLM
+allocates and schedules the paged KV cache), reading that layer's cache and the step's metadata
+from vLLM's forward context. Hence in BI mode a token's logits are bitwise those of the
+trainer's full forward of its sequence (guarantee G4).
 
 Modes: `additional_config={"titan_audit": {"batch_invariant": true}}` (what VllmGenerator
 passes) runs forward and logits inside `batch_invariant.enabled()`; otherwise the model runs in
@@ -208,5 +216,8 @@ class TitanForCausalLM(nn.Module):
         for name, seen in experts.items():
             if len(seen) == own[name].shape[0]:
                 loaded.add(name)
+        for block, qkv, gate_up in zip(self.model.layers, self._qkv, self._gate_up):  # still the storage
+            assert block.self_attn.q_proj.weight.data_ptr() == qkv.data_ptr(), "q/k/v no longer views of one matrix"
+            assert gate_up is None or block.mlp.gate_proj.weight.data_ptr() == gate_up.data_ptr()
         params = {n for n, _ in self.named_parameters()}
         return {f"model.{n}" for n in loaded if f"model.{n}" in params}
