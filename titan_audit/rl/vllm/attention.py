@@ -2,14 +2,17 @@
 
 vLLM hands a layer the new tokens of every scheduled request as one flat batch (`query`
 [num_tokens, Hq, D], `key`/`value` [num_tokens, Hkv, D]) plus the metadata of the step
-(`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`). `TitanAttentionImpl.forward`:
+(`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`). `TitanAttentionImpl.attend`
+(what `model.py` calls per layer; `forward`, vLLM's `Attention`-layer entry, wraps it):
 1. writes the new keys and values into the layer's paged cache at their slots (we own both the
-   write and the read, so the layout inside a block is ours: the block
-   `[kv_heads, block_size, 2 * D]` holds, per token, its key in the first D values and its value
-   in the last D);
+   write and the read, so the layout inside a block is ours: the block `[block_size, kv_heads,
+   2, D]` holds, per token and kv head, its key then its value; one `index_copy_` per layer,
+   the token's slot being its row in the cache viewed as [num_blocks * block_size, ...]);
 2. per request, gathers its keys and values in absolute position order from its blocks (whole
-   blocks: the keys beyond seq_len are invisible to its queries), and runs `models.ops.attention`
-   (in BI mode `batch_invariant.attention`) with the request's queries at their absolute positions
+   blocks, one `index_select` for keys and values together: the keys beyond seq_len are
+   invisible to its queries) as strided [R, Hkv, S, D] views that the kernel reads in place, and
+   runs `batch_invariant.attention` (what `models.ops.attention` runs in BI mode; natively
+   `models.ops.attention`) with the request's queries at their absolute positions
    seq_len - q_len .. seq_len - 1.
 So a query row sees exactly the keys a full forward of its sequence gives it, at the same key
 indices, and `batch_invariant.attention` reduces over keys in fixed chunks aligned to absolute
@@ -19,9 +22,14 @@ bits) or a decode step, alone or with any other requests, and equal to the train
 forward (guarantee G4). Decode requests (one new token) run together in one call, their keys
 right-padded to the longest: padding keys lie beyond each query's position, so they are
 invisible and (BI attention contract) do not change its bits. Other requests run one per call.
+In a step where every request decodes, the queries are read in place and the call's output is
+the layer's output (no copy in or out).
 
-The metadata builder and cache shape are vLLM's CPU ones (`CPUAttentionBackend`); only the
-implementation differs. The backend is selected per layer by `model.py`
+What the layers of a step share (slots to write, decode/prefill split, block rows, query
+positions) is computed once per step (`_Plan`, kept on the step's metadata object). The
+metadata and cache shape are vLLM's CPU ones (`CPUAttentionBackend`); the builder
+(`TitanAttentionMetadataBuilder`) only skips the scheduler metadata of vLLM's own CPU kernel,
+which never runs here. The backend is selected per layer by `model.py`
 (`Attention(..., attn_backend=TitanAttentionBackend)`), so no global registration is needed in
 any process.
 """
@@ -30,8 +38,13 @@ from __future__ import annotations
 
 import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
 
+from titan_audit import batch_invariant as bi
 from titan_audit.models import ops
 
 
@@ -88,100 +101,148 @@ class TitanAttentionImpl(AttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """vLLM's interface (through its `Attention` layer): `attend` into vLLM's `output`."""
         assert output_scale is None and output_block_scale is None, "fused output quantization"
         if attn_metadata is None:  # vLLM's warm-up / profiling run
             return output
-        num_tokens = attn_metadata.num_actual_tokens
+        out_NF = self.attend(query, key, value, kv_cache, attn_metadata)
+        output.view(out_NF.shape[0], -1)[: out_NF.shape[0]] = out_NF
+        return output
+
+    def attend(
+        self,
+        query_NHD: torch.Tensor,
+        key_NHD: torch.Tensor,
+        value_NHD: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CPUAttentionMetadata,
+    ) -> torch.Tensor:
+        """Write the step's keys/values into the cache, then the attention output [num_tokens,
+        Hq * D] of every scheduled token (rows in the step's token order). query/key/value:
+        [>= num_tokens, H, D], any strides with a contiguous last dim."""
         num_blocks, kv_heads, block_size, width = kv_cache.shape
         dim = self.head_size
         assert kv_heads == self.num_kv_heads and width == 2 * dim, (kv_cache.shape, kv_heads, dim)
-        cache_BHNCD = kv_cache.view(num_blocks, kv_heads, block_size, 2, dim)
-        _write(cache_BHNCD, key[:num_tokens], value[:num_tokens], attn_metadata.slot_mapping[:num_tokens])
-        plan = _plan(attn_metadata, query.device)
+        cache_BNHCD = kv_cache.view(num_blocks, block_size, kv_heads, 2, dim)  # our layout inside a block
+        plan = _plan(metadata, block_size)
+        n = plan.num_tokens
+        kv_NHCD = torch.stack((key_NHD[:n], value_NHD[:n]), dim=2)
+        if plan.write_rows is not None:
+            kv_NHCD = kv_NHCD.index_select(0, plan.write_rows)
+        cache_BNHCD.view(-1, self.num_kv_heads, 2, dim).index_copy_(0, plan.slots, kv_NHCD)
+        if plan.all_decode:  # the common step: every request decodes, its token at row r
+            k_BHSD, v_BHSD = self._gather(cache_BNHCD, plan.decode_blocks)
+            q_BH1D = query_NHD[:n, :, None]
+            return _attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions).view(n, -1)
+        out_NHD = query_NHD.new_empty((n, self.num_heads, dim))
         if plan.decodes:
-            self._decode(query, output, cache_BHNCD, plan)
-        for start, q_len, r, seq_len in plan.prefills:
-            self._prefill(query, output, cache_BHNCD, plan.block_table, start, q_len, r, seq_len)
-        return output
+            k_BHSD, v_BHSD = self._gather(cache_BNHCD, plan.decode_blocks)
+            q_BH1D = query_NHD.index_select(0, plan.decode_rows)[:, :, None]
+            out_BH1D = _attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
+            out_NHD.index_copy_(0, plan.decode_rows, out_BH1D[:, :, 0])
+        for start, q_len, blocks, positions_1T in plan.prefills:
+            k_1HSD, v_1HSD = self._gather(cache_BNHCD, blocks)
+            q_1HTD = query_NHD[start : start + q_len].transpose(0, 1)[None]
+            out_1HTD = _attention(q_1HTD, k_1HSD, v_1HSD, positions_1T)
+            out_NHD[start : start + q_len] = out_1HTD[0].transpose(0, 1)
+        return out_NHD.view(n, -1)
 
-    def _gather(self, cache_BHNCD: torch.Tensor, blocks_RB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of R requests whose blocks are the rows of blocks_RB, [R, Hkv,
-        blocks * block_size, D] each, key j at absolute position j (beyond a request's own
-        length: whatever its table's blocks hold there, invisible to its queries)."""
+    def _gather(self, cache_BNHCD: torch.Tensor, blocks_RB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of R requests whose blocks are the rows of blocks_RB (long), [R, Hkv,
+        blocks * block_size, D] each (strided views of one copy of the blocks), key j at absolute
+        position j (beyond a request's own length: whatever its table's blocks hold there,
+        invisible to its queries)."""
         rows, count = blocks_RB.shape
-        kv = cache_BHNCD.index_select(0, blocks_RB.reshape(-1).long())  # [R * blocks, Hkv, block_size, 2, D]
-        kv = kv.view(rows, count, self.num_kv_heads, -1, 2, self.head_size)
-        shape = (rows, self.num_kv_heads, -1, self.head_size)
-        k = kv[..., 0, :].permute(0, 2, 1, 3, 4).reshape(shape)
-        v = kv[..., 1, :].permute(0, 2, 1, 3, 4).reshape(shape)
-        return k, v
+        kv = cache_BNHCD.index_select(0, blocks_RB.reshape(-1))  # [R * blocks, block_size, Hkv, 2, D]
+        kv_RSHCD = kv.view(rows, count * cache_BNHCD.shape[1], self.num_kv_heads, 2, self.head_size)
+        return kv_RSHCD[:, :, :, 0].transpose(1, 2), kv_RSHCD[:, :, :, 1].transpose(1, 2)
 
-    def _prefill(self, query, output, cache_BHNCD, block_table, start: int, q_len: int, r: int, seq_len: int) -> None:
-        block_size = cache_BHNCD.shape[2]
-        k_1HSD, v_1HSD = self._gather(cache_BHNCD, block_table[r : r + 1, : -(-seq_len // block_size)])
-        q_1HTD = query[start : start + q_len].transpose(0, 1)[None].contiguous()
-        positions_1T = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-        out_1HTD = ops.attention(q_1HTD, k_1HSD, v_1HSD, positions_1T)
-        output[start : start + q_len] = out_1HTD[0].transpose(0, 1)
 
-    def _decode(self, query, output, cache_BHNCD, plan: _Plan) -> None:
-        block_size = cache_BHNCD.shape[2]
-        blocks_RB = plan.block_table.index_select(0, plan.decode_reqs)[:, : -(-plan.decode_longest // block_size)]
-        k_BHSD, v_BHSD = self._gather(cache_BHNCD, blocks_RB)
-        q_BH1D = query.index_select(0, plan.decode_rows)[:, :, None]
-        out_BH1D = ops.attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
-        output.index_copy_(0, plan.decode_rows, out_BH1D[:, :, 0])
+def _attention(q_BHTD, k_BHSD, v_BHSD, positions_BT) -> torch.Tensor:
+    """`models.ops.attention` without key documents: in BI mode the call it makes
+    (`batch_invariant.attention`, causal, at the given query positions), without its
+    torch.compile barrier (vLLM runs this model eagerly)."""
+    if bi.is_enabled():
+        return bi.attention(q_BHTD, k_BHSD, v_BHSD, causal=True, q_positions=positions_BT)
+    return ops.attention(q_BHTD, k_BHSD, v_BHSD, positions_BT)
 
 
 class _Plan:
-    """Which requests of a step decode (one new token) and which prefill, from the step's
-    metadata; computed once per step (the metadata object is shared by the layers)."""
+    """What every layer of a step shares, from the step's metadata, computed once per step (the
+    metadata object is shared by the layers): the cache slots to write, which requests decode
+    (one new token) and which prefill, their blocks and query positions."""
 
-    def __init__(self, metadata: CPUAttentionMetadata, device: torch.device) -> None:
+    def __init__(self, metadata: CPUAttentionMetadata, block_size: int) -> None:
         starts = metadata.query_start_loc.tolist()
         seq_lens = metadata.seq_lens.tolist()
         num_reqs = len(seq_lens)
-        assert len(starts) >= num_reqs + 1 and starts[num_reqs] == metadata.num_actual_tokens, (starts, seq_lens)
-        self.block_table = metadata.block_table
-        self.decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
-        self.prefills = [
-            (starts[r], starts[r + 1] - starts[r], r, seq_lens[r])
-            for r in range(num_reqs)
-            if starts[r + 1] - starts[r] > 1
-        ]
+        n = metadata.num_actual_tokens
+        assert len(starts) >= num_reqs + 1 and starts[num_reqs] == n, (starts, seq_lens)
+        device = metadata.query_start_loc.device
+        self.block_size = block_size
+        self.num_tokens = n
+        slots = metadata.slot_mapping[:n].long()
+        keep = slots >= 0  # negative slots (padding tokens) are not written
+        self.write_rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        self.slots = slots if self.write_rows is None else slots.index_select(0, self.write_rows)
+        table = metadata.block_table.long()
+        q_lens = [starts[r + 1] - starts[r] for r in range(num_reqs)]
+        self.decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
+        self.all_decode = len(self.decodes) == num_reqs == n
+        self.prefills = []
+        for r in range(num_reqs):
+            if q_lens[r] > 1:
+                blocks = table[r : r + 1, : -(-seq_lens[r] // block_size)]
+                positions_1T = torch.arange(seq_lens[r] - q_lens[r], seq_lens[r], device=device)[None]
+                self.prefills.append((starts[r], q_lens[r], blocks, positions_1T))
         if self.decodes:
-            self.decode_reqs = torch.tensor(self.decodes, device=device)
+            longest = max(seq_lens[r] for r in self.decodes)
+            reqs = torch.tensor(self.decodes, device=device)
+            self.decode_blocks = table.index_select(0, reqs)[:, : -(-longest // block_size)]
             self.decode_rows = torch.tensor([starts[r] for r in self.decodes], device=device)
             self.decode_positions = torch.tensor([[seq_lens[r] - 1] for r in self.decodes], device=device)
-            self.decode_longest = max(seq_lens[r] for r in self.decodes)
 
 
-def _plan(metadata: CPUAttentionMetadata, device: torch.device) -> _Plan:
+def _plan(metadata: CPUAttentionMetadata, block_size: int) -> _Plan:
     plan = getattr(metadata, "_titan_plan", None)
     if plan is None:
-        plan = _Plan(metadata, device)
+        plan = _Plan(metadata, block_size)
         metadata._titan_plan = plan
+    assert plan.block_size == block_size, (plan.block_size, block_size)
     return plan
 
 
-def _write(cache_BHNCD: torch.Tensor, key_NHD: torch.Tensor, value_NHD: torch.Tensor, slots_N: torch.Tensor) -> None:
-    """Store token n's key and value at slot slots_N[n] (block slot // block_size, offset
-    slot % block_size); negative slots (padding tokens) are skipped."""
-    block_size = cache_BHNCD.shape[2]
-    slots_N = slots_N.long()
-    keep = slots_N >= 0
-    if not bool(keep.all()):
-        slots_N, key_NHD, value_NHD = slots_N[keep], key_NHD[keep], value_NHD[keep]
-    blocks, offsets = slots_N // block_size, slots_N % block_size
-    cache_BHNCD[blocks, :, offsets] = torch.stack((key_NHD, value_NHD), dim=2).to(cache_BHNCD.dtype)  # [N, H, 2, D]
+class TitanAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata (the same fields) without the scheduler metadata of vLLM's own CPU
+    kernel (we do not run it)."""
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
+        common = common_attn_metadata
+        assert not isinstance(common.causal, torch.Tensor) and common.causal, "causal decoder attention only"
+        metadata = CPUAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            query_start_loc=common.query_start_loc,
+            max_seq_len=common.max_seq_len,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table_tensor,
+            slot_mapping=common.slot_mapping,
+            scheduler_metadata=None,
+            causal=True,
+        )
+        return metadata
 
 
 class TitanAttentionBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend with our implementation (`TitanAttentionImpl`); the KV
-    cache update happens inside forward."""
+    """vLLM's CPU attention backend with our implementation (`TitanAttentionImpl`) and metadata
+    builder (`TitanAttentionMetadataBuilder`); the KV cache update happens inside forward."""
 
     forward_includes_kv_cache_update: bool = True
 
     @staticmethod
     def get_impl_cls() -> type[TitanAttentionImpl]:
         return TitanAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TitanAttentionMetadataBuilder]:
+        return TitanAttentionMetadataBuilder

@@ -9,11 +9,19 @@ below calls its modules and the same `models.ops` functions in the same order as
 `Transformer.forward` / `Block.forward` / `models.attention.Attention.forward`: embedding,
 RMSNorms, q/k/v projections, q/k-norm, RoPE from the model's own table, o-projection, SwiGLU MLP
 or MoE, final norm, LM head. vLLM's flat `[num_tokens]` batch (every scheduled token of every
-request) is one `[1, num_tokens, D]` row block: every op but attention acts on one token's row,
-and in batch-invariant mode a row's bits do not depend on the other rows. Attention goes
-through a vLLM `Attention` layer per block (so vLLM allocates and schedules the paged KV cache)
-whose backend is ours (`attention.py`). Hence in BI mode a token's logits are bitwise those of
-the trainer's full forward of its sequence (guarantee G4; tests/rl/test_vllm_parity.py).
+request) is one `[num_tokens, D]` row block: every op but attention acts on one token's row,
+and in batch-invariant mode a row's bits do not depend on the other rows. Three regroupings
+keep every bit (tests/rl/test_vllm_parity.py proves it against the trainer): q/k/v are one gemm
+over the row-stacked weights [q; k; v], gate/up one gemm over [gate; up] (an output column of the
+BI gemm is one fixed-order sum over K of its own weight row, whatever the other columns), q- and
+k-norm one RMSNorm call over the heads of both (a row per head) and RoPE one call over q's and
+k's heads (element-wise). The stacked weights are the storage: each q/k/v/gate/up parameter is
+a view of its row block, so `load_weights` and the in-place weight sync write them and the
+packed-weight cache sees the writes (a view bumps its base's version counter). Attention calls
+our backend (`attention.py`) through the vLLM `Attention` layer of each block (so vLLM
+allocates and schedules the paged KV cache), reading that layer's cache and the step's metadata
+from vLLM's forward context. Hence in BI mode a token's logits are bitwise those of the
+trainer's full forward of its sequence (guarantee G4).
 
 Modes: `additional_config={"titan_audit": {"batch_invariant": true}}` (what VllmGenerator
 passes) runs forward and logits inside `batch_invariant.enabled()`; otherwise the model runs in
@@ -38,12 +46,29 @@ from torch import nn
 from titan_audit import batch_invariant as bi
 from titan_audit.models import ops
 from titan_audit.models.hf_config import config_from_hf
+from titan_audit.models.mlp import FeedForward
 from titan_audit.models.rope import apply_rope
 from titan_audit.models.transformer import Transformer
 
 ARCHITECTURE = "TitanAuditForCausalLM"
 CONFIG_KEY = "titan_audit"
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fuse(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+    """One [sum of rows, K] matrix holding the weights of module.<name> (nn.Linear, no bias) as
+    row blocks in `names` order; each weight parameter is replaced by a view of its block."""
+    weights = [getattr(module, name).weight for name in names]
+    fused = torch.empty(
+        (sum(w.shape[0] for w in weights), weights[0].shape[1]), dtype=weights[0].dtype, device=weights[0].device
+    )
+    row = 0
+    for name, weight in zip(names, weights):
+        block = fused[row : row + weight.shape[0]]
+        block.copy_(weight)
+        getattr(module, name).weight = nn.Parameter(block, requires_grad=False)
+        row += weight.shape[0]
+    return fused
 
 
 def batch_invariant_requested(vllm_config) -> bool:
@@ -70,6 +95,13 @@ class TitanForCausalLM(nn.Module):
         with torch.device("meta"):
             model = Transformer(config)
         self.model = model.to_empty(device=torch.get_default_device()).to(dtype).requires_grad_(False)
+        # One gemm for q/k/v and one for gate/up: their weights become row blocks of one matrix
+        # (the parameters are views into it, so loads and in-place syncs write the fused matrix)
+        self._qkv = [_fuse(block.self_attn, ("q_proj", "k_proj", "v_proj")) for block in self.model.layers]
+        self._gate_up = [
+            _fuse(block.mlp, ("gate_proj", "up_proj")) if isinstance(block.mlp, FeedForward) else None
+            for block in self.model.layers
+        ]
         self.attn = nn.ModuleList(
             Attention(
                 config.num_attention_heads,
@@ -85,7 +117,8 @@ class TitanForCausalLM(nn.Module):
 
     # -- the vLLM interface ----------------------------------------------------------------------
     def _mode(self):
-        return bi.enabled() if self.batch_invariant else contextlib.nullcontext()
+        # already on (the in-process generator turns it on around a whole generate call): no-op
+        return bi.enabled() if self.batch_invariant and not bi.is_enabled() else contextlib.nullcontext()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)
@@ -100,34 +133,49 @@ class TitanForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, D]."""
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
-        with self._mode():
-            h_1ND = (self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds)[None]
-            cos_1Nd, sin_1Nd = self.model.rope.lookup(positions.long()[None])
-            for i, block in enumerate(self.model.layers):
-                attn_1ND = self._attention(i, block.self_attn, block.input_layernorm(h_1ND), cos_1Nd, sin_1Nd)
-                h_1ND = h_1ND + attn_1ND
-                h_1ND = h_1ND + block.mlp(block.post_attention_layernorm(h_1ND))
-            return self.model.norm(h_1ND)[0]
+        from vllm.model_executor.layers.attention.attention import get_attention_context
 
-    def _attention(
-        self, i: int, attn, x_1ND: torch.Tensor, cos_1Nd: torch.Tensor, sin_1Nd: torch.Tensor
-    ) -> torch.Tensor:
-        """models.attention.Attention.forward, with the attention reduction in vLLM's layer."""
-        n = x_1ND.shape[1]
-        q_1NHd = ops.linear(x_1ND, attn.q_proj.weight).view(1, n, attn.num_heads, attn.head_dim)
-        k_1NHd = ops.linear(x_1ND, attn.k_proj.weight).view(1, n, attn.num_kv_heads, attn.head_dim)
-        v_1NHd = ops.linear(x_1ND, attn.v_proj.weight).view(1, n, attn.num_kv_heads, attn.head_dim)
+        with self._mode():
+            h_ND = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+            cos_Nd, sin_Nd = self.model.rope.lookup(positions.long())
+            # apply_rope's [B, H, T, d] layout with B = tokens, T = 1: cos/sin [N, 1, d]
+            cos_N1d, sin_N1d = cos_Nd[:, None], sin_Nd[:, None]
+            for i, block in enumerate(self.model.layers):
+                context = get_attention_context(self.attn[i].layer_name)
+                x_ND = block.input_layernorm(h_ND)
+                h_ND = h_ND + self._attention(i, block.self_attn, x_ND, cos_N1d, sin_N1d, context)
+                x_ND = block.post_attention_layernorm(h_ND)
+                if self._gate_up[i] is None:  # MoE: the block's module on a [1, N, D] batch
+                    h_ND = h_ND + block.mlp(x_ND[None])[0]
+                else:
+                    h_ND = h_ND + self._mlp(i, block.mlp, x_ND)
+            return self.model.norm(h_ND)
+
+    def _attention(self, i: int, attn, x_ND, cos_N1d, sin_N1d, context) -> torch.Tensor:
+        """models.attention.Attention.forward with q/k/v from one gemm, q- and k-norm in one call
+        (per-head rows: the same bits), RoPE of q and k in one call (element-wise: the same bits),
+        and the attention over vLLM's paged cache (`attention.TitanAttentionImpl.attend`)."""
+        metadata, layer, kv_cache, _ = context
+        n = x_ND.shape[0]
+        hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qkv_NHd = ops.linear(x_ND, self._qkv[i]).view(n, hq + 2 * hkv, d)
+        qk_NHd, v_NHd = qkv_NHd[:, : hq + hkv], qkv_NHd[:, hq + hkv :]
         if attn.q_norm is not None:
-            q_1NHd = attn.q_norm(q_1NHd)
-            k_1NHd = attn.k_norm(k_1NHd)
-        q_1HNd = apply_rope(q_1NHd.transpose(1, 2), cos_1Nd, sin_1Nd)
-        k_1HNd = apply_rope(k_1NHd.transpose(1, 2), cos_1Nd, sin_1Nd)
-        out_NF = self.attn[i](
-            q_1HNd[0].transpose(0, 1).contiguous(),
-            k_1HNd[0].transpose(0, 1).contiguous(),
-            v_1NHd[0].contiguous(),
-        )
-        return ops.linear(out_NF.view(1, n, attn.num_heads * attn.head_dim), attn.o_proj.weight)
+            assert attn.q_norm.eps == attn.k_norm.eps, (attn.q_norm.eps, attn.k_norm.eps)
+            weight_Hd = torch.cat((attn.q_norm.weight.expand(hq, d), attn.k_norm.weight.expand(hkv, d)))
+            qk_NHd = ops.rms_norm(qk_NHd, weight_Hd, attn.q_norm.eps)
+        qk_NHd = apply_rope(qk_NHd[:, :, None], cos_N1d, sin_N1d)[:, :, 0]
+        if metadata is None:  # vLLM's warm-up / profiling run: no cache yet
+            out_NF = x_ND.new_zeros((n, hq * d))
+        else:
+            out_NF = layer.impl.attend(qk_NHd[:, :hq], qk_NHd[:, hq:], v_NHd, kv_cache, metadata)
+        return ops.linear(out_NF, attn.o_proj.weight)
+
+    def _mlp(self, i: int, mlp: FeedForward, x_ND: torch.Tensor) -> torch.Tensor:
+        """mlp.FeedForward.forward with gate and up from one gemm."""
+        gate_up_NI = ops.linear(x_ND, self._gate_up[i])
+        hidden = gate_up_NI.shape[1] // 2
+        return ops.linear(ops.silu(gate_up_NI[:, :hidden]) * gate_up_NI[:, hidden:], mlp.down_proj.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, V]: the LM head of `Transformer.forward`."""
@@ -168,5 +216,8 @@ class TitanForCausalLM(nn.Module):
         for name, seen in experts.items():
             if len(seen) == own[name].shape[0]:
                 loaded.add(name)
+        for block, qkv, gate_up in zip(self.model.layers, self._qkv, self._gate_up):  # still the storage
+            assert block.self_attn.q_proj.weight.data_ptr() == qkv.data_ptr(), "q/k/v no longer views of one matrix"
+            assert gate_up is None or block.mlp.gate_proj.weight.data_ptr() == gate_up.data_ptr()
         params = {n for n, _ in self.named_parameters()}
         return {f"model.{n}" for n in loaded if f"model.{n}" in params}

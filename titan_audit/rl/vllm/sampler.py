@@ -101,18 +101,23 @@ class KeyedSampler(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.states:
             return logits
-        mode = bi.enabled() if self.batch_invariant else contextlib.nullcontext()
+        mode = bi.enabled() if self.batch_invariant and not bi.is_enabled() else contextlib.nullcontext()
         groups: dict[SamplingParams, list[int]] = {}
         for i in sorted(self.states):
             if i < logits.shape[0]:
                 groups.setdefault(self.states[i].params, []).append(i)
         with mode:
             for params, rows in groups.items():  # rows are independent: grouping changes no bits
-                index = torch.tensor(rows, device=logits.device)
-                scaled_BV = scale_logits(logits.index_select(0, index), params.temperature)
+                # every row of the batch (rows are sorted and distinct): no gather, no scatter back
+                whole = len(rows) == logits.shape[0]
+                index = None if whole else torch.tensor(rows, device=logits.device)
+                scaled_BV = scale_logits(logits if whole else logits.index_select(0, index), params.temperature)
                 uniforms = [uniform_from_stream(self.states[i].stream, self.states[i].position) for i in rows]
-                tokens_B = sample_rows(scaled_BV, uniforms, params)
-                logprobs_B = ops.log_softmax(scaled_BV, -1).gather(1, tokens_B[:, None])[:, 0]
-                logits.index_fill_(0, index, float("-inf"))
-                logits[index, tokens_B] = logprobs_B.to(logits.dtype)
+                tokens_B1 = sample_rows(scaled_BV, uniforms, params)[:, None]
+                logprobs_B1 = ops.log_softmax(scaled_BV, -1).gather(1, tokens_B1).to(logits.dtype)
+                if whole:
+                    logits.fill_(float("-inf")).scatter_(1, tokens_B1, logprobs_B1)
+                else:
+                    logits.index_fill_(0, index, float("-inf"))
+                    logits[index, tokens_B1[:, 0]] = logprobs_B1[:, 0]
         return logits
