@@ -15,6 +15,6 @@ def test_bench_generate_vllm_quick():
     with one_thread():
         result = run_suite("generate", BenchOptions(quick=True, generator="vllm")).to_dict()
     (case,) = result["cases"]
-    assert case["case"] == "generate B=8 vLLM" and case["target"] == 1.5
+    assert case["case"] == "generate B=8 vLLM" and case["target"] == 1.25
     assert case["baseline"].startswith("vLLM default") and "BI mode" in case["candidate"]
     assert case["ratio"] > 0 and case["builtin_bi_tokens_per_s"] > 0
