@@ -41,3 +41,29 @@ def multinode_options(fn):
     ):
         fn = option(fn)
     return fn
+
+
+class _Nproc(click.ParamType):
+    """A rank count N >= 1, or "auto" (trainer/launch.py `resolve_nproc` picks W from the cores)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number or 'auto'", param, ctx)
+
+
+def nproc_option():
+    """`--nproc N|auto`: N local ranks through torchrun; auto: as many as the cores allow for the
+    config (the trajectory is the same at every W); the command receives `nproc`."""
+    return click.option(
+        "--nproc",
+        type=_Nproc(),
+        metavar="N|auto",
+        default=None,
+        help="Launch N local ranks through torchrun; 'auto': the most the usable cores and the config allow.",
+    )

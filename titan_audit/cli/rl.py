@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
-from titan_audit.cli.options import multinode_options, overwrite_option
+from titan_audit.cli.options import multinode_options, nproc_option, overwrite_option
 
 _INIT_HELP = (
     "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; "
@@ -44,7 +44,7 @@ def _guard(fn):
 @click.option("--config", "source", help="An RL recipe (rl-tiny) or a TOML file; default on --resume: the run's own.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The run directory.")
 @click.option("--init", "init", default=None, help=_INIT_HELP)
-@click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
+@nproc_option()
 @multinode_options
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
@@ -86,7 +86,7 @@ def rl(
 @click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
 @click.option("--compare-default", is_flag=True, help="Also run with native ops (RUN/compare-default) and plot both.")
 @click.option("--init", "init", default=None, help=_INIT_HELP)
-@click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
+@nproc_option()
 @overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")

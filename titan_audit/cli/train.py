@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from titan_audit.cli.options import multinode_options, overwrite_option
+from titan_audit.cli.options import multinode_options, nproc_option, overwrite_option
 
 
 @click.command(short_help="Train; the same trajectory at every world size.")
@@ -22,7 +22,7 @@ from titan_audit.cli.options import multinode_options, overwrite_option
     help="Start from another run's latest checkpoint or an HF model directory (its model shape); "
     "default: the deterministic init.",
 )
-@click.option("--nproc", type=int, default=None, help="Launch N local ranks through torchrun.")
+@nproc_option()
 @multinode_options
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
@@ -32,7 +32,7 @@ def train(
     source: str | None,
     out: Path,
     init: str | None,
-    nproc: int | None,
+    nproc: int | str | None,
     nnodes: int | None,
     node_rank: int | None,
     rdzv_endpoint: str | None,

@@ -31,6 +31,7 @@ from titan_audit.trainer.launch import (
     check_other_node,
     existing_run_locked,
     rank_main,
+    resolve_nproc,
     torchrun,
     world_size_of,
 )
@@ -54,7 +55,7 @@ def start_rl(
     out: Path,
     *,
     init: str | None,
-    nproc: int | None,
+    nproc: int | str | None,
     steps: int | None,
     resume: bool,
     overwrite: bool | str,
@@ -67,8 +68,6 @@ def start_rl(
 
     from titan_audit.rl.loop import check_inputs, check_run
 
-    if nproc is not None and nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
     main_node = rendezvous is None or rendezvous.main_node
     with existing_run_locked(out) if main_node else contextlib.nullcontext():
         if not main_node:
@@ -80,6 +79,7 @@ def start_rl(
             overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])],
             init=init,
         )
+        nproc = resolve_nproc(nproc, config, rendezvous)
         world_size = world_size_of(nproc, rendezvous)
         if not main_node:
             check_inputs(config, init, world_size)

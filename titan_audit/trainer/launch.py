@@ -84,6 +84,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_audit.log import get_logger
 from titan_audit.trainer.config import RECIPES, TrainConfig, from_dict, to_dict
 
 
@@ -135,6 +136,50 @@ class Rendezvous:
         ]
 
 
+AUTO_NPROC = "auto"
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def resolve_nproc(nproc: int | str | None, config, rendezvous: Rendezvous | None = None) -> int | None:  # noqa: ANN001
+    """`--nproc` as the launch takes it: N, None (in this process), or for "auto" the largest
+    W <= usable cores / parallel.threads that the config accepts (parallel.tp divides it and
+    `config.check_world_size(W)` passes), None when that is 1. The trajectory is the same at every
+    W (G3), so the choice is about speed only; it is logged. ValueError for N < 1, another
+    string, or "auto" with a multi-node launch (give the ranks per node there)."""
+    if nproc is None or isinstance(nproc, int):
+        if nproc is not None and nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        return nproc
+    if nproc != AUTO_NPROC:
+        raise ValueError(f"--nproc must be a number >= 1 or {AUTO_NPROC!r}, got {nproc!r}")
+    if rendezvous is not None:
+        raise ValueError(f"--nproc {AUTO_NPROC} is for one node; with --nnodes give the ranks per node")
+    cores, threads = usable_cores(), config.parallel.threads
+    for world_size in range(max(cores // threads, 1), 0, -1):
+        if world_size % config.parallel.tp:
+            continue
+        try:
+            config.check_world_size(world_size)
+        except ValueError:
+            continue
+        get_logger(__name__).info(
+            "--nproc auto: W=%d (%d usable cores, parallel.threads=%d, parallel.tp=%d)",
+            world_size,
+            cores,
+            threads,
+            config.parallel.tp,
+        )
+        return world_size if world_size > 1 else None
+    raise ValueError(
+        f"--nproc {AUTO_NPROC}: no world size <= {max(cores // threads, 1)} fits the config "
+        f"(parallel.tp = {config.parallel.tp}); give --nproc N"
+    )
+
+
 def world_size_of(nproc: int | None, rendezvous: Rendezvous | None) -> int:
     """The launch's W: nnodes * nproc; in-process, torchrun's WORLD_SIZE (else 1)."""
     if nproc is None:
@@ -167,7 +212,7 @@ def start_run(
     source: str | None,
     out: Path,
     *,
-    nproc: int | None,
+    nproc: int | str | None,
     steps: int | None,
     resume: bool,
     overwrite: bool | str,
@@ -176,12 +221,11 @@ def start_run(
     rendezvous: Rendezvous | None = None,
 ) -> int:
     """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code.
+    `nproc`: N ranks, None (this process) or "auto" (`resolve_nproc`).
     `init`: start from another run's latest checkpoint or an HF model directory (trainer/init.py).
     `rendezvous`: this node of a multi-node launch (node R > 0 checks the request, not `out`)."""
     from titan_audit.trainer.train import check_inputs, check_run
 
-    if nproc is not None and nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
     main_node = rendezvous is None or rendezvous.main_node
     with existing_run_locked(out) if main_node else contextlib.nullcontext():
         if not main_node:
@@ -193,6 +237,7 @@ def start_run(
             overrides=[*overrides, *([f"steps={steps}"] if steps is not None else [])],
             init=init,
         )
+        nproc = resolve_nproc(nproc, config, rendezvous)
         world_size = world_size_of(nproc, rendezvous)
         if not main_node:
             check_inputs(config, world_size, init)
@@ -558,8 +603,6 @@ def _owner_alive(token: str) -> bool:
 def remove_stale_launch_dirs(root: str | os.PathLike | None = None) -> list[Path]:
     """Remove the `titan-audit-launch-*` directories in `root` (default: the system temp dir) of
     this user whose launcher is gone (see the module docstring); the directories removed."""
-    from titan_audit.log import get_logger
-
     root = Path(root if root is not None else tempfile.gettempdir())
     removed = []
     for path in root.glob(f"{LAUNCH_DIR_PREFIX}*"):
