@@ -21,11 +21,20 @@ Cases:
   of 1 thread each (`launch_rl(nproc=2)`: torchrun; rank 0's metrics) against TRL with 2 intra-op
   threads. CORES is the 2 cores of the project's reference machines, not os.cpu_count().
   Extra keys of the TRL cases: `trl_version`, `trl_optimizer`, `trl_loss_type`.
-When trl cannot be imported (`trl_peer.trl_missing`; the `peers` extra installs it), both TRL
+- `rl qwen3-0.6b widths L=2 W=1 vs TRL` (target <= REAL_WIDTH_TARGET_RATIO = 1.0): the rl-tiny
+  recipe with the model section replaced (`REAL_WIDTH`: model.preset = qwen3-0.6b with
+  model.overrides.num_hidden_layers = 2, i.e. hidden 1024, 16/8 heads, head_dim 128, intermediate
+  3072, vocab 151936 tied; ~187M parameters) and a smaller shape so a side takes seconds to tens of
+  seconds a step: 2 prompts x 4 samples x 16 new tokens, REAL_WIDTH_STEPS = 3 steps (2 timed),
+  W = 1, parallel.threads = 1. Baseline TRL with 1 thread on the same config (the vocab is the
+  model's 151936; the byte tokenizer's ids stay < 258, so TRL gets our prompt ids and the model's
+  vocab size, which trl_peer checks), candidate our BI mode (`launch_rl`, as the first case).
+  Sides run min(repeats, REAL_WIDTH_REPEATS) times. Same extra keys as the other TRL cases.
+When trl cannot be imported (`trl_peer.trl_missing`; the `peers` extra installs it), the TRL
 cases are skipped, never given a figure: a warning line on stderr names each, and the first case's
 `skipped` key lists them with the reason. `--quick` runs the W=1 TRL case at the quick shape and
 skips the all-cores case the same way (QUICK_SKIP: torchrun's start and a second TRL process
-would be most of a smoke run's time).
+would be most of a smoke run's time) and the real-width case (REAL_WIDTH_QUICK_SKIP).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from titan_audit.bench.core import BenchOptions, Case
 log = logging.getLogger(__name__)
 
 TRL_TARGET_RATIO = 0.8  # our BI step <= 0.8x TRL's step on the same cores (issue 26)
+REAL_WIDTH_TARGET_RATIO = 1.0  # at real width: our BI step <= TRL's (issue 26)
 CORES = 2  # the all-cores case: our W = CORES ranks x 1 thread against TRL with CORES threads
 TRL_CASE = "rl rl-tiny W=1 vs TRL"
 TRL_ALL_CORES_CASE = f"rl rl-tiny all cores (W={CORES} vs TRL threads={CORES})"
@@ -54,21 +64,38 @@ TRL_1, TRL_ALL_CORES = "TRL GRPOTrainer, 1 thread", f"TRL GRPOTrainer, {CORES} t
 SIDES = {NATIVE: ["determinism.batch_invariant=false"], BI: []}
 QUICK_SKIP = "left out of --quick (torchrun's start and a second TRL process); the full suite runs it"
 QUICK = ["task.prompts_per_step=2", "task.samples_per_prompt=2", "sampling.max_new_tokens=4"]
+REAL_WIDTH = [
+    "model.preset='qwen3-0.6b'",
+    "model.overrides.num_hidden_layers=2",
+    "task.prompts_per_step=2",
+    "task.samples_per_prompt=4",
+    "sampling.max_new_tokens=16",
+    "parallel.threads=1",
+]
+REAL_WIDTH_CASE = "rl qwen3-0.6b widths L=2 W=1 vs TRL"
+REAL_WIDTH_STEPS, REAL_WIDTH_REPEATS = 3, 2
+BI_REAL, TRL_REAL = "BI mode, qwen3-0.6b widths L=2", "TRL GRPOTrainer, 1 thread, qwen3-0.6b widths L=2"
+REAL_WIDTH_QUICK_SKIP = "left out of --quick (a ~187M-parameter model: its init and steps take seconds each)"
 
 
-def _config(overrides: list[str], quick: bool):
+def _config(overrides: list[str], quick: bool, steps: int | None = None):
     from titan_audit.rl.config import load_rl_config
 
-    steps = 2 if quick else 4
+    steps = steps or (2 if quick else 4)
     base = [f"steps={steps}", "audit.level='off'", "checkpoint.interval=0", *(QUICK if quick else [])]
     return load_rl_config("rl-tiny", [*base, *overrides])
 
 
-def _run_side(overrides: list[str], quick: bool, out: Path, nproc: int | None = None) -> dict[str, float]:
+def real_width_config(overrides: list[str] = ()):
+    """The real-width case's RLConfig (both sides run it): rl-tiny with REAL_WIDTH, then `overrides`."""
+    return _config([*REAL_WIDTH, *overrides], quick=False, steps=REAL_WIDTH_STEPS)
+
+
+def _run_side(overrides: list[str], quick: bool, out: Path, nproc: int | None = None, config=None) -> dict[str, float]:
     """Median seconds per step (and per phase) over the steps after the first (rank 0's metrics)."""
     from titan_audit.rl.launch import launch_rl
 
-    rc = launch_rl(_config(overrides, quick), out, nproc=nproc, quiet=True)
+    rc = launch_rl(config or _config(overrides, quick), out, nproc=nproc, quiet=True)
     if rc != 0:
         raise RuntimeError(f"bench rl: the run in {out} (nproc {nproc}) exited with code {rc}")
     rows = pq.read_table(out / "metrics.parquet").to_pylist()[1:]
@@ -78,7 +105,8 @@ def _run_side(overrides: list[str], quick: bool, out: Path, nproc: int | None = 
 
 def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     missing = trl_peer.trl_missing()
-    best = {side: {"seconds": float("inf")} for side in (*SIDES, BI_ALL_CORES, TRL_1, TRL_ALL_CORES)}
+    sides = (*SIDES, BI_ALL_CORES, TRL_1, TRL_ALL_CORES, BI_REAL, TRL_REAL)
+    best = {side: {"seconds": float("inf")} for side in sides}
 
     def keep(side: str, figures: dict) -> None:
         if figures["seconds"] < best[side]["seconds"]:
@@ -93,22 +121,32 @@ def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Cas
             if missing is None and not options.quick:
                 keep(BI_ALL_CORES, _run_side([], options.quick, Path(tmp) / f"r{repeat}-w{CORES}", nproc=CORES))
                 keep(TRL_ALL_CORES, trl_peer.trl_step_seconds(_config([], options.quick), threads=CORES))
+        if missing is None and not options.quick:
+            for repeat in range(min(options.repeats, REAL_WIDTH_REPEATS)):
+                keep(BI_REAL, _run_side([], False, Path(tmp) / f"real-r{repeat}", config=real_width_config()))
+                keep(TRL_REAL, trl_peer.trl_step_seconds(real_width_config(), threads=1))
     extra = {f"baseline_seconds_{p}": best[NATIVE][f"seconds_{p}"] for p in PHASES}
     extra |= {f"candidate_seconds_{p}": best[BI][f"seconds_{p}"] for p in PHASES}
     name = "rl rl-tiny W=1"
     cases = [_case(name, NATIVE, BI, best[NATIVE]["seconds"], best[BI]["seconds"], None, extra)]
     progress(name)
     if missing is not None:
-        for case in (TRL_CASE, TRL_ALL_CORES_CASE):
-            log.warning("bench rl: skipped case %r: %s", case, missing)
-        cases[0].extra["skipped"] = [{"case": c, "reason": missing} for c in (TRL_CASE, TRL_ALL_CORES_CASE)]
+        skipped = [(c, missing) for c in (TRL_CASE, TRL_ALL_CORES_CASE, REAL_WIDTH_CASE)]
+    elif options.quick:
+        skipped = [(TRL_ALL_CORES_CASE, QUICK_SKIP), (REAL_WIDTH_CASE, REAL_WIDTH_QUICK_SKIP)]
+    else:
+        skipped = []
+    for case, reason in skipped:
+        log.warning("bench rl: skipped case %r: %s", case, reason)
+    if skipped:
+        cases[0].extra["skipped"] = [{"case": c, "reason": r} for c, r in skipped]
+    if missing is not None:
         return cases
-    peers = [(TRL_CASE, TRL_1, BI), (TRL_ALL_CORES_CASE, TRL_ALL_CORES, BI_ALL_CORES)]
-    if options.quick:
-        log.warning("bench rl: skipped case %r: %s", TRL_ALL_CORES_CASE, QUICK_SKIP)
-        cases[0].extra["skipped"] = [{"case": TRL_ALL_CORES_CASE, "reason": QUICK_SKIP}]
-        peers = peers[:1]
-    for name, trl_side, ours in peers:
+    peers = [(TRL_CASE, TRL_1, BI, TRL_TARGET_RATIO)]
+    if not options.quick:
+        peers.append((TRL_ALL_CORES_CASE, TRL_ALL_CORES, BI_ALL_CORES, TRL_TARGET_RATIO))
+        peers.append((REAL_WIDTH_CASE, TRL_REAL, BI_REAL, REAL_WIDTH_TARGET_RATIO))
+    for name, trl_side, ours, target in peers:
         trl = best[trl_side]
         extra = {f"candidate_seconds_{p}": best[ours][f"seconds_{p}"] for p in PHASES}
         extra |= {
@@ -116,7 +154,7 @@ def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Cas
             "trl_optimizer": trl["optimizer"],
             "trl_loss_type": trl["loss_type"],
         }
-        cases.append(_case(name, trl_side, ours, trl["seconds"], best[ours]["seconds"], TRL_TARGET_RATIO, extra))
+        cases.append(_case(name, trl_side, ours, trl["seconds"], best[ours]["seconds"], target, extra))
         progress(name)
     return cases
 

@@ -13,6 +13,9 @@ from it, so trl does not import it):
 - the prompts: `rl.tasks.prompt_set(task, seed, step, P)` for steps 1..steps in order (the
   prompts of our run's steps; `shuffle_dataset=False`), tokenized by a byte-level HF tokenizer
   whose ids are `ByteTokenizer`'s (byte b -> id b, EOS 256, PAD 257), so TRL sees our prompt ids;
+  the model's vocab may be larger than the tokenizer's 258 ids (the qwen3-0.6b widths: 151936):
+  TRL samples over the model's full vocab as our generator does (the HF model's vocab and LM-head
+  width are checked to equal config.model's), and decoding drops ids >= 258 as ours does;
 - the reward: our task's `rl.tasks.score` of `completion_text(completion_ids)`, the reward our
   loop gives the same completion;
 - the shape: G = task.samples_per_prompt generations per prompt, P = task.prompts_per_step
@@ -55,7 +58,8 @@ def trl_missing() -> str | None:
 
 def trl_step_seconds(config, *, threads: int, timeout: float = 1800.0) -> dict[str, Any]:
     """TRL's median seconds per step (after the first) on `config` (an RLConfig) with `threads`
-    intra-op threads, in a subprocess; also `steps` (the per-step seconds) and `trl_version`.
+    intra-op threads, in a subprocess; also `steps` (the per-step seconds), `trl_version` and
+    `vocab_size` (the HF model's).
     RuntimeError naming the command and its stderr tail when the subprocess fails."""
     from titan_audit.rl.config import to_dict
 
@@ -117,7 +121,11 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     work = Path(spec["workdir"])
     model_dir = models.save_pretrained(load_initial_model(config, None), work / "model")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = config.model.model_config().vocab_size
+    logits_width = model.get_output_embeddings().weight.shape[0]
+    assert model.config.vocab_size == logits_width == vocab, f"HF vocab {logits_width}, ours {vocab}"
     tokenizer = byte_tokenizer()
+    assert len(tokenizer) <= vocab, f"byte tokenizer ids ({len(tokenizer)}) beyond the model's vocab {vocab}"
     P, G = config.task.prompts_per_step, config.task.samples_per_prompt
     rows = [
         {"prompt": p.text, "answer": p.answer, "task": p.task, "prompt_id": p.id, "step": p.step}
@@ -198,6 +206,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         "steps": steps,
         "trl_version": trl.__version__,
         "threads": torch.get_num_threads(),
+        "vocab_size": model.config.vocab_size,
         "optimizer": str(args.optim),
         "loss_type": str(args.loss_type),
     }
