@@ -223,3 +223,30 @@ def test_grads_accurate_against_float64() -> None:
         )
         for a, r in zip(ours, ref):
             torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-5, msg=op)
+
+
+def _weight_grad_as_it_arrives(f, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x's gradient, w's gradient as autograd hands it to w, before AccumulateGrad copies it to
+    the parameter's layout: the tensor a tied weight's two gradients are added from)."""
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    arrived = []
+    w.register_hook(lambda g: arrived.append(g))
+    out = f(x, w)
+    (out * randn(*out.shape, seed=0)).sum().backward()
+    return x.grad, arrived[0]
+
+
+@pytest.mark.parametrize("shape", [(5, 37, 33), (2, 3, 64, 96)])
+def test_linear_weight_grad_is_row_major_with_the_bits_of_mm_through_weight_t(shape):
+    """bi.linear's grad_weight is computed as mm(grad.t(), x), so it arrives row-major like the
+    weight (no strided pass when autograd adds a tied weight's two gradients); its bits are those
+    of mm(x, weight.t())'s own grad_b (mm(x.t(), grad), transposed back). Negative control: that
+    path's weight gradient arrives strided, the layout this change removes."""
+    *lead, k, n = shape
+    x, w = randn(*lead, k, seed=1), randn(n, k, seed=2)
+    gx, gw = _weight_grad_as_it_arrives(bi.linear, x, w)
+    ref_x, ref_w = _weight_grad_as_it_arrives(lambda a, b: bi.mm(a.reshape(-1, k), b.t()).reshape(*lead, n), x, w)
+    assert gw.is_contiguous() and gw.shape == (n, k)
+    assert not ref_w.is_contiguous()  # the control: weight.t()'s gradient transposed back is strided
+    assert_bitwise_equal(gw, ref_w)
+    assert_bitwise_equal(gx, ref_x)
