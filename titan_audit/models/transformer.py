@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from titan_audit.models import ops
+from titan_audit.models import ops, tied
 from titan_audit.models.attention import Attention
 from titan_audit.models.config import ModelConfig
 from titan_audit.models.mlp import FeedForward
@@ -220,7 +220,11 @@ class Transformer(nn.Module):
         cast = self._cast_parameters()
         call = self._call if cast is None else functools.partial(self._call_cast, cast)
         embed_weight = self.embed_tokens.weight
-        h_BTD = F.embedding(tokens_BT, embed_weight if cast is None else cast[id(embed_weight)])
+        link = tied.TiedLink() if self._links_tied_grads(cast) else None
+        if link is not None:
+            h_BTD = tied.embedding(tokens_BT, embed_weight, link)
+        else:
+            h_BTD = F.embedding(tokens_BT, embed_weight if cast is None else cast[id(embed_weight)])
         stats: list[RouterStats] = []
         for layer in range(len(self.layers)):
             block = functools.partial(call, self._block_fn(layer))
@@ -235,7 +239,10 @@ class Transformer(nn.Module):
             else:
                 h_BTD = out
         output_weight = self.output_weight if cast is None else cast[id(self.output_weight)]
-        logits_BTV = ops.linear(call(self.norm, h_BTD), output_weight, gather_output=True)
+        if link is not None:
+            logits_BTV = tied.head(call(self.norm, h_BTD), output_weight, link)
+        else:
+            logits_BTV = ops.linear(call(self.norm, h_BTD), output_weight, gather_output=True)
         if cache_step is not None:
             cache_step.commit()
         logits = logits_BTV[0] if squeeze else logits_BTV
@@ -243,6 +250,11 @@ class Transformer(nn.Module):
             return logits
         num_tokens = batch * seq if packing is None else int(packing.valid_N.sum())
         return logits, load_balancing_loss(stats, num_tokens, self.config.num_experts)
+
+    def _links_tied_grads(self, cast: dict[int, torch.Tensor] | None) -> bool:
+        """Whether this forward's tied embedding and LM head share one weight gradient pass
+        (models/tied.py: BI mode, float32 CPU weight, no cast; the bits are the plain path's)."""
+        return self.lm_head is None and cast is None and ops.bi_mode() and tied.applies(self.embed_tokens.weight)
 
     # -- compute dtype --------------------------------------------------------------------------
     def _cast_parameters(self) -> dict[int, torch.Tensor] | None:
