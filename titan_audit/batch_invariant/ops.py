@@ -80,10 +80,17 @@ class _Linear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        be = backend_for(x, weight)
-        grad_x = be.mm(grad, weight) if ctx.needs_input_grad[0] else None  # per row of x
-        grad_weight = be.mm(grad.t(), x) if ctx.needs_input_grad[1] else None  # a sum over rows
-        return grad_x, grad_weight
+        return linear_backward(grad, x, weight, need_x=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1])
+
+
+def linear_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, need_x: bool = True, need_weight: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(grad_x, grad_weight) of x [M, K] @ weight [N, K].T for grad [M, N] (see `_Linear`)."""
+    be = backend_for(x, weight)
+    grad_x = be.mm(grad, weight) if need_x else None  # per row of x
+    grad_weight = be.mm(grad.t(), x) if need_weight else None  # a sum over rows, row-major like weight
+    return grad_x, grad_weight
 
 
 class _BMM(torch.autograd.Function):

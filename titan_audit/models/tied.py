@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_audit.batch_invariant.backend import backend_for
 from titan_audit.batch_invariant.cpu.embedding import embedding_backward
+from titan_audit.batch_invariant.ops import linear_backward
 
 
 class TiedLink:
@@ -89,10 +90,9 @@ class _Head(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         h, weight = ctx.saved_tensors
-        be = backend_for(h, weight)
         assert ctx.link.head_grad is None, "a tied head's gradient was never taken by its embedding"
-        ctx.link.head_grad = be.mm(grad.t(), h)  # ops.linear's grad_weight: fresh, row-major
-        return be.mm(grad, weight), None, None
+        grad_h, ctx.link.head_grad = linear_backward(grad, h, weight)  # ops.linear's: fresh, row-major
+        return grad_h, None, None
 
 
 def embedding(tokens: torch.Tensor, weight: torch.Tensor, link: TiedLink) -> torch.Tensor:

@@ -98,13 +98,18 @@ def _update_torch(
     step: int,
 ) -> None:
     """PortableAdamW's update of one parameter as torch ops (any dtype, layout, device, DTensor)."""
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    p.mul_(1 - lr * weight_decay)
+    decay, bias_correction2_sqrt, step_size = _step_scalars(lr, beta1, beta2, weight_decay, step)
+    p.mul_(decay)
     exp_avg.mul_(beta1).add_(grad * (1 - beta1))
     exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
     denom = _portable_sqrt(exp_avg_sq).div_(bias_correction2_sqrt).add_(eps)
-    p.add_(exp_avg.div(denom).mul_(-lr / bias_correction1))
+    p.add_(exp_avg.div(denom).mul_(step_size))
+
+
+def _step_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, ...]:
+    """(1 - lr*wd, sqrt(1 - beta2^t), -lr / (1 - beta1^t)): the Python scalars both update paths
+    use, computed once here so the kernel's and the torch ops' scalars are the same doubles."""
+    return 1 - lr * weight_decay, math.sqrt(1 - beta2**step), -lr / (1 - beta1**step)
 
 
 def _update_fused(
@@ -137,17 +142,15 @@ def _update_fused(
         local = tensors
     if not fused.fusable(*local):
         return False
-    # the Python scalars of _update_torch, computed by the same expressions
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    decay, bias_correction2_sqrt, step_size = _step_scalars(lr, beta1, beta2, weight_decay, step)
     fused.adamw_step_(
         *local,
-        decay=1 - lr * weight_decay,
+        decay=decay,
         beta1=beta1,
         beta2=beta2,
         eps=eps,
         bias_correction2_sqrt=bias_correction2_sqrt,
-        step_size=-lr / bias_correction1,
+        step_size=step_size,
     )
     if local is not tensors:  # the DTensors were written in place too
         for t in (p, exp_avg, exp_avg_sq):
