@@ -13,13 +13,13 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2, torch.float16: 4e-3, torch.flo
 
 
 @contextlib.contextmanager
-def triton_on_cpu() -> Iterator[object]:
+def triton_on_cpu(order: str = "v2") -> Iterator[object]:
     """The Triton kernels, run by Triton's interpreter on CPU tensors, for the block only, in gemm
-    order v1 (the one the Triton gemm implements; under v2 it refuses a split K, test_gemm_order.py)."""
+    order `order` (v2, the default order of a run, unless a test asks for v1)."""
     pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
     from titan_audit.batch_invariant import backend, gemm_order
 
-    with backend.forced("triton") as module, gemm_order("v1"):
+    with backend.forced("triton") as module, gemm_order(order):
         yield module
 
 

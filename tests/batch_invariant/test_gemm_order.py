@@ -3,8 +3,8 @@
 Under v2 (the default) a BI linear / matmul / bmm, its grad_a and grad_b, and the aten override
 mode's mm / addmm / bmm give exactly `cpu.matmul.mm(..., blocks=tree_blocks(K))`; under v1 exactly
 `blocks=1`. Negative control: for a K the tree splits (K = 768: 8 blocks) the two orders differ in
-bits, forward and both gradients. The Triton backend (v1 only) refuses a v2 split, naming the key;
-the numerics fingerprint names the order.
+bits, forward and both gradients. The Triton gemm follows v2 by block partials and the same tree
+(interpreter); the numerics fingerprint names the order.
 """
 
 from __future__ import annotations
@@ -127,20 +127,28 @@ def test_the_fingerprint_names_the_order():
     assert v2 == f"titan-bi-cpu v{kernel_library.KERNELS_VERSION} gemm-v2"
 
 
-def test_a_single_chain_backend_refuses_a_v2_split_naming_the_key():
-    with pytest.raises(NotImplementedError, match=r"determinism.bi_kernels = \"v1\""):
-        order.require_single_chain(K, "Triton")
-    order.require_single_chain(96, "Triton")  # P(96) = 1: v2 is one chain there
-    with bi.gemm_order("v1"):
-        order.require_single_chain(K, "Triton")
-
-
-def test_the_triton_gemm_refuses_a_v2_split():
+@pytest.mark.triton
+def test_the_triton_gemm_follows_v2_blocks_tree_and_shards():
+    """Under v2 the Triton gemm (interpreter) is the tree of its own v1 block products; the two
+    K-halves' results combined by the tree are the whole product (tensor parallelism's rule); a row
+    alone gives its bits in the batch. Negative control: v1 differs in bits at this K."""
     pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
     from titan_audit.batch_invariant import backend
 
-    x, w, _ = _inputs()
-    with backend.forced("triton"), pytest.raises(NotImplementedError, match="determinism.bi_kernels"):
-        bi.linear(x, w)  # order v2, K = 768: 8 blocks the Triton gemm cannot follow
-    with backend.forced("triton"), pytest.raises(NotImplementedError, match="determinism.bi_kernels"):
-        bi.bmm(x.unsqueeze(0), w.t().unsqueeze(0))
+    x, w, _ = _inputs(7)
+    bs = K // matmul.tree_blocks(K)
+    with backend.forced("triton") as triton_backend:
+        v2 = triton_backend.mm(x, w.t())
+        halves = [
+            triton_backend.mm(x[:, h * K // 2 : (h + 1) * K // 2], w.t()[h * K // 2 : (h + 1) * K // 2]) for h in (0, 1)
+        ]
+        row = triton_backend.mm(x[3:4], w.t())
+        batched = triton_backend.bmm(torch.stack((x, x.flip(0))), torch.stack((w.t(), w.t())))
+        with bi.gemm_order("v1"):
+            v1 = triton_backend.mm(x, w.t())
+            blocks = [triton_backend.mm(x[:, i * bs : (i + 1) * bs], w.t()[i * bs : (i + 1) * bs]) for i in range(8)]
+    assert bitwise_equal(v2, matmul.tree_combine(blocks))
+    assert bitwise_equal(v2, matmul.tree_combine(halves))
+    assert bitwise_equal(row, v2[3:4])
+    assert bitwise_equal(batched[0], v2) and bitwise_equal(batched[1], v2.flip(0))
+    assert not bitwise_equal(v1, v2)

@@ -1,7 +1,7 @@
 """The Triton backend on a real GPU (marker `gpu`, skipped without CUDA): the interpreter tests'
 properties with compiled kernels at LLM-like sizes, bitwise.
 
-mm / linear (bfloat16, float16, float32; a transposed weight): a row alone has the bits it has in
+mm / linear (bfloat16, float16, float32; a transposed weight; gemm orders v1 and v2): a row alone has the bits it has in
 a batch of 1024 rows; bmm likewise; softmax, log_softmax, rms_norm, sum: a row alone == in a
 batch; attention (bfloat16, GQA, head_dim 128, several 512-key splits): causal prefill == chunked
 prefill into a paged cache == decode steps from it; backward deterministic with a row-invariant
@@ -22,20 +22,19 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-@pytest.fixture(autouse=True)
-def _gemm_order_v1():
-    """The Triton gemm implements order v1 only (under v2 it refuses a split K: test_gemm_order.py)."""
-    with bi.gemm_order("v1"):
-        yield
-
-
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator(device=DEV).manual_seed(seed)
     return torch.randn(*shape, generator=g, device=DEV).to(dtype)
 
 
+@pytest.mark.parametrize("order", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_mm_row_alone_equals_row_in_batch(dtype: torch.dtype) -> None:
+def test_gpu_mm_row_alone_equals_row_in_batch(dtype: torch.dtype, order: str) -> None:
+    with bi.gemm_order(order):
+        _mm_row_checks(dtype)
+
+
+def _mm_row_checks(dtype: torch.dtype) -> None:
     x, w = randn(1024, 1024, seed=1, dtype=dtype), randn(768, 1024, seed=2, dtype=dtype)
     full = bi.linear(x, w)
     for i in (0, 77, 1023):

@@ -13,9 +13,8 @@ Guarantees:
   exit (also on an exception); `set_gemm_order` is the switch; `current_gemm_order()` reads it.
 - The config key `determinism.bi_kernels` (trainer and RL configs) names the order a run enters
   (trainer/engine.py); an unknown name is a ValueError naming that key (`check_gemm_order`).
-- A backend that cannot follow the order raises instead of giving other bits: the Triton backend
-  sums in v1's ascending-K order only, so under "v2" a gemm with P(K) > 1 on it raises
-  `NotImplementedError` naming `determinism.bi_kernels` (`require_single_chain`).
+- Both backends follow the order: the CPU gemm inside its kernel (cpu/matmul.py), the Triton gemm
+  by P(K) block partials combined by `tree_combine` (gpu/matmul.py).
 - The numerics fingerprint's `bi_kernels` names the order (deterministic/numerics.py), so a golden
   recorded under one order checks exact only under the same order.
 """
@@ -25,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+
+import torch
 
 GEMM_ORDERS = ("v1", "v2")
 DEFAULT_GEMM_ORDER = "v2"
@@ -72,17 +73,16 @@ def tree_blocks(k: int) -> int:
     return p
 
 
+def tree_combine(partials: list[torch.Tensor]) -> torch.Tensor:
+    """The halving tree over a power-of-two list: node [lo, hi) = node [lo, mid) + node [mid, hi)."""
+    n = len(partials)
+    if n == 0 or n & (n - 1):
+        raise ValueError(f"tree_combine: {n} partials, need a power of two")
+    if n == 1:
+        return partials[0]
+    return tree_combine(partials[: n // 2]) + tree_combine(partials[n // 2 :])
+
+
 def gemm_blocks(k: int) -> int:
     """The block count of a K-long gemm sum under the current order: 1 (v1) or P(K) (v2)."""
     return tree_blocks(k) if _ORDER[0] == "v2" else 1
-
-
-def require_single_chain(k: int, backend: str) -> None:
-    """NotImplementedError unless a K-long sum in the current order is one chain (v1, or P(K) == 1):
-    for a backend that implements no other order."""
-    if _ORDER[0] == "v2" and tree_blocks(k) > 1:
-        raise NotImplementedError(
-            f"batch_invariant: the {backend} gemm implements only the v1 summation order, and gemm order "
-            f'v2 (the default) splits K={k} into {tree_blocks(k)} blocks; set {CONFIG_KEY} = "v1" '
-            f'(--set {CONFIG_KEY}=v1, or batch_invariant.gemm_order("v1")) to run it'
-        )

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_audit.batch_invariant.cpu import _lib
-from titan_audit.batch_invariant.order import gemm_blocks, tree_blocks  # noqa: F401 (tree_blocks: re-exported)
+from titan_audit.batch_invariant.order import gemm_blocks, tree_blocks, tree_combine  # noqa: F401 (re-exported)
 
 PANEL = 32  # packed panel width (ta::gemm::PANEL)
 PACKED_CACHE_MAX_BYTES = 1 << 30  # the packed-weight cache's bound (least recently used go first)
@@ -228,16 +228,6 @@ def _gemm(
 
 def _upcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
-
-
-def tree_combine(partials: list[torch.Tensor]) -> torch.Tensor:
-    """The halving tree over a power-of-two list: node [lo, hi) = node [lo, mid) + node [mid, hi)."""
-    n = len(partials)
-    if n == 0 or n & (n - 1):
-        raise ValueError(f"tree_combine: {n} partials, need a power of two")
-    if n == 1:
-        return partials[0]
-    return tree_combine(partials[: n // 2]) + tree_combine(partials[n // 2 :])
 
 
 def _check_blocks(k: int, blocks: int) -> None:

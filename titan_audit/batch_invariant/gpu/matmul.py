@@ -1,4 +1,5 @@
-"""Triton gemm: a persistent kernel with one fixed tile configuration per dtype and no split-K.
+"""Triton gemm: a persistent kernel with one fixed tile configuration per dtype, no split-K inside a
+gemm-order block (the v2 blocks and their fixed tree: "Gemm order" below).
 
 Guarantee: C[i, j] of `mm(a, b)` (and of every matrix of `bmm`) is computed by the same
 instruction sequence whatever M (the row count), the batch, or which program ran the tile:
@@ -20,9 +21,17 @@ pid, pid + P, ...) changes only which program computes a tile, never the tile's 
 Operand layouts: any strides (a transposed weight `w.t()` is read in place); the layout does
 change the compiled kernel (strides of 1 are specialised), not the order of the sum.
 
-Gemm order: this is order "v1" (one ascending chain over K); under the process-wide order "v2"
-(`batch_invariant.order`, config key `determinism.bi_kernels`) `mm` / `bmm` raise
-NotImplementedError naming that key for any K the v2 tree splits (P(K) > 1), never other bits.
+Gemm order (`batch_invariant.order`, config key `determinism.bi_kernels`): under "v1" the kernel
+above is the whole product (one ascending chain over K). Under "v2" (the default) with P = P(K) > 1
+the K axis is cut into P contiguous blocks of K / P; block p's partial sum is the kernel above run
+on that block alone (its own ascending chain from 0, into a float32 / float64 partial, never
+rounded to a lower dtype), and the P partials are combined by the same halving tree as the CPU
+backend (`cpu.matmul.tree_combine`: node [lo, hi) = node [lo, mid) + node [mid, hi), IEEE adds),
+then the bias is added and the result rounded once. For `mm` the P blocks are one launch (the
+blocks are a batch of strided views: which program runs a block never changes its arithmetic);
+`bmm` launches once per block. A block's arithmetic depends on the block's operands only, so the
+contiguous K-shards of a subtree (tensor parallelism) reproduce the unsharded sum as on the CPU.
+The bits are not the CPU backend's (another chain inside a block), only its order of blocks.
 
 Interpreter (CPU tensors, tests): the same kernel; bfloat16/float16 tiles are upcast to float32
 before `tl.dot` (`DOT_F32`, see `_runtime`).
@@ -36,7 +45,7 @@ import triton
 import triton.language as tl
 
 from titan_audit.batch_invariant.gpu._runtime import interpreted, jit, persistent_grid
-from titan_audit.batch_invariant.order import require_single_chain
+from titan_audit.batch_invariant.order import gemm_blocks, tree_combine
 
 # (BM, BN, BK, warps, stages) per input dtype: fixed, never derived from the problem's shape.
 CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
@@ -130,12 +139,15 @@ def _config(a: torch.Tensor) -> tuple[int, int, int, int, int]:
     return (INTERPRETER_CONFIGS if interpreted(a) else CONFIGS)[a.dtype]
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """a [batch, M, K] @ b [batch, K, N] (+ bias [N]) -> [batch, M, N] in a's dtype."""
+def _launch(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """a [batch, M, K] @ b [batch, K, N] (+ bias [N]) -> [batch, M, N] in `out_dtype` (a's dtype
+    by default; the accumulator's, unrounded, for the v2 partials)."""
     assert a.dtype == b.dtype and a.dtype in CONFIGS, (a.dtype, b.dtype)
     batch, m, k = a.shape
     n = b.shape[2]
-    c = torch.empty((batch, m, n), dtype=a.dtype, device=a.device)
+    c = torch.empty((batch, m, n), dtype=out_dtype or a.dtype, device=a.device)
     if c.numel() == 0:
         return c
     if k == 0:
@@ -184,17 +196,42 @@ def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return a.to(dtype), b.to(dtype)
 
 
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _round(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        acc = acc + bias.to(acc.dtype)
+    return acc if acc.dtype == dtype else acc.to(dtype)
+
+
 def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [M, K] @ b [K, N] (+ bias [N], added to the float32 accumulator), in a's dtype."""
+    """a [M, K] @ b [K, N] (+ bias [N], added to the float32 accumulator), in a's dtype, in the
+    process's gemm order (module doc)."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
-    require_single_chain(a.shape[1], "Triton")
     a, b = _common(a, b)
-    return _launch(a.unsqueeze(0), b.unsqueeze(0), bias)[0]
+    (m, k), n = a.shape, b.shape[1]
+    p = gemm_blocks(k)
+    if p == 1:
+        return _launch(a.unsqueeze(0), b.unsqueeze(0), bias)[0]
+    bs = k // p  # block p: a[:, p*bs:(p+1)*bs] @ b[p*bs:(p+1)*bs, :], a batch of P strided views
+    a_PMB = a.as_strided((p, m, bs), (bs * a.stride(1), a.stride(0), a.stride(1)))
+    b_PBN = b.as_strided((p, bs, n), (bs * b.stride(0), b.stride(0), b.stride(1)))
+    partials_PMN = _launch(a_PMB, b_PBN, None, _accumulator_dtype(a.dtype))
+    return _round(tree_combine(list(partials_PMN)), bias, a.dtype)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N]; matrix j's rows depend on a[j] and b[j] only."""
+    """a [B, M, K] @ b [B, K, N]; matrix j's rows depend on a[j] and b[j] only; the process's gemm
+    order (module doc)."""
     assert a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]
-    require_single_chain(a.shape[2], "Triton")
     a, b = _common(a, b)
-    return _launch(a, b, None)
+    k = a.shape[2]
+    p = gemm_blocks(k)
+    if p == 1:
+        return _launch(a, b, None)
+    bs = k // p
+    acc = _accumulator_dtype(a.dtype)
+    partials = [_launch(a[:, :, i * bs : (i + 1) * bs], b[:, i * bs : (i + 1) * bs, :], None, acc) for i in range(p)]
+    return _round(tree_combine(partials), None, a.dtype)
