@@ -1,0 +1,188 @@
+"""The batch-invariant model on the Triton backend, run by Triton's interpreter on CPU tensors
+(marker `triton`; `backend.forced("triton")`, gemm order v2): what a CUDA run does, op for op.
+
+- Census: a forward + backward of a one-layer model (GQA, qk-norm, SwiGLU, a K the v2 tree
+  splits) runs no compiled CPU kernel of ours (every one is forbidden in the block) and no native
+  aten op (strict census: only our Triton kernels and the exact allowlist). Control: in the same
+  block a native op and a CPU kernel are refused.
+- A sequence's logits are the same alone as in a batch, bitwise (control: natively they are not).
+- The full forward == chunked prefill == token-by-token decode through the paged KV cache
+  (control: natively they differ).
+- G4 for a few RL steps: the built-in generator's log-probs == the trainer's recomputation,
+  bitwise, after each policy update. Control: the trainer on the CPU backend gives a gap.
+The bits are the Triton backend's, not the CPU backend's (another order inside each kernel);
+the results agree with the CPU backend to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from batch_invariant._triton import triton_on_cpu
+
+from titan_audit import batch_invariant as bi
+from titan_audit import models
+from titan_audit.audit import bitwise_equal
+from titan_audit.batch_invariant import backend, census
+from titan_audit.batch_invariant.cpu import _lib
+from titan_audit.models.config import ModelConfig
+from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
+from titan_audit.rl.generator import GenerationRequest, SampleKey, SamplingParams
+from titan_audit.rl.logprobs import sequence_logprobs
+
+pytestmark = pytest.mark.triton
+
+# One layer, small enough for the interpreter; intermediate 128 makes the down projection's K split
+# into P(128) = 2 blocks of gemm order v2.
+CONFIG = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    intermediate_size=128,
+    max_position_embeddings=64,
+)
+TEMPERATURE = 0.8
+
+
+class CpuKernelCalled(AssertionError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def model() -> models.Transformer:
+    m = models.build(CONFIG, seed=0)
+    with torch.no_grad():
+        m(torch.zeros(1, 2, dtype=torch.long))  # the RoPE table: built once on CPU by our trig kernel
+    return m
+
+
+def _tokens(seed: int, batch: int, length: int) -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def only_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """BI mode on the Triton kernels with every compiled CPU kernel forbidden and a strict census."""
+
+    def forbidden(name: str):
+        raise CpuKernelCalled(f"the CPU kernel {name!r} ran on the Triton path")
+
+    with triton_on_cpu(), bi.enabled(), census.strict(), monkeypatch.context() as patch:
+        patch.setattr(_lib, "kernel", forbidden)
+        yield
+
+
+def _loss_and_grads(model: models.Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens[:, :-1])
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    loss = -logprobs.gather(-1, tokens[:, 1:, None]).mean()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_forward_backward_run_only_our_triton_kernels_and_exact_ops(model, monkeypatch):
+    tokens = _tokens(1, 2, 13)
+    with only_triton(monkeypatch):
+        loss, grads = _loss_and_grads(model, tokens)
+        again, grads_again = _loss_and_grads(model, tokens)
+        # controls: the guard refuses a native op and a CPU kernel in the same block
+        with pytest.raises(census.NativeOpError):
+            torch.tanh(torch.ones(3))
+        with pytest.raises(CpuKernelCalled), backend.forced("cpu") as cpu_backend:
+            cpu_backend.mm(torch.ones(2, 2), torch.ones(2, 2))
+    assert bitwise_equal(loss, again) and all(bitwise_equal(grads[n], grads_again[n]) for n in grads)
+    with bi.enabled():  # the CPU backend: the same mathematics, other bits
+        cpu_loss, cpu_grads = _loss_and_grads(model, tokens)
+    torch.testing.assert_close(loss, cpu_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, cpu_grads[name], atol=1e-5, rtol=1e-4)
+
+
+def _alone_and_batched(model: models.Transformer, tokens: torch.Tensor) -> tuple[list, list]:
+    """Each sequence's first 7 positions (causal: the same logits) alone, and in the batch of all."""
+    batched = model(tokens)
+    return [model(tokens[i : i + 1, :7])[0] for i in range(len(tokens))], [batched[i, :7] for i in range(len(tokens))]
+
+
+def test_a_sequence_alone_equals_it_in_a_batch(model):
+    tokens = _tokens(2, 3, 11)
+    with triton_on_cpu(), bi.enabled(), torch.no_grad():
+        alone, batched = _alone_and_batched(model, tokens)
+    assert all(bitwise_equal(a, b) for a, b in zip(alone, batched))
+    with torch.no_grad():  # control: natively the rows' bits depend on the batch
+        assert not all(bitwise_equal(a, b) for a, b in zip(*_alone_and_batched(model, tokens)))
+
+
+def _full_and_cached(model: models.Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full forward, and the same logits from a 5-token prefill, a 4-token chunk and decode steps."""
+    full = model(tokens)
+    cache = models.PagedKVCache(model.config, num_blocks=16, block_size=4)
+    for seq in (0, 1):
+        cache.add(seq)
+    pieces = [model(tokens[:, :5], cache=cache.batch([0, 1])), model(tokens[:, 5:9], cache=cache.batch([0, 1]))]
+    pieces += [model(tokens[:, t : t + 1], cache=cache.batch([0, 1])) for t in range(9, tokens.shape[1])]
+    return full, torch.cat(pieces, 1)
+
+
+def test_full_forward_equals_chunked_prefill_equals_decode_through_the_paged_cache(model):
+    tokens = _tokens(3, 2, 14)
+    with triton_on_cpu(), bi.enabled(), torch.no_grad():
+        full, cached = _full_and_cached(model, tokens)
+    assert bitwise_equal(cached, full)
+    with torch.no_grad():  # control: natively the cached path gives other bits
+        assert not bitwise_equal(*_full_and_cached(model, tokens))
+
+
+def _requests(step: int) -> list[GenerationRequest]:
+    prompts = [(5, 17, 3), (40, 2, 9, 77, 11, 6, 30)]
+    return [
+        GenerationRequest(prompt, SampleKey(seed=7, step=step, prompt_id=i, sample_index=j))
+        for i, prompt in enumerate(prompts)
+        for j in range(2)
+    ]
+
+
+def _recompute(model: models.Transformer, samples) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return sequence_logprobs(
+            model, [s.prompt_ids for s in samples], [s.tokens for s in samples], TEMPERATURE, batch_invariant=True
+        )
+
+
+def test_generator_logprobs_equal_the_trainers_for_a_few_rl_steps(model):
+    """The zero gap (G4) on the Triton path, across policy updates: generate, compare with the
+    trainer's recomputation, take a gradient step on the samples' log-probs, reload the weights."""
+    policy = models.build(CONFIG, seed=0)
+    policy.load_state_dict(model.state_dict())
+    params = SamplingParams(temperature=TEMPERATURE, top_k=20, max_new_tokens=3)
+    with triton_on_cpu():
+        generator = BuiltinGenerator(policy, BuiltinGeneratorConfig(batch_invariant=True))
+        for step in range(2):
+            samples = generator.generate(_requests(step), params)
+            recomputed = _recompute(policy, samples)
+            for sample, logprobs in zip(samples, recomputed):
+                assert bitwise_equal(sample.logprobs, logprobs), (step, sample.key)
+            with bi.enabled():
+                lp = sequence_logprobs(
+                    policy, [s.prompt_ids for s in samples], [s.tokens for s in samples], TEMPERATURE
+                )
+                loss = -torch.cat(lp).sum()
+                loss.backward()
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.sub_(0.05 * p.grad)
+                    p.grad = None
+            generator.load_weights(policy.state_dict(), step + 1)
+    with bi.enabled():  # control: the CPU backend's recomputation of the last samples has a gap
+        cpu = _recompute(policy, samples)
+    assert any(not bitwise_equal(s.logprobs, lp) for s, lp in zip(samples, cpu))
