@@ -1,5 +1,6 @@
 """The batch-invariant model on the Triton backend, run by Triton's interpreter on CPU tensors
-(marker `triton`; `backend.forced("triton")`, gemm order v2): what a CUDA run does, op for op.
+(marker `triton`; `backend.forced("triton")`, gemm order v2): what a CUDA run does, op for op. The
+same tests but the census one run compiled on a GPU (marker `gpu`, scripts/gpu_check.sh).
 
 - Census: a forward + backward of a one-layer model (GQA, qk-norm, SwiGLU, a K the v2 tree
   splits) runs no compiled CPU kernel of ours (every one is forbidden in the block) and no native
@@ -33,8 +34,6 @@ from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
 from titan_audit.rl.generator import GenerationRequest, SampleKey, SamplingParams
 from titan_audit.rl.logprobs import sequence_logprobs
 
-pytestmark = pytest.mark.triton
-
 # One layer, small enough for the interpreter; intermediate 128 makes the down projection's K split
 # into P(128) = 2 blocks of gemm order v2.
 CONFIG = ModelConfig(
@@ -55,15 +54,43 @@ class CpuKernelCalled(AssertionError):
 
 
 @pytest.fixture(scope="module")
-def model() -> models.Transformer:
+def cpu_model() -> models.Transformer:
     m = models.build(CONFIG, seed=0)
     with torch.no_grad():
         m(torch.zeros(1, 2, dtype=torch.long))  # the RoPE table: built once on CPU by our trig kernel
     return m
 
 
-def _tokens(seed: int, batch: int, length: int) -> torch.Tensor:
-    return torch.randint(0, CONFIG.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+# Where the Triton kernels run: the interpreter on CPU tensors (CI), or compiled on a GPU (the same
+# tests, marker `gpu`, run by scripts/gpu_check.sh; skipped without CUDA).
+WHERE = [pytest.param("interpreter", marks=pytest.mark.triton), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="module", params=WHERE)
+def where(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(cpu_model: models.Transformer, where: str) -> models.Transformer:
+    if where == "interpreter":
+        return cpu_model
+    m = models.build(CONFIG, seed=0)
+    m.load_state_dict(cpu_model.state_dict())
+    return m.to("cuda")
+
+
+def on_triton(where: str) -> contextlib.AbstractContextManager:
+    """The Triton backend in gemm order v2: forced onto CPU tensors, or CUDA tensors' own backend."""
+    if where == "interpreter":
+        return triton_on_cpu()
+    pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
+    return bi.gemm_order("v2")
+
+
+def _tokens(seed: int, batch: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CONFIG.vocab_size, (batch, length), generator=g).to(device)
 
 
 @contextlib.contextmanager
@@ -89,7 +116,9 @@ def _loss_and_grads(model: models.Transformer, tokens: torch.Tensor) -> tuple[to
     return loss.detach(), grads
 
 
-def test_forward_backward_run_only_our_triton_kernels_and_exact_ops(model, monkeypatch):
+@pytest.mark.triton
+def test_forward_backward_run_only_our_triton_kernels_and_exact_ops(cpu_model, monkeypatch):
+    model = cpu_model
     tokens = _tokens(1, 2, 13)
     with only_triton(monkeypatch):
         loss, grads = _loss_and_grads(model, tokens)
@@ -114,11 +143,13 @@ def _alone_and_batched(model: models.Transformer, tokens: torch.Tensor) -> tuple
     return [model(tokens[i : i + 1, :7])[0] for i in range(len(tokens))], [batched[i, :7] for i in range(len(tokens))]
 
 
-def test_a_sequence_alone_equals_it_in_a_batch(model):
-    tokens = _tokens(2, 3, 11)
-    with triton_on_cpu(), bi.enabled(), torch.no_grad():
+def test_a_sequence_alone_equals_it_in_a_batch(model, where):
+    tokens = _tokens(2, 3, 11, model.output_weight.device)
+    with on_triton(where), bi.enabled(), torch.no_grad():
         alone, batched = _alone_and_batched(model, tokens)
     assert all(bitwise_equal(a, b) for a, b in zip(alone, batched))
+    if where != "interpreter":
+        return  # the GPU's controls: tests/batch_invariant/test_gpu_ops.py (another K tile, other bits)
     with torch.no_grad():  # control: natively the rows' bits depend on the batch
         assert not all(bitwise_equal(a, b) for a, b in zip(*_alone_and_batched(model, tokens)))
 
@@ -134,11 +165,13 @@ def _full_and_cached(model: models.Transformer, tokens: torch.Tensor) -> tuple[t
     return full, torch.cat(pieces, 1)
 
 
-def test_full_forward_equals_chunked_prefill_equals_decode_through_the_paged_cache(model):
-    tokens = _tokens(3, 2, 14)
-    with triton_on_cpu(), bi.enabled(), torch.no_grad():
+def test_full_forward_equals_chunked_prefill_equals_decode_through_the_paged_cache(model, where):
+    tokens = _tokens(3, 2, 14, model.output_weight.device)
+    with on_triton(where), bi.enabled(), torch.no_grad():
         full, cached = _full_and_cached(model, tokens)
     assert bitwise_equal(cached, full)
+    if where != "interpreter":
+        return  # the GPU's controls: tests/batch_invariant/test_gpu_ops.py
     with torch.no_grad():  # control: natively the cached path gives other bits
         assert not bitwise_equal(*_full_and_cached(model, tokens))
 
@@ -159,13 +192,14 @@ def _recompute(model: models.Transformer, samples) -> list[torch.Tensor]:
         )
 
 
-def test_generator_logprobs_equal_the_trainers_for_a_few_rl_steps(model):
+def test_generator_logprobs_equal_the_trainers_for_a_few_rl_steps(cpu_model, where):
     """The zero gap (G4) on the Triton path, across policy updates: generate, compare with the
     trainer's recomputation, take a gradient step on the samples' log-probs, reload the weights."""
     policy = models.build(CONFIG, seed=0)
-    policy.load_state_dict(model.state_dict())
+    policy.load_state_dict(cpu_model.state_dict())
+    policy = policy.to("cpu" if where == "interpreter" else "cuda")
     params = SamplingParams(temperature=TEMPERATURE, top_k=20, max_new_tokens=3)
-    with triton_on_cpu():
+    with on_triton(where):
         generator = BuiltinGenerator(policy, BuiltinGeneratorConfig(batch_invariant=True))
         for step in range(2):
             samples = generator.generate(_requests(step), params)
@@ -184,5 +218,5 @@ def test_generator_logprobs_equal_the_trainers_for_a_few_rl_steps(model):
                     p.grad = None
             generator.load_weights(policy.state_dict(), step + 1)
     with bi.enabled():  # control: the CPU backend's recomputation of the last samples has a gap
-        cpu = _recompute(policy, samples)
+        cpu = _recompute(policy.to("cpu"), samples)
     assert any(not bitwise_equal(s.logprobs, lp) for s, lp in zip(samples, cpu))

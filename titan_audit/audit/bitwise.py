@@ -22,8 +22,14 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True iff a and b have the same dtype, the same shape and identical bytes."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+    """True iff a and b have the same dtype, the same shape and identical bytes (on any devices:
+    tensors on two devices are compared on the CPU)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits_a, bits_b = bits(a), bits(b)
+    if bits_a.device != bits_b.device:
+        bits_a, bits_b = bits_a.cpu(), bits_b.cpu()
+    return torch.equal(bits_a, bits_b)
 
 
 def describe_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -32,7 +38,7 @@ def describe_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
         return f"dtype {a.dtype} != {b.dtype}"
     if a.shape != b.shape:
         return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-    differ = bits(a) != bits(b)
+    differ = bits(a).cpu() != bits(b).cpu()
     count = int(differ.sum())
     if count == 0:
         return None
