@@ -15,6 +15,8 @@ Both backends provide every `Backend` name.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -207,3 +209,25 @@ def test_both_backends_provide_every_backend_name() -> None:
             missing = [n for n in names if not hasattr(module, n)]
             assert not missing, (module.__name__, missing)
     assert "embedding_backward" in names
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm90_without_atomics_or_fma() -> None:
+    """The compiled path (no GPU needed: Triton's wheel has ptxas) is built, uses no atomics, and
+    adds with plain add.f32 (no fma contracted: nothing to contract, and fp fusion is off)."""
+    pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from titan_audit.batch_invariant.gpu import embedding
+
+    kernel = embedding._embedding_backward_kernel
+    ptrs = {"grad_ptr": "*fp32", "pos_ptr": "*i64", "row_ptr": "*i64", "start_ptr": "*i64", "end_ptr": "*i64"}
+    sig = {**ptrs, "out_ptr": "*fp32", "d": "i32", "BLOCK_D": "constexpr"}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={"BLOCK_D": 1024})
+    options = {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    assert not re.search(r"^\s*(@%p\d+\s+)?(atom|red)\.", ptx, flags=re.MULTILINE)
+    assert "add.f32" in ptx or "add.rn.f32" in ptx
+    assert not re.search(r"\bfma\.", ptx)
