@@ -35,6 +35,9 @@ class Backend(Protocol):
     def rms_norm(self, x, weight, eps): ...  # noqa: ANN001, ANN201
     def rms_norm_backward(self, grad, x, weight, rstd): ...  # noqa: ANN001, ANN201
     def attention_forward(self, q, k, v, scale, causal, q_positions, doc_ids, extra_mask=None): ...  # noqa: ANN001, ANN201, E501
+    def embedding_backward(
+        self, grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int = -1
+    ) -> torch.Tensor: ...
     def attention_backward(self, grad_out, q, k, v, out, lse, scale, causal, q_positions, doc_ids, extra_mask=None): ...  # noqa: ANN001, ANN201, E501
 
 

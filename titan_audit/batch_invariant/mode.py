@@ -9,7 +9,7 @@ functional op, which brings its own deterministic autograd; on a CUDA tensor it 
 backend check like every op), and `scaled_dot_product_attention` (through its CPU kernel
 `_scaled_dot_product_flash_attention_for_cpu` and its backward; on CUDA through the flash,
 memory-efficient and cuDNN kernels and their backward, `CUDA_OVERRIDES`), `mean` (all elements),
-and on CPU `embedding_dense_backward` (a fixed-order kernel) and the elementwise ops whose native
+`embedding_dense_backward` (fixed order, CPU and CUDA) and on CPU the elementwise ops whose native
 kernels the CPU vendor's library picks (`elementwise.py`: exp, log, sqrt, rsqrt, pow, sigmoid,
 silu, add/sub with alpha). Every other aten op with a CPU kernel that is not exact by IEEE gets a
 census guard (`census.py`): counted or, under `census.strict()`, refused. The device-key
@@ -37,7 +37,6 @@ import torch
 
 from titan_audit.batch_invariant import census, elementwise, order
 from titan_audit.batch_invariant.backend import backend_for
-from titan_audit.batch_invariant.cpu.embedding import embedding_backward
 
 _LOCK = threading.RLock()
 _LIBRARIES: list[torch.library.Library] = []
@@ -421,17 +420,24 @@ OVERRIDES: dict[str, Callable[..., Any]] = {
 def _embedding_backward(
     keyset: Any, grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool
 ) -> torch.Tensor:
-    """aten::embedding_dense_backward: each row's gradient added in ascending token order on our
-    kernel (ATen's goes through index_put_ with accumulate, in an order of its iterator's choosing)."""
+    """aten::embedding_dense_backward: each row's gradient added in ascending token order on the
+    backend's kernel (ATen's goes through index_put_ with accumulate, in an order of its iterator's
+    choosing). The cases it does not cover run ATen's CPU kernel, counted by the census; on any
+    other device they are refused (no native CUDA fallback)."""
     if scale_grad_by_freq or not grad.is_floating_point() or grad.dtype == torch.float64:
         op = "aten::embedding_dense_backward"
-        census.note(op, "scale_grad_by_freq" if scale_grad_by_freq else f"dtype {grad.dtype}")
+        reason = "scale_grad_by_freq" if scale_grad_by_freq else f"dtype {grad.dtype}"
+        if grad.device.type != "cpu":
+            raise NotImplementedError(f"batch_invariant: {op} with {reason} on {grad.device.type}")
+        census.note(op, reason)
         return census.original(op)(keyset, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    return _cast(embedding_backward(grad, indices, num_weights, padding_idx), grad.dtype)
+    out = backend_for(grad, indices).embedding_backward(grad, indices, num_weights, padding_idx)
+    return _cast(out, grad.dtype)
 
 
-# CPU-only overrides that take the dispatch keyset (to call the native kernel where they defer).
-CPU_KEYSET_OVERRIDES: dict[str, Callable[..., Any]] = {
+# Overrides that take the dispatch keyset (to call the native CPU kernel where they defer),
+# registered at every key of DEVICE_KEYS: CPU with the elementwise routes, CUDA beside CUDA_OVERRIDES.
+KEYSET_OVERRIDES: dict[str, Callable[..., Any]] = {
     "embedding_dense_backward": _embedding_backward,
 }
 
@@ -448,7 +454,7 @@ def enable() -> None:
             return
         if not _ROUTES:
             _ROUTES.update(elementwise.routes())
-            _ROUTES.update(CPU_KEYSET_OVERRIDES)
+            _ROUTES.update(KEYSET_OVERRIDES)
         routes = _ROUTES
         census.prefetch([f"aten::{name}" for name in routes])  # their native kernels, before ours shadow them
         library = torch.library.Library("aten", "IMPL")
@@ -460,6 +466,8 @@ def enable() -> None:
                         library.impl(name, fn, key)
                 for name, fn in CUDA_OVERRIDES.items():
                     library.impl(name, fn, "CUDA")
+                for name, fn in KEYSET_OVERRIDES.items():
+                    library.impl(name, fn, "CUDA", with_keyset=True)
                 for name, fn in COMPOSITE_OVERRIDES.items():
                     library.impl(name, fn, "CompositeImplicitAutograd")
                 for name, fn in routes.items():

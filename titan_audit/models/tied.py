@@ -14,14 +14,16 @@ head + dense_embedding_grad, elementwise:
 - an untouched row is head + (+0.0): the in-place `add_(0.0)` (which turns a -0.0 into +0.0, as
   that add does; every other value is unchanged);
 - a touched row is head + rows, where rows is the embedding kernel's fixed-order sum of that
-  row's positions (ascending, from +0.0: `cpu/embedding.py`), computed on the touched rows only
-  with the same per-row order; IEEE addition is commutative, so which of the two autograd would
-  have called `old` does not matter;
+  row's positions (ascending, from +0.0: the backend's `embedding_backward`, `cpu/embedding.py` or
+  `gpu/embedding.py`, which share that order), computed on the touched rows only with the same
+  per-row order; IEEE addition is commutative, so which of the two autograd would have called
+  `old` does not matter;
 - a backward that never reaches the head (a loss without the logits) returns the dense
   embedding gradient itself.
 The head's input gradient and the forward outputs are `ops.linear`'s / `F.embedding`'s.
-Used for float32 CPU weights that are plain tensors (no DTensor, no compute-dtype cast); other
-runs take the plain path (`applies`).
+Used for float32 weights that are plain tensors (no DTensor, no compute-dtype cast) on a device
+with a batch-invariant backend (CPU; CUDA through the Triton kernels); other runs take the plain
+path (`applies`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from titan_audit.batch_invariant.backend import backend_for
-from titan_audit.batch_invariant.cpu.embedding import embedding_backward
 from titan_audit.batch_invariant.ops import linear_backward
 
 
@@ -53,9 +54,17 @@ def applies(weight: torch.Tensor) -> bool:
         torch.is_grad_enabled()
         and weight.requires_grad
         and not isinstance(weight, DTensor)
-        and weight.device.type == "cpu"
         and weight.dtype == torch.float32
+        and _has_backend(weight)
     )
+
+
+def _has_backend(weight: torch.Tensor) -> bool:
+    try:
+        backend_for(weight)
+    except NotImplementedError:
+        return False
+    return True
 
 
 class _Embedding(torch.autograd.Function):
@@ -70,10 +79,11 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx: Any, grad_h: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (tokens,) = ctx.saved_tensors
         head, ctx.link.head_grad = ctx.link.head_grad, None
+        kernel = backend_for(grad_h, tokens).embedding_backward
         if head is None:
-            return embedding_backward(grad_h, tokens, ctx.num_weights), None, None
+            return kernel(grad_h, tokens, ctx.num_weights), None, None
         touched, position_row = torch.unique(tokens.reshape(-1), return_inverse=True)  # sorted rows
-        rows = embedding_backward(grad_h, position_row, int(touched.numel()))  # per row: same order
+        rows = kernel(grad_h, position_row, int(touched.numel()))  # per row: same order
         head.add_(0.0)  # head + (+0.0) on every row, as the dense add gives the untouched ones
         head[touched] = head[touched] + rows
         return head, None, None

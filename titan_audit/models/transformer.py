@@ -253,7 +253,7 @@ class Transformer(nn.Module):
 
     def _links_tied_grads(self, cast: dict[int, torch.Tensor] | None) -> bool:
         """Whether this forward's tied embedding and LM head share one weight gradient pass
-        (models/tied.py: BI mode, float32 CPU weight, no cast; the bits are the plain path's)."""
+        (models/tied.py: BI mode, float32 weight with a backend, no cast; the plain path's bits)."""
         return self.lm_head is None and cast is None and ops.bi_mode() and tied.applies(self.embed_tokens.weight)
 
     # -- compute dtype --------------------------------------------------------------------------

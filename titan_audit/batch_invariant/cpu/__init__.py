@@ -1,9 +1,10 @@
 """The CPU backend: batch-invariant kernels of our own, compiled from `cpu/kernels/*.cpp` into one
 library with scalar / AVX2 / AVX-512 variants that give identical bits (`_lib`): gemm (`matmul.py`;
 `mm` / `bmm` here sum in the process-wide gemm order, `batch_invariant.order`), attention
-(`attention.py`), the row reductions and fused row ops (`reductions.py`) and the element-wise
-functions (`pointwise.py`, used by the model). Every kernel here is forward-only and works below
-autograd; `titan_audit.batch_invariant.ops` adds autograd and input checks on top.
+(`attention.py`), the embedding's weight gradient (`embedding.py`), the row reductions and fused
+row ops (`reductions.py`) and the element-wise functions (`pointwise.py`, used by the model).
+Every kernel here is forward-only and works below autograd; `titan_audit.batch_invariant.ops`
+adds autograd and input checks on top.
 
 The backend interface (what a GPU backend must provide, by these names and signatures) is the
 `Backend` protocol in `titan_audit.batch_invariant.backend`. `kernel_library` is the loader of the
@@ -14,6 +15,7 @@ version); `KernelLibraryError` is what a missing, stale or foreign build raises.
 from titan_audit.batch_invariant.cpu import _lib as kernel_library
 from titan_audit.batch_invariant.cpu import pointwise
 from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backward, attention_forward
+from titan_audit.batch_invariant.cpu.embedding import embedding_backward
 from titan_audit.batch_invariant.cpu.matmul import backend_bmm as bmm
 from titan_audit.batch_invariant.cpu.matmul import backend_mm as mm
 from titan_audit.batch_invariant.cpu.reductions import (
@@ -37,6 +39,7 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "bmm",
+    "embedding_backward",
     "kernel_library",
     "log_softmax",
     "log_softmax_backward",

@@ -6,17 +6,20 @@ backend: `mm`, `bmm` (matmul.py: persistent, fixed tiles per dtype, no split-K),
 `tree_sum` (sum.py), `softmax`, `log_softmax` and their backward (softmax.py), `rms_norm` and
 its backward (rms_norm.py), `attention_forward` (attention.py: split-KV over a paged KV cache,
 fixed split size, ascending combine; `paged_attention` is its paged entry point) and
-`attention_backward` (attention_backward.py: no atomics). Why each kernel is batch-invariant is
+`attention_backward` (attention_backward.py: no atomics) and `embedding_backward` (embedding.py:
+the CPU kernel's order, one program per touched row and D block, no atomics). Why each kernel is batch-invariant is
 written at the top of its file. Importing this package imports Triton; `batch_invariant.backend`
 imports it only for a CUDA tensor or a forced Triton backend, so the CPU path never does.
 
-The bits differ from the CPU backend's (another order of operations): batch invariance holds
-within a backend and a device kind, and the numerics fingerprint records both.
+The bits differ from the CPU backend's (another order of operations; `embedding_backward` is the
+exception, in the CPU kernel's order): batch invariance holds within a backend and a device kind,
+and the numerics fingerprint records both.
 """
 
 from titan_audit.batch_invariant.gpu._runtime import TRITON_VERSION
 from titan_audit.batch_invariant.gpu.attention import KEY_CHUNK, attention_forward, paged_attention
 from titan_audit.batch_invariant.gpu.attention_backward import attention_backward
+from titan_audit.batch_invariant.gpu.embedding import embedding_backward
 from titan_audit.batch_invariant.gpu.matmul import bmm, mm
 from titan_audit.batch_invariant.gpu.rms_norm import rms_norm, rms_norm_backward
 from titan_audit.batch_invariant.gpu.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
@@ -31,6 +34,7 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "bmm",
+    "embedding_backward",
     "log_softmax",
     "log_softmax_backward",
     "mm",
