@@ -3,7 +3,8 @@ vendor's library chooses, sent to our kernels or to exact IEEE operations.
 
 Guarantee: while BI mode is on, these aten ops on a CPU tensor give the same bits on every CPU,
 wherever an element sits in its tensor:
-- exp, log, sqrt (float32 and float64): our compiled kernels (`cpu.pointwise`). Torch's run
+- exp, log, sqrt (float32, and float64 where the backend has it: the CPU's): the backend's kernels
+  (`cpu.pointwise`; a test's forced Triton backend: `gpu.pointwise`, the same sequences). Torch's run
   MKL's VML on CPU tensors, which picks its code path by CPU vendor (on an AMD EPYC `sSqrt` is
   built on the approximate `rsqrtps` and is 1 ulp off on ~17% of inputs; on an Intel AVX-512
   Xeon on ~0.6%), and no knob (MKL_CBWR, MKL_ENABLE_INSTRUCTIONS) moves the AMD path.
@@ -19,7 +20,12 @@ Other dtypes: bfloat16/float16 compute in float32 and round once; integer inputs
 are promoted to the default float dtype as torch does; complex inputs run natively and are counted.
 
 Registered at the CPU key (below autograd, so autograd's formulas call these too) by `mode.py`;
-CUDA tensors keep their native kernels (deterministic on one GPU model; issue 27 moves them).
+each route calls the backend of its tensor (`backend_for`: the CPU kernels, or the Triton ones
+under a test's `forced("triton")`). On CUDA tensors these aten ops keep CUDA's native kernels:
+each element is one device function of its own value (no vector body and scalar tail), so they
+are position independent and deterministic on one GPU model; the model's own silu / sigmoid / exp
+and the optimizer's sqrt call the backend directly (`models/pointwise.py`, `trainer/optim.py`) and
+run the Triton kernels there.
 """
 
 from __future__ import annotations
@@ -31,9 +37,7 @@ from typing import Any
 import torch
 
 from titan_audit.batch_invariant import census
-from titan_audit.batch_invariant.cpu import pointwise
-
-_FLOAT64_KERNELS = ("exp", "log", "sqrt")  # the kernels with a float64 version
+from titan_audit.batch_invariant.backend import backend_for
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor | None:
@@ -47,9 +51,12 @@ def _apply(name: str, x: torch.Tensor) -> torch.Tensor | None:
     """Our kernel `name` on x, rounded to x's (floating) dtype; None when the census must see a
     native call instead (complex, or float64 for a kernel without a float64 version)."""
     xin = _kernel_input(x)
-    if xin is None or (xin.dtype == torch.float64 and name not in _FLOAT64_KERNELS):
+    if xin is None:
         return None
-    y = getattr(pointwise, name)(xin)
+    backend = backend_for(xin)
+    if xin.dtype == torch.float64 and name not in backend.FLOAT64_POINTWISE:
+        return None
+    y = getattr(backend, name)(xin)
     return y if y.dtype == xin.dtype else y.to(xin.dtype)
 
 
@@ -133,13 +140,12 @@ def _pow_scalar(x: torch.Tensor, exponent: Any) -> torch.Tensor | None:
 def _backward_route(name: str) -> Callable[..., Any]:
     """sigmoid_backward(grad, output) / silu_backward(grad, input) on our float32 kernels."""
     op = f"aten::{name}"
-    kernel = getattr(pointwise, name)
 
     def route(keyset: Any, grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
         if grad.dtype == torch.float64 or saved.dtype == torch.float64 or grad.is_complex():
             census.note(op, f"dtype {grad.dtype}")
             return census.original(op)(keyset, grad, saved)
-        return kernel(grad, saved).to(grad.dtype)
+        return getattr(backend_for(grad, saved), name)(grad, saved).to(grad.dtype)
 
     return route
 

@@ -9,10 +9,11 @@ shards that split SIMD vectors at odd offsets. The implementation is pinned (`fo
 
 `PortableAdamW` (used when `determinism.batch_invariant` is on) computes the same update with
 separate multiplies, adds, divides and square roots only: each is correctly rounded on every CPU
-and ISA, so the update's bits do not depend on the CPU. The square root is our kernel's
-(`batch_invariant.cpu.pointwise.sqrt`): torch.sqrt on a CPU tensor runs MKL's VML, which picks
-its code path by CPU vendor (1 ulp off on ~17% of inputs on an AMD EPYC, ~0.6% on an AVX-512
-Xeon; tests/batch_invariant/test_census.py keeps the control against the correctly rounded root).
+and ISA, so the update's bits do not depend on the CPU. The square root is the backend's kernel
+(`batch_invariant.cpu.pointwise.sqrt` on CPU, Triton's `sqrt_rn` on CUDA): torch.sqrt on a CPU
+tensor runs MKL's VML, which picks its code path by CPU vendor (1 ulp off on ~17% of inputs on
+an AMD EPYC, ~0.6% on an AVX-512 Xeon; tests/batch_invariant/test_census.py keeps the control
+against the correctly rounded root).
 Torch's own AdamW uses `lerp_`, `addcmul_` and `addcdiv_`, whose vector kernels fuse multiply-adds
 on AVX2/AVX-512 and not in the default (scalar) build, so its bits change with `ATEN_CPU_CAPABILITY`
 (tested). For float32 contiguous CPU parameters (DTensors: their local shards) the update runs as
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_audit.batch_invariant.backend import backend_for
 from titan_audit.batch_invariant.cpu import optim as fused
-from titan_audit.batch_invariant.cpu import pointwise
 
 
 @dataclass
@@ -74,14 +75,16 @@ class ScheduleConfig:
 
 
 def _portable_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """IEEE sqrt by our kernel on CPU (torch.sqrt may run MKL VML, whose bits follow MKL_CBWR);
-    a DTensor (FSDP2 shard) elementwise on its local shard."""
+    """IEEE sqrt by the batch-invariant backend's kernel (CPU: ours, as torch.sqrt may run MKL
+    VML, whose bits follow the CPU vendor; CUDA: Triton's `sqrt_rn`); a DTensor (FSDP2 shard)
+    elementwise on its local shard. float64 off the CPU: torch's sqrt (correctly rounded on CUDA)."""
     if isinstance(x, DTensor):
         local = _portable_sqrt(x.to_local())
         return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
-    if x.device.type != "cpu":
+    backend = backend_for(x)
+    if x.dtype == torch.float64 and "sqrt" not in backend.FLOAT64_POINTWISE:
         return x.sqrt()
-    return pointwise.sqrt(x).to(x.dtype)
+    return backend.sqrt(x).to(x.dtype)
 
 
 def _update_torch(

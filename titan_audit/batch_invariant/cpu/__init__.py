@@ -2,7 +2,8 @@
 library with scalar / AVX2 / AVX-512 variants that give identical bits (`_lib`): gemm (`matmul.py`;
 `mm` / `bmm` here sum in the process-wide gemm order, `batch_invariant.order`), attention
 (`attention.py`), the embedding's weight gradient (`embedding.py`), the row reductions and fused
-row ops (`reductions.py`) and the element-wise functions (`pointwise.py`, used by the model).
+row ops (`reductions.py`) and the element-wise functions (`pointwise.py`; `exp`, `log`, `sqrt`,
+`sigmoid`, `silu`, ... here, as the backend provides them to the model and to the mode).
 Every kernel here is forward-only and works below autograd; `titan_audit.batch_invariant.ops`
 adds autograd and input checks on top.
 
@@ -18,6 +19,16 @@ from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backw
 from titan_audit.batch_invariant.cpu.embedding import embedding_backward
 from titan_audit.batch_invariant.cpu.matmul import backend_bmm as bmm
 from titan_audit.batch_invariant.cpu.matmul import backend_mm as mm
+from titan_audit.batch_invariant.cpu.pointwise import (
+    exp,
+    exp2,
+    log,
+    sigmoid,
+    sigmoid_backward,
+    silu,
+    silu_backward,
+    sqrt,
+)
 from titan_audit.batch_invariant.cpu.reductions import (
     log_softmax,
     log_softmax_backward,
@@ -30,9 +41,11 @@ from titan_audit.batch_invariant.cpu.reductions import (
 )
 
 NAME = "cpu"
+FLOAT64_POINTWISE = pointwise.FLOAT64  # exp, log, sqrt have float64 kernels
 KernelLibraryError = kernel_library.KernelLibraryError  # a missing, stale or foreign kernel build
 
 __all__ = [
+    "FLOAT64_POINTWISE",
     "KEY_CHUNK",
     "NAME",
     "KernelLibraryError",
@@ -40,6 +53,9 @@ __all__ = [
     "attention_forward",
     "bmm",
     "embedding_backward",
+    "exp",
+    "exp2",
+    "log",
     "kernel_library",
     "log_softmax",
     "log_softmax_backward",
@@ -47,8 +63,13 @@ __all__ = [
     "pointwise",
     "rms_norm",
     "rms_norm_backward",
+    "sigmoid",
+    "sigmoid_backward",
+    "silu",
+    "silu_backward",
     "softmax",
     "softmax_backward",
+    "sqrt",
     "sum_dims",
     "tree_sum",
 ]
