@@ -24,13 +24,6 @@ DEV = "cuda"
 V, D, N = 32768, 1024, 8192
 
 
-@pytest.fixture(autouse=True)
-def _gemm_order_v1():
-    """The Triton gemm implements order v1 only (the tied path's head runs it)."""
-    with bi.gemm_order("v1"):
-        yield
-
-
 def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tokens = (torch.rand(N, generator=g) ** 4 * (V // 8)).long()  # skewed: a few rows with many positions
