@@ -43,6 +43,26 @@ def multinode_options(fn):
     return fn
 
 
+DEVICES = ("cpu", "cuda")  # trainer/config.py's parallel.device (spelled here: no torch import for --help)
+
+
+def device_option():
+    """`--device cpu|cuda`: the same as `--set parallel.device=...` given after the --set options
+    (`device_override`); the command receives `device` (None: the config's)."""
+    return click.option(
+        "--device",
+        type=click.Choice(DEVICES),
+        default=None,
+        help="Where the ranks compute: cpu, or cuda (GPU LOCAL_RANK per rank); "
+        "the same as --set parallel.device=...; default: the config's (cpu).",
+    )
+
+
+def device_override(device: str | None) -> list[str]:
+    """The `--set` override `--device` stands for (none without it)."""
+    return [] if device is None else [f"parallel.device={device}"]
+
+
 class _Nproc(click.ParamType):
     """A rank count N >= 1, or "auto" (trainer/launch.py `resolve_nproc` picks W from the cores)."""
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
-from titan_audit.cli.options import multinode_options, nproc_option, overwrite_option
+from titan_audit.cli.options import device_option, device_override, multinode_options, nproc_option, overwrite_option
 
 _INIT_HELP = (
     "Start from a `titan-audit train` (or rl) run's latest checkpoint or an HF model directory; "
@@ -51,15 +51,16 @@ def _guard(fn):
 @overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. rollout.lag=2.")
 @click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
+@device_option()
 def rl(
-    source, out, init, nproc, nnodes, node_rank, rdzv_endpoint, steps, resume, overwrite, overrides, generator
+    source, out, init, nproc, nnodes, node_rank, rdzv_endpoint, steps, resume, overwrite, overrides, generator, device
 ) -> None:
     """RL on verifiable synthetic tasks (see titan_audit/rl/loop.py); no verification overhead."""
     from titan_audit.rl.launch import start_rl
     from titan_audit.trainer.launch import Rendezvous
 
     rendezvous = Rendezvous.from_options(nnodes, node_rank, rdzv_endpoint, nproc=nproc)
-    overrides = [*overrides, *_generator_override(generator)]
+    overrides = [*overrides, *_generator_override(generator), *device_override(device)]
     rc = _guard(
         lambda: start_rl(
             source,
@@ -90,7 +91,10 @@ def rl(
 @overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
-def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc, overwrite, overrides, as_json) -> None:
+@device_option()
+def verify_onpolicy(
+    source, steps, out, generator, compare_default, init, nproc, overwrite, overrides, as_json, device
+) -> None:
     """Run RL (batch-invariant mode unless the config turns it off) recording, per step, the
     trainer/generator log-prob gap; write RUN/reports/onpolicy.md and onpolicy.html; exit 0 iff
     the run is in BI mode and the gap is exactly zero at every step, 1 otherwise.
@@ -100,7 +104,7 @@ def verify_onpolicy(source, steps, out, generator, compare_default, init, nproc,
 
     if steps < 1:
         raise UserError(f"--steps must be >= 1, got {steps}")
-    common = [*overrides, *_generator_override(generator), "verify=true"]
+    common = [*overrides, *_generator_override(generator), *device_override(device), "verify=true"]
     quiet = as_json
     rc = _guard(
         lambda: start_rl(

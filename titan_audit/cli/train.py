@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from titan_audit.cli.options import multinode_options, nproc_option, overwrite_option
+from titan_audit.cli.options import device_option, device_override, multinode_options, nproc_option, overwrite_option
 
 
 @click.command(short_help="Train; the same trajectory at every world size.")
@@ -28,6 +28,7 @@ from titan_audit.cli.options import multinode_options, nproc_option, overwrite_o
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. optimizer.lr=1e-3.")
+@device_option()
 def train(
     source: str | None,
     out: Path,
@@ -40,6 +41,7 @@ def train(
     resume: bool,
     overwrite: bool | str,
     overrides: tuple[str, ...],
+    device: str | None,
 ) -> None:
     """Train (tiny recipes run in seconds on a CPU); see docs in titan_audit/trainer/train.py."""
     from titan_audit.trainer.launch import Rendezvous, start_run
@@ -52,7 +54,7 @@ def train(
         steps=steps,
         resume=resume,
         overwrite=overwrite,
-        overrides=overrides,
+        overrides=[*overrides, *device_override(device)],
         init=init,
         rendezvous=rendezvous,
     )

@@ -1,6 +1,7 @@
 """The unit a trainer consumes: one virtual microbatch, as small typed tensors.
 
-Shapes (M = microbatch size in sequences, L = sequence length), all on the CPU:
+Shapes (M = microbatch size in sequences, L = sequence length), all on the CPU as the loader
+makes them (`to(device)`: the same values on the trainer's device, for a `parallel.device = "cuda"` run):
     sequence_ids  int64 [M]     packed-sequence index of each row (packing.py)
     tokens        int64 [M, L]  input ids
     targets       int64 [M, L]  next-token ids: targets[:, i] is what position i predicts (the
@@ -17,6 +18,7 @@ doc_ids match).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +65,11 @@ class Microbatch:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> Microbatch:
+        """This microbatch with every tensor on `device` (copies of the same values; on the device
+        they are already on, the same tensors: no copy)."""
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in TENSOR_FIELDS})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in TENSOR_FIELDS}

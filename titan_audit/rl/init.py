@@ -18,7 +18,8 @@ from titan_audit.trainer.init import load_init
 
 def load_initial_model(config: RLConfig, init: str | os.PathLike | None) -> Transformer:
     """The policy's starting weights: a train (or RL) run's latest checkpoint, an HF directory, or
-    the deterministic init of (config.model, seed)."""
+    the deterministic init of (config.model, seed); on the CPU, whatever `parallel.device` (the
+    loop moves it)."""
     model = build(config.model.model_config(), seed=config.seed)
     if init is not None:
         load_init(model, init, portable=config.determinism.batch_invariant)

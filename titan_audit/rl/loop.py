@@ -27,6 +27,12 @@ exception. What is RL's own, a step k on rank r of W (P prompts = V microbatches
   5. submit the rollouts of step k + 1 + lag (policy version k); a checkpoint's blob holds the
      finished rollouts of steps k+1 .. k+lag.
 
+Device (`parallel.device = "cuda"`): the policy (and the KL reference) is built and loaded on the
+CPU, its digest recorded, then moved to the rank's GPU; the built-in generator copies it there
+(rl/builtin.py follows its weights' device), the rollout thread runs on that GPU, and the
+trainer's log-probs, the generator's log-probs and advantages (moved from the samples) and the
+loss are computed there. Rewards, rollout records and checkpointed rollouts stay CPU data.
+
 Why the trajectory is the same at every W: prompts, sampling keys and rollouts depend on prompt
 ids, never on ranks; a group's loss depends on that group alone and the global token count; the
 tree over the P groups depends on P alone; step figures are gathered in prompt order. Why a resume
@@ -78,6 +84,11 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
     check_tensor_parallel(config)
     check_backend(config)
     if config.generator == "vllm":
+        if config.parallel.device != "cpu":
+            raise ValueError(
+                f"generator = 'vllm' runs vLLM's CPU engine (a CUDA engine for our attention backend is not "
+                f"built) and parallel.device = {config.parallel.device!r}; use generator = 'builtin' on cuda"
+            )
         from titan_audit.rl import vllm as rl_vllm
 
         rl_vllm.require()  # one line: how to install the extra
@@ -137,9 +148,13 @@ def rl_train(
         W, bi = run.mesh.world_size, config.determinism.batch_invariant
         dp, dp_rank, dp_group = run.mesh.dp, run.mesh.dp_rank, run.mesh.dp_group  # TP peers: the same prompts
         init = run.manifest["init"]["source"]
-        model = load_initial_model(config, init)
+        model = load_initial_model(config, init)  # on the CPU: the initial bits are the CPU's
         record_init_weights(run, model)
         reference = _frozen_copy(config, model) if config.loss.kl_coef > 0 else None
+        device = run.mesh.device
+        model.to(device)  # on cpu: nothing moves
+        if reference is not None:
+            reference.to(device)
         parallelize(model, run.mesh.tp_mesh)  # at tp > 1; the generator keeps a TP=1 copy
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=bi)
@@ -149,7 +164,9 @@ def rl_train(
         slots = max(1, (hi - lo) * config.task.samples_per_prompt)
         factory = generator_factory or (lambda m, b: build_generator(config.generator, m, b, slots))
         schedule = run.closing(
-            RolloutSchedule(config, factory(model, bi), task, rank_block=(lo, hi), world_size=dp, group=dp_group)
+            RolloutSchedule(
+                config, factory(model, bi), task, rank_block=(lo, hi), world_size=dp, group=dp_group, device=device
+            )
         )
         schedule.start(run.start_step, model, [RolloutResult.from_state(s) for s in (blob or {}).get("pending", [])])
         run.begin(model, optimizer)
@@ -206,9 +223,9 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
         ratio_rows.append(gap_figures(lp, gen_lp))
         if config.verify and config.rollout.lag == 0:
             gap_rows.append(ratio_rows[-1])
-        elif config.verify:
+        elif config.verify:  # the worker's recomputation (or a checkpoint's CPU copy of it)
             same = result.extra["same_weights_logprobs"][j * G : (j + 1) * G]
-            same = torch.cat(same) if samples else torch.zeros(0)
+            same = torch.cat(same).to(lp.device) if samples else torch.zeros(0, device=lp.device)
             run.recorder.record_logprobs(same, "same_weights_logprobs")
             gap_rows.append(gap_figures(same, gen_lp))
         stats_rows.append(group_stats(samples, reward, gen_lp, loss, parts))
@@ -248,6 +265,7 @@ def _group_loss(config, recorder, model, reference, prompt, samples, reward, den
         with torch.no_grad():
             ref_lp = torch.cat(sequence_logprobs(reference, prompts, completions, temperature, batch_invariant=bi))
     recorder.record_logprobs(lp.detach(), "trainer_logprobs")
+    gen_lp, token_adv = gen_lp.to(lp.device), token_adv.to(lp.device)  # the samples' CPU data, on the device
     loss, parts = policy_loss(lp, gen_lp, token_adv, denominator, config.loss.clip_eps, ref_lp, config.loss.kl_coef)
     recorder.record_loss(loss)
     return lp, gen_lp, loss, parts

@@ -17,6 +17,7 @@ Guarantees:
   over the fixed tree give the token-mean objective of the whole step, whatever W.
 - Advantages are normalised within a group of G samples of one prompt (population std; a group
   whose rewards are all equal gets advantage 0 everywhere).
+- Every tensor of a call is on one device (the trainer's); the figures come back there.
 - `gap_figures` compares generator and trainer log-probs by raw bits: a token "differs" iff its
   float32 bits differ (so -0.0 vs +0.0 counts); |diff|, k3 and ratios are computed in float64.
 """
@@ -68,12 +69,12 @@ def gap_figures(trainer_lp: torch.Tensor, gen_lp: torch.Tensor) -> torch.Tensor:
     t, g = trainer_lp.detach().float(), gen_lp.float()
     assert t.shape == g.shape and t.dim() == 1, (t.shape, g.shape)
     if t.numel() == 0:
-        return torch.tensor([0, 0, 0, 0, 0, float("inf"), 0, float("-inf")], dtype=torch.float64)
+        return torch.tensor([0, 0, 0, 0, 0, float("inf"), 0, float("-inf")], dtype=torch.float64, device=t.device)
     differ = t.view(torch.int32) != g.view(torch.int32)
     log_r = t.double() - g.double()
     ratio = torch.exp(log_r)
     k3 = ratio - 1.0 - log_r
-    one = torch.tensor(float(t.numel()), dtype=torch.float64)
+    one = torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device)
     return torch.stack(
         [
             one,

@@ -7,6 +7,9 @@
     schedule.submit_after(step, model)             # the job of step + 1 + lag, version `step`
     pending = schedule.pending(step)               # every rank's rollouts in flight (for a checkpoint)
 
+`device`: the trainer's (`parallel.device`): the rollout thread runs there, and so does the
+same-weights scorer (lag > 0 with verify).
+
 Guarantees: a rank serves the prompts [lo, hi) of each step's prompt set (a pure function of
 (seed, step): the task's, rl/tasks.py or rl/user_task.py), G samples each keyed (seed, step,
 prompt id, sample index), so its rollouts do not depend on W. The rollouts of step k come from
@@ -65,11 +68,12 @@ def build_generator(kind: str, model: torch.nn.Module, batch_invariant: bool, sl
 
 
 class SameWeightsScorer:
-    """Worker-side (lag > 0, verify): the trainer's recomputation with the job's own weights."""
+    """Worker-side (lag > 0, verify): the trainer's recomputation with the job's own weights, on
+    the trainer's device."""
 
-    def __init__(self, config: RLConfig) -> None:
+    def __init__(self, config: RLConfig, device: torch.device | str = "cpu") -> None:
         self.config = config
-        self.model = build(config.model.model_config(), seed=config.seed).requires_grad_(False)
+        self.model = build(config.model.model_config(), seed=config.seed).requires_grad_(False).to(device)
 
     def __call__(self, job: RolloutJob, samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
         self.model.load_state_dict(job.weights)
@@ -97,6 +101,7 @@ class RolloutSchedule:
         rank_block: tuple[int, int],
         world_size: int,
         group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.config, self.generator, self.task = config, generator, task
         self.lo, self.hi = rank_block
@@ -110,8 +115,8 @@ class RolloutSchedule:
             max_new_tokens=s.max_new_tokens,
             stop_token_ids=(task.tokenizer.eos_id,),
         )
-        scorer = SameWeightsScorer(config) if (config.verify and self.lag > 0) else None
-        self.worker = RolloutWorker(generator, max_in_flight=self.lag + 1, scorer=scorer)
+        scorer = SameWeightsScorer(config, device) if (config.verify and self.lag > 0) else None
+        self.worker = RolloutWorker(generator, max_in_flight=self.lag + 1, scorer=scorer, device=device)
 
     def prompts(self, step: int) -> list[Prompt]:
         """The whole prompt set of `step` (every rank's prompts, in prompt-id order)."""

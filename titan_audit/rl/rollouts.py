@@ -30,6 +30,10 @@ Test hooks (never set in normal runs): `TITAN_AUDIT_RL_TEST_DELAY_MS=M` sleeps a
 training step in the trainer (`random_delay`); `TITAN_AUDIT_CRASH_AT=rl.rollout:K` SIGKILLs the
 process inside the job of step K (trainer/crash.py).
 
+Device: on `parallel.device = "cuda"` the worker thread makes the rank's GPU its current device
+(CUDA's current device is per thread; kernels launched on the current device must find the
+weights there). Snapshots stay on the trainer's device; fingerprints copy their bytes.
+
 Errors: an exception inside a job (bad request, generator failure, weight mismatch) is kept and
 re-raised in the trainer's thread by `take`, so the run stops with it; nothing is written by the
 worker thread, so a failed rollout cannot touch the run directory.
@@ -165,8 +169,16 @@ Scorer = Callable[[RolloutJob, list[Sample]], dict[str, list[torch.Tensor]]]
 class RolloutWorker:
     """Runs `RolloutJob`s on a generator in one background thread (module docstring)."""
 
-    def __init__(self, generator: Generator, *, max_in_flight: int, scorer: Scorer | None = None) -> None:
+    def __init__(
+        self,
+        generator: Generator,
+        *,
+        max_in_flight: int,
+        scorer: Scorer | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.generator = generator
+        self.device = torch.device(device)  # the thread's current CUDA device (Triton launches on it)
         self.max_in_flight = max_in_flight
         self.scorer = scorer
         self._jobs: queue.Queue[RolloutJob | None] = queue.Queue()
@@ -243,6 +255,8 @@ class RolloutWorker:
                 self._cond.notify_all()
 
     def _execute(self, job: RolloutJob) -> RolloutResult:
+        if self.device.type == "cuda":  # the current device is per thread: this rank's GPU, not GPU 0
+            torch.cuda.set_device(self.device)
         random_delay()
         crash_point("rl.rollout", job.step)
         if job.weights is not None:

@@ -15,7 +15,7 @@ Guarantees:
   load-balancing coefficient `router_aux_loss_coef`, `compute_dtype` float32 | bfloat16), data
   (token store or the built-in synthetic corpus; seq_len, global_batch_size, microbatch_size ->
   V), optimizer, schedule, parallel (mode dp | fsdp, tp: the tensor-parallel degree, threads per
-  rank, backend), checkpoint (interval, keep_last, fallback), audit (level, modules,
+  rank, backend, device cpu | cuda), checkpoint (interval, keep_last, fallback), audit (level, modules,
   flush_every_steps), determinism (enabled, strict, batch_invariant, bi_kernels: the gemm order),
   logging (jsonl, tensorboard: the metrics streams beside metrics.parquet,
   trainer/metrics_out.py); top-level
@@ -24,7 +24,9 @@ Guarantees:
   under a second on 2 CPU cores, a checkpoint every 4 steps; tiny-moe trains with the
   load-balancing loss at `model.router_aux_loss_coef = 0.01`.
 - Neither `model.router_aux_loss_coef` nor `model.compute_dtype` is resume-mutable: both change
-  the bits of every later step.
+  the bits of every later step. Nor is `parallel.device` (cpu | cuda; a config written before the
+  key existed reads as "cpu"): another device runs other kernels. A checkpoint loads on either
+  device (`titan-audit replay --device cpu` of a cuda run: a new run whose manifest says so).
 - `parallel.mode` and `parallel.tp` are resume-mutable: checkpoints are DCP state dicts from
   `get_state_dict`, so a DP checkpoint loads into FSDP2 and back, a TP=2 one into TP=1, and every
   layout gives the same bits in batch-invariant mode (tested).
@@ -133,16 +135,27 @@ class DataSection:
         return self.global_batch_size // self.microbatch_size
 
 
+DEVICES = ("cpu", "cuda")
+
+
 @dataclass
 class ProcessSection:
-    """What every rank of a run shares: its intra-op thread count and the process-group backend
-    (the `parallel` section of an RL run; the train loop's adds the data-parallel mode)."""
+    """What every rank of a run shares: the device it computes on, its intra-op thread count and
+    the process-group backend (the `parallel` section of an RL run; the train loop's adds the
+    data-parallel mode).
+
+    device: "cpu", or "cuda" (rank r of a node on GPU LOCAL_RANK; the weights are initialised on
+    the CPU, then moved: trainer/engine.py). It changes the bits of every step, so a resume may not
+    change it; `backend = "auto"` resolves by it (nccl for cuda, gloo for cpu)."""
 
     threads: int = 1  # intra-op threads per rank: part of the numerics, never derived from W
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     tp: int = 1  # tensor-parallel ranks per data-parallel rank (W = dp * tp): a layout, never the bits
+    device: Literal["cpu", "cuda"] = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"parallel.device must be one of {', '.join(map(repr, DEVICES))}, got {self.device!r}")
         if self.threads < 1:
             raise ValueError(f"parallel.threads must be >= 1, got {self.threads}")
         if self.tp < 1:

@@ -17,7 +17,8 @@ A loop says only what is its own: where its microbatches come from and what thei
 
 Guarantees:
 - Set-up, in this order, identical for both loops: join the process group (the mesh: W = dp x tp
-  ranks, a (dp, tp) DeviceMesh when `parallel.tp` > 1; the device type is the next axis), the intra-op
+  ranks, a (dp, tp) DeviceMesh when `parallel.tp` > 1, of the device type `parallel.device`; on
+  cuda each rank first takes GPU LOCAL_RANK; backend "auto" is nccl on cuda, gloo on cpu), the intra-op
   thread count from the config (never from W), the run's numerics (deterministic switches and
   seeds; with `determinism.batch_invariant`, BI mode, its op census and the gemm order
   `determinism.bi_kernels` for the whole run, every thread), then on rank 0 every input check
@@ -25,7 +26,15 @@ Guarantees:
   (`claim_run_dir`, held until the run closes), the manifest with the numerics fingerprint taken
   under the run's own numerics. Rank 0's verdict reaches every rank before any work, so all fail or
   go on together; a new run's manifest is written at once, a resume's only after its checkpoint
-  loaded (`begin`), so a resume that fails leaves the run's files as they were.
+  loaded (`begin`), so a resume that fails leaves the run's files as they were. The fingerprint
+  and the mesh in the manifest are those of the configured device, never of what is visible.
+- The device (`parallel.device`, `run.mesh.device`): a loop builds and initialises its model on
+  the CPU exactly as a CPU run does (the initial weights' bits are our CPU code's), then moves it
+  there; what it computes with (batches, log-probs, gradient buffers, the optimizer state, which
+  torch allocates beside the parameters) lives there too. What leaves the device is copied, never
+  converted: audit hashes and checkpoints read the bytes (`.cpu()`), and the collectives of
+  reduce.py move bytes only. On cpu every one of these moves is the identity: a CPU run computes
+  what it computed before the key existed.
 - Close on any exception (`__exit__`): the recorder and what the loop registered with `closing`
   are closed, BI mode and the deterministic switches are restored, the lock is
   released. The op census is written to the manifest when the run ends without an error.
@@ -87,11 +96,17 @@ class Mesh:
     read the same microbatches; the loader and the gradient tree run over the dp group.
     Recorded in the manifest's history, like the world size: never part of the numerics."""
 
-    device_type: str
+    device_type: str  # "cpu" | "cuda": parallel.device
     world_size: int
     rank: int
     tp: int = 1
     device_mesh: Any = None  # the (dp, tp) DeviceMesh when tp > 1
+    device_index: int | None = None  # on cuda: this rank's GPU (LOCAL_RANK)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: the CPU, or its own GPU (explicit index, valid in any thread)."""
+        return torch.device(self.device_type, self.device_index)
 
     @property
     def dp(self) -> int:
@@ -116,8 +131,18 @@ class Mesh:
 
     @property
     def dp_mesh(self) -> Any:
-        """The dp dimension of the (dp, tp) mesh (None at tp = 1: FSDP2 then takes the whole group)."""
+        """The dp dimension of the (dp, tp) mesh (None at tp = 1)."""
         return None if self.device_mesh is None else self.device_mesh["dp"]
+
+    def fsdp_mesh(self) -> Any:
+        """The mesh FSDP2 shards over: the dp dimension of the (dp, tp) mesh, or at tp = 1 a 1-D
+        mesh of every rank on this run's device (FSDP2's own default mesh would be CUDA whenever a
+        GPU is visible, whatever the config says). Needs the process group."""
+        if self.device_mesh is not None:
+            return self.device_mesh["dp"]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device_type, (self.world_size,))
 
     def describe(self) -> str:
         """The progress lines' layout: W=4, or with tensor parallelism W=4 (dp 2 x tp 2)."""
@@ -131,26 +156,46 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def init_mesh(backend: str = "auto", *, single_group: bool = False, tp: int = 1) -> Mesh:
-    """Join the process group torchrun describes in the environment (if any and not joined yet).
-    `single_group`: without one, make a one-rank group (FSDP2 needs a group even at W=1). tp > 1:
-    the (dp, tp) DeviceMesh over the group (the caller checked that tp divides W)."""
-    if not dist.is_initialized():
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+def resolve_backend(backend: str, device: str) -> str:
+    """The process-group backend of `parallel.backend` on `parallel.device`: "auto" is nccl on
+    cuda and gloo on cpu (by the configured device alone, never by what this machine has)."""
+    assert device in ("cpu", "cuda"), device
+    if backend == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    return backend
+
+
+def init_mesh(backend: str = "auto", *, device: str = "cpu", single_group: bool = False, tp: int = 1) -> Mesh:
+    """Join the process group torchrun describes in the environment (if any and not joined yet),
+    on `device` ("cpu" | "cuda": on cuda this rank first takes GPU LOCAL_RANK, a ValueError naming
+    parallel.device when the node has fewer GPUs). `single_group`: without one, make a one-rank
+    group (FSDP2 needs a group even at W=1). tp > 1: the (dp, tp) DeviceMesh of `device` over the
+    group (the caller checked that tp divides W)."""
+    backend = resolve_backend(backend, device)
+    index = None
+    if device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= visible:
+            raise ValueError(
+                f"parallel.device = 'cuda': local rank {index} needs GPU {index} and this node has {visible} "
+                f"visible; run at most {visible} rank(s) per node"
+            )
+        torch.cuda.set_device(index)
+    if not dist.is_initialized():  # no device_id: NCCL starts lazily, after deterministic.enable pinned its order
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             dist.init_process_group(backend)
         elif single_group or tp > 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not dist.is_initialized():
-        return Mesh("cpu", 1, 0)
+        return Mesh(device, 1, 0, device_index=index)
     world_size = dist.get_world_size()
     device_mesh = None
     if tp > 1 and world_size % tp == 0:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    return Mesh("cpu", world_size, dist.get_rank(), tp if device_mesh is not None else 1, device_mesh)
+        device_mesh = init_device_mesh(device, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Mesh(device, world_size, dist.get_rank(), tp if device_mesh is not None else 1, device_mesh, index)
 
 
 def broadcast_error(message: str | None) -> None:
@@ -174,18 +219,35 @@ def now() -> str:
 
 # ---------------------------------------------------------------------------------- input checks
 def check_backend(config: Any) -> None:
-    """`parallel.backend` against this build of torch and this machine (ValueError naming the key):
-    NCCL needs a torch built with it and a CUDA device; gloo is in every build."""
-    backend = config.parallel.backend
-    if backend != "nccl":
-        return
-    if not dist.is_nccl_available():
+    """`parallel.device` and `parallel.backend` against this build of torch, this machine and each
+    other (ValueError naming the key): cuda needs a visible CUDA device; NCCL needs a torch built
+    with it and moves CUDA tensors only, so it goes with cuda; gloo, in every build, goes with cpu
+    (the trainer's collectives move the device's tensors as they are); "auto" picks the one that
+    goes with the device."""
+    device, backend = config.parallel.device, config.parallel.backend
+    if device == "cuda" and not torch.cuda.is_available():
+        build = (
+            f"a CPU build of torch {torch.__version__}" if torch.version.cuda is None else f"torch {torch.__version__}"
+        )
+        raise ValueError(
+            f"parallel.device = 'cuda' needs a CUDA device and none is visible here ({build}); "
+            f"use parallel.device = 'cpu' (or --device cpu)"
+        )
+    if backend == "nccl" and not dist.is_nccl_available():
         raise ValueError(
             f"parallel.backend = 'nccl': this torch build ({torch.__version__}) has no NCCL; "
-            f"use parallel.backend = 'gloo' (or 'auto': NCCL where there is a GPU, else gloo)"
+            f"use parallel.backend = 'gloo' (or 'auto': nccl on parallel.device = 'cuda', else gloo)"
         )
-    if not torch.cuda.is_available():
-        raise ValueError("parallel.backend = 'nccl' needs a CUDA device and none is visible; use 'gloo' or 'auto'")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(
+            f"parallel.backend = 'nccl' moves CUDA tensors and parallel.device = {device!r}; "
+            f"use parallel.backend = 'gloo' or 'auto', or parallel.device = 'cuda'"
+        )
+    if backend == "gloo" and device != "cpu":
+        raise ValueError(
+            f"parallel.backend = 'gloo' moves CPU tensors here and parallel.device = {device!r}; "
+            f"use parallel.backend = 'nccl' or 'auto' (nccl on cuda)"
+        )
 
 
 def check_run_dir(
@@ -303,7 +365,14 @@ class Run:
         config = self.config
         if not 1 <= self.last_step <= config.steps:
             raise ValueError(f"stop step {self.last_step} is outside 1..steps={config.steps}")
-        self.mesh = init_mesh(config.parallel.backend, single_group=self._single_group, tp=config.parallel.tp)
+        parallel = config.parallel
+        if parallel.device == "cuda" and config.determinism.enabled:
+            # init_mesh initialises CUDA (this rank's GPU); cuBLAS's deterministic workspace must be
+            # set before that. NCCL's pinned order (deterministic.enable) precedes its lazy init.
+            from titan_audit.deterministic.switches import CUBLAS_WORKSPACE
+
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        self.mesh = init_mesh(parallel.backend, device=parallel.device, single_group=self._single_group, tp=parallel.tp)
         torch.set_num_threads(config.parallel.threads)  # before anything computes; never from W
         self._enter_numerics()
         self._claim()
@@ -354,7 +423,8 @@ class Run:
         manifest["kind"] = self.kind
         manifest["config"] = typed_config.to_dict(self.config)
         manifest["seed"] = self.config.seed
-        manifest["fingerprint"] = deterministic.fingerprint().to_dict()  # under the run's numerics
+        # under the run's numerics, of the configured device (not whatever device is visible)
+        manifest["fingerprint"] = deterministic.fingerprint(self.mesh.device).to_dict()
         manifest["packages"] = package_versions()
         if not self.resume and self._extra is not None:
             manifest.update(self._extra())
@@ -468,7 +538,7 @@ def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
     vector, in parameter order."""
     parts = []
     for p in params:
-        grad = p.grad if p.grad is not None else torch.zeros(local_shape(p), dtype=p.dtype)
+        grad = p.grad if p.grad is not None else torch.zeros(local_shape(p), dtype=p.dtype, device=p.device)
         parts.append((grad.to_local() if is_dtensor(grad) else grad).reshape(-1).float())
     return torch.cat(parts)
 
@@ -485,17 +555,18 @@ def clip_(flat: torch.Tensor, max_norm: float, full: torch.Tensor | None = None)
 
 
 class GradBuffers:
-    """One flat fp32 gradient buffer per local microbatch, allocated once and reused every step
-    (fresh 16 MB allocations per microbatch cost page faults). A microbatch's gradient is
-    0 + autograd's gradient, accumulated in place through .grad views: the same for every W."""
+    """One flat fp32 gradient buffer per local microbatch on the parameters' device, allocated once
+    and reused every step (fresh 16 MB allocations per microbatch cost page faults). A microbatch's
+    gradient is 0 + autograd's gradient, accumulated in place through .grad views: the same for
+    every W."""
 
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
+    def __init__(self, numel: int, device: torch.device | str = "cpu") -> None:
+        self.numel, self.device = numel, torch.device(device)
         self.buffers: list[torch.Tensor] = []
 
     def zeroed(self, j: int) -> torch.Tensor:
         while len(self.buffers) <= j:
-            self.buffers.append(torch.empty(self.numel, dtype=torch.float32))
+            self.buffers.append(torch.empty(self.numel, dtype=torch.float32, device=self.device))
         return self.buffers[j].zero_()
 
 
@@ -514,7 +585,7 @@ class StepKit:
         self.deterministic = bool(run.config.determinism.enabled)
         group = run.mesh.dp_group  # TP ranks of a dp rank hold the same microbatches: the tree is over dp
         self.reducer = TreeReducer(run.config.num_microbatches, group) if self.deterministic else None
-        self.buffers = GradBuffers(sum(local_shape(p).numel() for p in params))
+        self.buffers = GradBuffers(sum(local_shape(p).numel() for p in params), run.mesh.device)
         self.tensor_parallel = run.mesh.tp > 1
         self._leaf: torch.Tensor | None = None
 

@@ -61,7 +61,8 @@ class ShardedGrads:
         """The microbatch's full gradient of every parameter (zeros where unused; under tensor
         parallelism, its local TP shard) as one fresh fp32 vector in parameter order; FSDP's
         unsharded gradients are cleared for the next microbatch."""
-        flat = torch.zeros(sum(self._unsharded_shape(p).numel() for p in params), dtype=torch.float32)
+        numel = sum(self._unsharded_shape(p).numel() for p in params)
+        flat = torch.zeros(numel, dtype=torch.float32, device=params[0].device)  # the run's device
         offset = 0
         for p in params:
             fsdp_param = self.by_param[id(p)]

@@ -33,6 +33,13 @@ Scratch buffers are kept across calls (a fresh buffer of tens of MB costs page f
 the exchange itself), so a step allocates nothing. all_reduce returns the first gradient buffer
 this rank added, now holding the full sum. Pipelining the exchange in buckets (tried: 1-16 MB)
 gave no measurable gain on gloo here and cost CPU per message, so there is one bucket.
+
+Devices: the reducer works on the gradients where they are (scratch buffers on their device): CPU
+tensors over gloo, CUDA tensors over NCCL (`parallel.device = "cuda"`; engine.check_backend
+refuses the other pairings). Every addition is the same elementwise IEEE add on either device, and
+the collectives move bytes only. `gather_in_index_order` takes a tensor on any device and gathers
+it on the device the group's backend moves (gloo: CPU, NCCL: this rank's GPU), returning it
+where it came from.
 """
 
 from __future__ import annotations
@@ -119,14 +126,24 @@ def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.
     return tree_sum(values, lo, mid) + tree_sum(values, mid, hi)
 
 
+def transport_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors `group`'s backend moves: this rank's GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather_in_index_order(local: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's block of `group` (W ranks) concatenated along dim 0 (rank order = microbatch
-    index order)."""
+    index order), on `local`'s device (moved for the transport when the backend needs another:
+    bytes copied, never changed)."""
     if world_size == 1:
         return local
-    out = torch.empty((local.shape[0] * world_size, *local.shape[1:]), dtype=local.dtype)
-    all_gather_single(out.view(-1), local.contiguous().view(-1), group=group)
-    return out
+    wire = transport_device(group)
+    send = local.contiguous().to(wire)
+    out = torch.empty((local.shape[0] * world_size, *local.shape[1:]), dtype=local.dtype, device=wire)
+    all_gather_single(out.view(-1), send.view(-1), group=group)
+    return out.to(local.device)
 
 
 # all_reduce_partials: up to this many bytes one all-gather + local tree, above it a TreeReducer.

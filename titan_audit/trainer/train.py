@@ -48,6 +48,9 @@ cast's backward widens the bf16 gradient exactly), and clipping, AdamW and its s
 and the audited parameters are fp32 master weights. Every cast is elementwise and every bf16
 kernel runs on one microbatch with the config's thread count, so G1/G3/G5 hold as in fp32.
 
+Device (`parallel.device = "cuda"`, engine.py): the model is built and initialised on the CPU, then
+moved to the rank's GPU; each microbatch goes there after its data records (hashed on the CPU).
+
 Guarantees: G1 (same config + fingerprint -> same audit hashes), G3 (same hashes for every W
 dividing V, and across a resume at another W), G5 (SIGKILL at any moment, `resume=True` -> the
 same trajectory). The intra-op thread count is set from `parallel.threads` on every rank before
@@ -178,7 +181,8 @@ def _forward_backward(kit: StepKit, model: torch.nn.Module, j: int, mb, aux_scal
     """Microbatch j's forward, records and backward into its gradient; [loss] or [loss, aux]."""
     recorder = kit.run.recorder
     with kit.microbatch(j, mb.index):
-        recorder.record_data(mb.tensors())
+        recorder.record_data(mb.tensors())  # the loader's CPU tensors: hashed without a copy
+        mb = mb.to(kit.run.mesh.device)  # batch, targets, positions, loss mask: on the run's device
         if aux_scale is None:
             loss = objective = microbatch_loss(model, mb)
             recorder.record_loss(loss)
@@ -269,14 +273,16 @@ def train(
 
 
 def _build_model(config: TrainConfig, run: Run):
-    """The model at the seed's init or the run's --init, and under FSDP2 its sharding."""
+    """The model at the seed's init or --init, built on the CPU (its bits), moved, sharded (TP, FSDP2)."""
     ac = config.model.activation_checkpointing
     model = build(config.model.model_config(), seed=config.seed, activation_checkpointing=ac)
     load_run_init(run, model, portable=config.determinism.batch_invariant)
+    model.to(run.mesh.device)  # a copy of the same bits (on cpu: nothing moves)
     parallelize(model, run.mesh.tp_mesh)  # at tp > 1: q/k/v, gate/up, LM head column-wise, o/down row-wise
     dtype = config.model.torch_compute_dtype
     if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
-        sharded = shard_model(model, deterministic=config.determinism.enabled, param_dtype=dtype, mesh=run.mesh.dp_mesh)
+        deterministic = config.determinism.enabled
+        sharded = shard_model(model, deterministic=deterministic, param_dtype=dtype, mesh=run.mesh.fsdp_mesh())
         return model, sharded
     model.set_compute_dtype(dtype)  # the model casts each parameter once per forward, inside autograd
     return model, None
