@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT
-from titan_audit.cli.options import overwrite_option
+from titan_audit.cli.options import DEVICES, overwrite_option
 from titan_audit.cli.output import print_json
 
 
@@ -18,6 +18,12 @@ from titan_audit.cli.output import print_json
 @click.option("--tp", type=int, default=None, help="Tensor-parallel degree of the replay (default: the run's).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The new run directory.")
 @click.option("--verify-to", "verify_to", type=int, default=None, help="Stop (and compare) at this step.")
+@click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default=None,
+    help="Replay on this device (default: the run's); another device computes other bits: a difference.",
+)
 @overwrite_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def replay(
@@ -27,6 +33,7 @@ def replay(
     tp: int | None,
     out: Path,
     verify_to: int | None,
+    device: str | None,
     overwrite: bool | str,
     as_json: bool,
 ) -> None:
@@ -35,7 +42,7 @@ def replay(
 
     try:
         result, to_step = elastic_replay(
-            run, from_step, out, nproc=nproc, tp=tp, verify_to=verify_to, overwrite=overwrite
+            run, from_step, out, nproc=nproc, tp=tp, verify_to=verify_to, overwrite=overwrite, device=device
         )
     except RuntimeError as error:
         raise click.ClickException(str(error)) from None

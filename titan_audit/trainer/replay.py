@@ -9,6 +9,10 @@ Guarantees:
   manifest, with the source named under "replay_of"), a copy of the source's checkpoint `step_K`
   (verified again when the new run loads it) and of its prepared synthetic data, and nothing else;
   it is refused if it already holds anything, unless `overwrite` (then the old one is moved aside).
+- `device` (`replay --device`): the replay runs on another `parallel.device` than the run (its
+  backend back to "auto"), e.g. a cuda run's checkpoint on the CPU: the checkpoint loads into the
+  other device's tensors bitwise (verified against its hashes), the new run's manifest holds the
+  config it ran with, and the comparison shows what the other device's kernels changed.
 - `compare_replay` compares exactly the steps K+1..to_step of both runs with audit.compare_runs
   (the same join on (step, phase, microbatch, name), nothing ignored): records of those steps only
   in one run count as differences.
@@ -29,7 +33,7 @@ from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.schema import SCHEMA
 from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
-from titan_audit.trainer.config import TrainConfig, from_dict
+from titan_audit.trainer.config import TrainConfig, from_dict, to_dict
 from titan_audit.trainer.run_dir import MANIFEST, prepare_run_dir, read_manifest, write_manifest
 
 
@@ -57,8 +61,16 @@ def last_recorded_step(run: Path) -> int:
 
 
 def prepare_replay(
-    run: str | os.PathLike, from_step: int, out: str | os.PathLike, *, overwrite: bool | str = False
+    run: str | os.PathLike,
+    from_step: int,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool | str = False,
+    replay_config: TrainConfig | None = None,
 ) -> Path:
+    """The new run directory of a replay (module docstring). `replay_config`: the replay's own
+    config when it is not the run's (another device), written to the new manifest in place of the
+    run's."""
     run, out = Path(run), Path(out)
     config, ckpt_dir, _ = source_checkpoint(run, from_step)
     if out.resolve() == run.resolve():
@@ -74,7 +86,7 @@ def prepare_replay(
     write_manifest(
         out,
         {
-            "config": source["config"],
+            "config": source["config"] if replay_config is None else to_dict(replay_config),
             "seed": source.get("seed"),
             "world_size_history": [],
             "replay_of": {"run": str(run.resolve()), "from_step": from_step},
@@ -116,16 +128,24 @@ def elastic_replay(
     verify_to: int | None = None,
     overwrite: bool | str = False,
     quiet: bool = False,
+    device: str | None = None,
 ) -> tuple[CompareResult, int]:
     """Resume `run`'s checkpoint `from_step` on `nproc` ranks into `out`, run to `verify_to` (default:
     the run's last step) and compare. `tp`: the replay's tensor-parallel degree (default: the
-    run's; nproc = dp x tp), a layout like W (the checkpoint reshards through DCP). Returns
+    run's; nproc = dp x tp), a layout like W (the checkpoint reshards through DCP). `device`: the
+    replay's parallel.device (default: the run's; another one computes other bits). Returns
     (comparison, to_step). Bad input: ValueError, before any work; a failed replay run:
     RuntimeError."""
+    from titan_audit.trainer.engine import check_backend
     from titan_audit.trainer.launch import launch
     from titan_audit.trainer.tensor_parallel import check_tensor_parallel
 
     config, _, last = source_checkpoint(run, from_step)
+    other_device = device is not None and device != config.parallel.device
+    if other_device:
+        parallel = dataclasses.replace(config.parallel, device=device, backend="auto")
+        config = dataclasses.replace(config, parallel=parallel)
+        check_backend(config)  # cuda needs a GPU here
     if tp is not None:
         config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=tp))
         check_tensor_parallel(config)
@@ -133,7 +153,7 @@ def elastic_replay(
     if not from_step < to_step <= last:
         raise ValueError(f"--verify-to {to_step}: must lie in {from_step + 1}..{last} (the run's recorded steps)")
     config.check_world_size(nproc)
-    prepare_replay(run, from_step, out, overwrite=overwrite)
+    prepare_replay(run, from_step, out, overwrite=overwrite, replay_config=config if other_device else None)
     rc = launch(config, out, nproc=nproc if nproc > 1 else None, resume=True, stop_at=to_step, quiet=quiet)
     if rc:
         raise RuntimeError(f"the replay run failed (exit {rc}); see {out}")
