@@ -30,6 +30,8 @@ rather than running a native, position-dependent kernel.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -179,28 +181,26 @@ def _f32(name: str, x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).contiguous()
 
 
+def _launch(kernel: Any, name: str, *inputs: torch.Tensor) -> torch.Tensor:
+    """`kernel` over the float32 copies of `inputs` (one shape), one program per BLOCK elements."""
+    check_device(*inputs)
+    inputs = tuple(_f32(name, t) for t in inputs)
+    if any(t.shape != inputs[0].shape for t in inputs):
+        raise ValueError(f"{name}: inputs of shapes {[tuple(t.shape) for t in inputs]} must have one shape")
+    out = torch.empty_like(inputs[0])
+    if out.numel():
+        block = _block(out)
+        grid = (triton.cdiv(out.numel(), block),)
+        kernel[grid](*inputs, out, out.numel(), OP=name, BLOCK=block, **launch_options(out, 4))
+    return out
+
+
 def _unary(name: str, x: torch.Tensor) -> torch.Tensor:
-    check_device(x)
-    x = _f32(name, x)
-    y = torch.empty_like(x)
-    if x.numel():
-        block = _block(x)
-        grid = (triton.cdiv(x.numel(), block),)
-        _unary_kernel[grid](x, y, x.numel(), OP=name, BLOCK=block, **launch_options(x, 4))
-    return y
+    return _launch(_unary_kernel, name, x)
 
 
 def _binary(name: str, grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
-    check_device(grad, saved)
-    grad, saved = _f32(name, grad), _f32(name, saved)
-    if grad.shape != saved.shape:
-        raise ValueError(f"{name}: grad {tuple(grad.shape)} and its input {tuple(saved.shape)} must have one shape")
-    out = torch.empty_like(grad)
-    if grad.numel():
-        block = _block(grad)
-        grid = (triton.cdiv(grad.numel(), block),)
-        _backward_kernel[grid](grad, saved, out, grad.numel(), OP=name, BLOCK=block, **launch_options(grad, 4))
-    return out
+    return _launch(_backward_kernel, name, grad, saved)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
