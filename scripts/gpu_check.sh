@@ -29,13 +29,16 @@ WHEELS=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 p
     rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 hypothesis==6.170.17
     sortedcontainers==2.4.0 attrs==26.1.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1)
 MODULES=(torch triton numpy pyarrow matplotlib zarr xxhash click safetensors rich tqdm pytest hypothesis yaml)
-GPU_TESTS=(tests/batch_invariant/test_gpu_ops.py tests/batch_invariant/test_gpu_embedding.py tests/batch_invariant/test_triton_pointwise.py
-    tests/models/test_triton_model.py tests/trainer/test_device_key.py)
+GPU_TESTS=(tests/batch_invariant/test_gpu_ops.py tests/batch_invariant/test_gpu_embedding.py
+    tests/batch_invariant/test_triton_pointwise.py tests/models/test_triton_model.py)
+DEVICE_TESTS=(tests/trainer/test_device_key.py)  # G1 / G5 / G4 runs on cuda through the CLI, with controls
 INTERPRETER_TESTS=(tests/batch_invariant/test_triton_mode.py tests/batch_invariant/test_mode.py)
-STAGES="env (15 s), gpu_tests: pytest -m gpu ${GPU_TESTS[*]} (130 s), interpreter: pytest -m triton
-  ${INTERPRETER_TESTS[*]} against this torch's CUDA SDPA signatures (40 s), bench_ops: titan-audit bench ops
-  --json, Triton vs cuBLAS / SDPA (70 s), g1_train: BI tiny-dense 3 steps on cuda twice + compare (60 s),
-  g4_onpolicy: verify-onpolicy rl-tiny 2 steps on cuda, built-in generator (60 s)"
+STAGES="env (15 s), gpu_tests: pytest -m gpu ${GPU_TESTS[*]} (100 s), bench_ops: titan-audit bench ops
+  --json, Triton vs cuBLAS / SDPA (60 s), g1_train: BI tiny-dense 3 steps on cuda twice + compare (45 s),
+  g4_onpolicy: verify-onpolicy rl-tiny 2 steps on cuda, built-in generator (45 s), device_runs: pytest -m gpu
+  ${DEVICE_TESTS[*]} (G1 with a native control, G5 resume on cuda + replay on the CPU, G4 with a control; 90 s),
+  interpreter: pytest -m triton ${INTERPRETER_TESTS[*]} against this torch's CUDA SDPA signatures (40 s);
+  in this order, the most telling first: a stage gets its cap or what is left of the budget"
 
 wheel_file() {  # the .whl file of name==version in WHEEL_DIR, if any
     local name=${1%%==*} version=${1##*==}
@@ -60,7 +63,7 @@ if [ "${1:-}" = "--dry-run" ]; then
     elif ! "$PY" -c "from titan_audit.batch_invariant.cpu import kernel_library as k; k.library()" 2>/dev/null; then
         echo "stale or foreign: $KERNELS (make kernels)"; missing=1
     fi
-    for f in "${GPU_TESTS[@]}" "${INTERPRETER_TESTS[@]}" scripts/gpu_check_record.py; do
+    for f in "${GPU_TESTS[@]}" "${DEVICE_TESTS[@]}" "${INTERPRETER_TESTS[@]}" scripts/gpu_check_record.py; do
         [ -f "$f" ] || { echo "missing: $f"; missing=1; }
     done
     size=$(du -cb "$WHEEL_DIR" "$KERNELS" 2>/dev/null | tail -1 | cut -f1)
@@ -123,22 +126,16 @@ rc=$?
 record env "$rc" "$t" env "$OUT_DIR/env.json"
 [ "$rc" -eq 0 ] || { echo "no usable CUDA GPU with torch + triton here (see $JSON)"; exit 2; }
 
-# -- the gpu tests (Triton kernels compiled; model-level proofs; the cuda train run twice)
+# -- the gpu tests (Triton kernels compiled; the model-level proofs on CUDA tensors)
 t=$SECONDS
-timeout "$(cap 130)" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/gpu_tests.xml" \
+timeout "$(cap 100)" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/gpu_tests.xml" \
     "${GPU_TESTS[@]}" >"$OUT_DIR/gpu_tests.log" 2>&1
 record gpu_tests $? "$t" pytest "$OUT_DIR/gpu_tests.xml"
 tail -3 "$OUT_DIR/gpu_tests.log"
 
-# -- the interpreter tests against this machine's torch and Triton (the CUDA SDPA override signatures)
-t=$SECONDS
-timeout "$(cap 40)" "$PY" -m pytest -m triton -q -p no:cacheprovider --junitxml="$OUT_DIR/interpreter.xml" \
-    "${INTERPRETER_TESTS[@]}" >"$OUT_DIR/interpreter.log" 2>&1
-record interpreter $? "$t" pytest "$OUT_DIR/interpreter.xml"
-
 # -- bench ops: Triton vs cuBLAS / SDPA in the same run (targets: matmul >= 0.8x cuBLAS, decode >= 0.7x SDPA)
 t=$SECONDS
-timeout "$(cap 70)" "$PY" -c "from titan_audit.cli.main import main; main()" bench ops --json \
+timeout "$(cap 60)" "$PY" -c "from titan_audit.cli.main import main; main()" bench ops --json \
     >"$OUT_DIR/bench_ops.json" 2>"$OUT_DIR/bench_ops.log"
 record bench_ops $? "$t" bench "$OUT_DIR/bench_ops.json"
 
@@ -147,7 +144,7 @@ t=$SECONDS
 runs=$OUT_DIR/runs
 rm -rf "$runs/g1_a" "$runs/g1_b"
 g1=(train --config tiny-dense --steps 3 --set determinism.batch_invariant=true --set parallel.device=cuda)
-limit=$(cap 60)
+limit=$(cap 45)
 ( timeout "$limit" "$PY" -c "from titan_audit.cli.main import main; main()" "${g1[@]}" --out "$runs/g1_a" &&
   timeout "$limit" "$PY" -c "from titan_audit.cli.main import main; main()" "${g1[@]}" --out "$runs/g1_b" &&
   ta compare "$runs/g1_a" "$runs/g1_b" --json >"$OUT_DIR/g1_compare.json" ) >"$OUT_DIR/g1_train.log" 2>&1
@@ -156,9 +153,22 @@ record g1_train $? "$t" compare "$OUT_DIR/g1_compare.json"
 # -- G4 on the GPU: the built-in generator's log-probs against the trainer's, every step
 t=$SECONDS
 rm -rf "$runs/g4"
-timeout "$(cap 60)" "$PY" -c "from titan_audit.cli.main import main; main()" verify-onpolicy --config rl-tiny \
+timeout "$(cap 45)" "$PY" -c "from titan_audit.cli.main import main; main()" verify-onpolicy --config rl-tiny \
     --steps 2 --out "$runs/g4" --set parallel.device=cuda --json >"$OUT_DIR/g4_onpolicy.json" 2>"$OUT_DIR/g4_onpolicy.log"
 record g4_onpolicy $? "$t" onpolicy "$OUT_DIR/g4_onpolicy.json"
+
+# -- G1 / G5 / G4 on cuda as tests, each with its control (tests/trainer/test_device_key.py)
+t=$SECONDS
+timeout "$(cap 90)" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/device_runs.xml" \
+    "${DEVICE_TESTS[@]}" >"$OUT_DIR/device_runs.log" 2>&1
+record device_runs $? "$t" pytest "$OUT_DIR/device_runs.xml"
+tail -3 "$OUT_DIR/device_runs.log"
+
+# -- the interpreter tests against this machine's torch and Triton (the CUDA SDPA override signatures)
+t=$SECONDS
+timeout "$(cap 40)" "$PY" -m pytest -m triton -q -p no:cacheprovider --junitxml="$OUT_DIR/interpreter.xml" \
+    "${INTERPRETER_TESTS[@]}" >"$OUT_DIR/interpreter.log" 2>&1
+record interpreter $? "$t" pytest "$OUT_DIR/interpreter.xml"
 
 echo "== $JSON"
 "$PY" - "$JSON" <<'PYEOF'
