@@ -175,3 +175,50 @@ def test_row_and_attention_kernels_compile_for_sm90() -> None:
     )
     for k in compiled:
         _no_atomics(k)
+
+
+def test_pointwise_kernels_compile_for_sm90_with_ieee_division_sqrt_and_only_the_written_fmas() -> None:
+    """The element-wise kernels' bits equal the CPU kernels' only if the GPU runs the same correctly
+    rounded operations: division and square root as div.rn / sqrt.rn (Triton's plain `/` and
+    tl.sqrt would be approximate), no approximate ex2 / lg2, and exactly the fmas the source
+    writes (exp: 2 Cody-Waite steps + 7 Horner steps per element; fusion off adds none)."""
+    from titan_audit.batch_invariant.gpu import pointwise
+
+    block, warps = 1024, 4
+    per_thread = block // (32 * warps)
+    fmas = {"exp": 9, "exp2": 7, "log": 6, "sqrt": 0, "sigmoid": 9, "silu": 9}
+    for op, count in fmas.items():
+        ptx = _compile(pointwise._unary_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, dict(OP=op, BLOCK=block)).asm[
+            "ptx"
+        ]
+        assert not re.search(r"\b(div\.(full|approx)|sqrt\.approx|ex2\.approx|lg2\.approx|rcp\.approx)", ptx), op
+        assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) == count * per_thread, op
+        if op in ("log", "sigmoid", "silu"):
+            assert "div.rn.f32" in ptx, op
+    assert (
+        "sqrt.rn.f32"
+        in _compile(pointwise._unary_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, dict(OP="sqrt", BLOCK=block)).asm[
+            "ptx"
+        ]
+    )
+    f32 = "*fp32"
+    for op, count in (("sigmoid_backward", 0), ("silu_backward", 10)):
+        kernel = _compile(
+            pointwise._backward_kernel, {"g_ptr": f32, "saved_ptr": f32, "gx_ptr": f32}, dict(OP=op, BLOCK=block)
+        )
+        _no_atomics(kernel)
+        assert len(re.findall(r"\bfma\.rn\.f32\b", kernel.asm["ptx"])) == count * per_thread, op
+
+
+def test_control_plain_division_and_sqrt_compile_to_approximations() -> None:
+    """The check above can fail: Triton's plain `/` and `tl.sqrt` compile to approximate PTX."""
+    import triton.language as tl
+
+    @triton.jit
+    def plain(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs)
+        tl.store(y_ptr + offs, tl.sqrt(x) / (1.0 + x))
+
+    ptx = _compile(plain, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, dict(BLOCK=1024)).asm["ptx"]
+    assert re.search(r"\bdiv\.(full|approx)", ptx) and re.search(r"\bsqrt\.approx", ptx)
