@@ -13,7 +13,9 @@ plain `/` and `tl.sqrt` are approximate on NVIDIA GPUs), integer bit operations 
 exponent split, and launches compiled with `enable_fp_fusion=False` so no multiply-add is
 contracted. In Triton's interpreter (CPU tensors, tests) the bits are checked equal to the CPU
 kernels' (tests/batch_invariant/test_triton_pointwise.py); on a GPU they are expected equal for
-the same reason (scripts/gpu_check.sh checks it; not yet run on a GPU).
+the same reason: compiled for sm_90, the PTX holds div.rn / sqrt.rn, no approximate ex2 / lg2 /
+rcp, and exactly the fmas written here (tests/batch_invariant/test_triton_compile.py); the bits
+on a GPU are checked by scripts/gpu_check.sh, which no GPU has run yet.
 
     exp  = ta::exp_f32: clamp to [-110, 89]; n = rint(x * log2e) by the 1.5 * 2^23 trick;
            r = fma(-n, ln2_hi, x); r = fma(-n, ln2_lo, r); Taylor degree 7 (Horner, fma);
