@@ -69,8 +69,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP) kernels battery
 	$(VENV)/bin/titan-audit demo
 
+# --durations=15: the slowest tests close the output, so a CI log says where the suite's time goes.
 test: $(STAMP) kernels battery
-	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) --durations=15 $(PYTEST_ARGS)
 
 # Formatting and lint (ruff, from the `test` extra; config in pyproject.toml [tool.ruff]).
 .PHONY: lint
