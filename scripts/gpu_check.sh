@@ -89,6 +89,14 @@ record() {  # stage rc start kind [artifact]
     [ "$2" -eq 0 ] || failed=1
 }
 ta() { "$PY" -c "from titan_audit.cli.main import main; main()" "$@"; }
+pytest_stage() {  # stage cap marker files...: the files' tests of that marker, JUnit XML -> the JSON
+    local stage=$1 limit marker=$3 t=$SECONDS
+    limit=$(cap "$2")
+    timeout "$limit" "$PY" -m pytest -m "$marker" -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/$stage.xml" \
+        "${@:4}" >"$OUT_DIR/$stage.log" 2>&1
+    record "$stage" $? "$t" pytest "$OUT_DIR/$stage.xml"
+    tail -3 "$OUT_DIR/$stage.log"
+}
 
 # -- env: versions, the GPU, and the wheels for modules this image lacks
 t=$SECONDS
@@ -127,11 +135,7 @@ record env "$rc" "$t" env "$OUT_DIR/env.json"
 [ "$rc" -eq 0 ] || { echo "no usable CUDA GPU with torch + triton here (see $JSON)"; exit 2; }
 
 # -- the gpu tests (Triton kernels compiled; the model-level proofs on CUDA tensors)
-t=$SECONDS
-timeout "$(cap 100)" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/gpu_tests.xml" \
-    "${GPU_TESTS[@]}" >"$OUT_DIR/gpu_tests.log" 2>&1
-record gpu_tests $? "$t" pytest "$OUT_DIR/gpu_tests.xml"
-tail -3 "$OUT_DIR/gpu_tests.log"
+pytest_stage gpu_tests 100 gpu "${GPU_TESTS[@]}"
 
 # -- bench ops: Triton vs cuBLAS / SDPA in the same run (targets: matmul >= 0.8x cuBLAS, decode >= 0.7x SDPA)
 t=$SECONDS
@@ -158,17 +162,10 @@ timeout "$(cap 45)" "$PY" -c "from titan_audit.cli.main import main; main()" ver
 record g4_onpolicy $? "$t" onpolicy "$OUT_DIR/g4_onpolicy.json"
 
 # -- G1 / G5 / G4 on cuda as tests, each with its control (tests/trainer/test_device_key.py)
-t=$SECONDS
-timeout "$(cap 90)" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/device_runs.xml" \
-    "${DEVICE_TESTS[@]}" >"$OUT_DIR/device_runs.log" 2>&1
-record device_runs $? "$t" pytest "$OUT_DIR/device_runs.xml"
-tail -3 "$OUT_DIR/device_runs.log"
+pytest_stage device_runs 90 gpu "${DEVICE_TESTS[@]}"
 
 # -- the interpreter tests against this machine's torch and Triton (the CUDA SDPA override signatures)
-t=$SECONDS
-timeout "$(cap 40)" "$PY" -m pytest -m triton -q -p no:cacheprovider --junitxml="$OUT_DIR/interpreter.xml" \
-    "${INTERPRETER_TESTS[@]}" >"$OUT_DIR/interpreter.log" 2>&1
-record interpreter $? "$t" pytest "$OUT_DIR/interpreter.xml"
+pytest_stage interpreter 40 triton "${INTERPRETER_TESTS[@]}"
 
 echo "== $JSON"
 "$PY" - "$JSON" <<'PYEOF'
