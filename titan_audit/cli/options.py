@@ -46,16 +46,13 @@ def multinode_options(fn):
 DEVICES = ("cpu", "cuda")  # trainer/config.py's parallel.device (spelled here: no torch import for --help)
 
 
-def device_option():
+def device_option(
+    help: str = "Where the ranks compute: cpu, or cuda (GPU LOCAL_RANK per rank); "
+    "the same as --set parallel.device=...; default: the config's (cpu).",
+):
     """`--device cpu|cuda`: the same as `--set parallel.device=...` given after the --set options
     (`device_override`); the command receives `device` (None: the config's)."""
-    return click.option(
-        "--device",
-        type=click.Choice(DEVICES),
-        default=None,
-        help="Where the ranks compute: cpu, or cuda (GPU LOCAL_RANK per rank); "
-        "the same as --set parallel.device=...; default: the config's (cpu).",
-    )
+    return click.option("--device", type=click.Choice(DEVICES), default=None, help=help)
 
 
 def device_override(device: str | None) -> list[str]:

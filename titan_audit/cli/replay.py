@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from titan_audit.cli.errors import EXIT_DIFFERENT
-from titan_audit.cli.options import DEVICES, overwrite_option
+from titan_audit.cli.options import device_option, overwrite_option
 from titan_audit.cli.output import print_json
 
 
@@ -18,12 +18,7 @@ from titan_audit.cli.output import print_json
 @click.option("--tp", type=int, default=None, help="Tensor-parallel degree of the replay (default: the run's).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The new run directory.")
 @click.option("--verify-to", "verify_to", type=int, default=None, help="Stop (and compare) at this step.")
-@click.option(
-    "--device",
-    type=click.Choice(DEVICES),
-    default=None,
-    help="Replay on this device (default: the run's); another device computes other bits: a difference.",
-)
+@device_option(help="Replay on this device (default: the run's); another device computes other bits: a difference.")
 @overwrite_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def replay(
