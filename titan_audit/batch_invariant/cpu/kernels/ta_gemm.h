@@ -38,7 +38,7 @@
 #define TA_GEMM_MR_AVX512 12
 #endif
 #ifndef TA_GEMM_MR_AVX2
-#define TA_GEMM_MR_AVX2 3
+#define TA_GEMM_MR_AVX2 6
 #endif
 #ifndef TA_GEMM_PF
 #define TA_GEMM_PF 16
@@ -51,7 +51,7 @@ constexpr int64_t PANEL = 32;  // packed panel width (the same for every variant
 #if defined(TA_ISA_AVX512)
 constexpr int MR = TA_GEMM_MR_AVX512;  // rows per register tile (12 x 32: 24 zmm accumulators)
 #elif defined(TA_ISA_AVX2)
-constexpr int MR = TA_GEMM_MR_AVX2;  // rows per register tile (3 x 32: 12 ymm accumulators)
+constexpr int MR = TA_GEMM_MR_AVX2;  // rows per register tile (6 x 32 as two 6 x 16 halves: 12 ymm accumulators)
 #else
 constexpr int MR = 6;
 #endif
@@ -163,7 +163,7 @@ static inline void pack_panels(const T* b, int64_t K, int64_t N, int64_t sbk, in
 // ---------------------------------------------------------------- microkernels
 // micro<T, R>(a, b, ldb, kc, c, ldc, first): c[R x 32] (+)= A[R x kc] B[kc x 32] with the
 // chain order above; first: the chain starts from +0.0, else it continues from c's stored partial.
-// A is a packed row tile (pack_a): A[i, k] at a[k * MR + i]. Register tiles: avx512 12 x 32 (24 zmm accumulators), avx2 3 x 32 (12 ymm), scalar 6 x 32.
+// A is a packed row tile (pack_a): A[i, k] at a[k * MR + i]. Register tiles: avx512 12 x 32 (24 zmm accumulators), avx2 6 x 32 as two 6 x 16 halves (12 ymm), scalar 6 x 32.
 
 // Portable: the reference order in plain C++ (std::fma). fp64 uses it on every variant (the
 // compiler may vectorise the loop over columns; each element stays one std::fma chain).
@@ -212,25 +212,37 @@ static inline void micro_f32(const float* a, const float* b, int64_t ldb, int64_
     }
 }
 #elif defined(TA_ISA_AVX2)
+// AVX2 has 16 ymm registers: a tile of R <= 6 rows x 16 columns takes 2R accumulators, 2 B vectors
+// and 1 broadcast (15 for R = 6), so a 32-column panel is done as two 16-column halves, each its
+// own pass over k (a full-panel tile of 3 x 32 needs 17 registers and spills in the loop). The
+// halves touch disjoint columns; each lane is still one output's fma chain over k ascending.
 template <int R>
 static inline void micro_f32(const float* a, const float* b, int64_t ldb, int64_t kc,
                              float* c, int64_t ldc, bool first) {
-    constexpr int V = int(PANEL / 8);  // ymm vectors per row
-    __m256 acc[R][V];
-    for (int i = 0; i < R; ++i)
-        for (int v = 0; v < V; ++v) acc[i][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8 * v);
-    for (int64_t k = 0; k < kc; ++k) {
-        const float* bk = b + k * ldb;
-        _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
-        __m256 bv[V];
-        for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(bk + 8 * v);
+    for (int h = 0; h < 2; ++h) {
+        const float* bh = b + 16 * h;
+        float* ch = c + 16 * h;
+        __m256 acc0[R], acc1[R];
         for (int i = 0; i < R; ++i) {
-            const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
-            for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+            acc0[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(ch + i * ldc);
+            acc1[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(ch + i * ldc + 8);
+        }
+        for (int64_t k = 0; k < kc; ++k) {
+            const float* bk = bh + k * ldb;
+            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
+            const __m256 b0 = _mm256_loadu_ps(bk);
+            const __m256 b1 = _mm256_loadu_ps(bk + 8);
+            for (int i = 0; i < R; ++i) {
+                const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
+                acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
+                acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
+            }
+        }
+        for (int i = 0; i < R; ++i) {
+            _mm256_storeu_ps(ch + i * ldc, acc0[i]);
+            _mm256_storeu_ps(ch + i * ldc + 8, acc1[i]);
         }
     }
-    for (int i = 0; i < R; ++i)
-        for (int v = 0; v < V; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
 }
 #else
 template <int R>
@@ -330,38 +342,46 @@ static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, i
     }
 }
 #elif defined(TA_ISA_AVX2)
+// Two 16-column halves, as micro_f32 (registers); each half runs every block of [j0, j1) and
+// merges in its own columns of the slots, so the halves never read each other's sums.
 template <int R>
 static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1,
                                   int64_t last, float* const* slots, float* c, int64_t ldc) {
-    constexpr int V = int(PANEL / 8);  // ymm vectors per row
-    for (int64_t j = j0; j < j1; ++j) {
-        const float* aj = a + (j - j0) * bs * MR;
-        const float* bj = b + (j - j0) * bs * ldb;
-        __m256 acc[R][V];
-        for (int i = 0; i < R; ++i)
-            for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-        for (int64_t k = 0; k < bs; ++k) {
-            const float* bk = bj + k * ldb;
-            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
-            __m256 bv[V];
-            for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(bk + 8 * v);
+    for (int h = 0; h < 2; ++h) {
+        for (int64_t j = j0; j < j1; ++j) {
+            const float* aj = a + (j - j0) * bs * MR;
+            const float* bj = b + (j - j0) * bs * ldb + 16 * h;
+            __m256 acc0[R], acc1[R];
             for (int i = 0; i < R; ++i) {
-                const __m256 av = _mm256_broadcast_ss(aj + k * MR + i);
-                for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+                acc0[i] = _mm256_setzero_ps();
+                acc1[i] = _mm256_setzero_ps();
+            }
+            for (int64_t k = 0; k < bs; ++k) {
+                const float* bk = bj + k * ldb;
+                _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
+                const __m256 b0 = _mm256_loadu_ps(bk);
+                const __m256 b1 = _mm256_loadu_ps(bk + 8);
+                for (int i = 0; i < R; ++i) {
+                    const __m256 av = _mm256_broadcast_ss(aj + k * MR + i);
+                    acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
+                    acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
+                }
+            }
+            int l = 0;
+            for (; (j >> l) & 1; ++l) {
+                const float* left = slots[l] + 16 * h;
+                for (int i = 0; i < R; ++i) {
+                    acc0[i] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL), acc0[i]);
+                    acc1[i] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL + 8), acc1[i]);
+                }
+            }
+            float* dst = (j == last ? c : slots[l]) + 16 * h;
+            const int64_t ld = j == last ? ldc : PANEL;
+            for (int i = 0; i < R; ++i) {
+                _mm256_storeu_ps(dst + i * ld, acc0[i]);
+                _mm256_storeu_ps(dst + i * ld + 8, acc1[i]);
             }
         }
-        int l = 0;
-        for (; (j >> l) & 1; ++l) {
-            const float* left = slots[l];
-            for (int i = 0; i < R; ++i)
-                for (int v = 0; v < V; ++v)
-                    acc[i][v] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL + 8 * v), acc[i][v]);
-        }
-        float* dst = j == last ? c : slots[l];
-        const int64_t ld = j == last ? ldc : PANEL;
-        for (int i = 0; i < R; ++i)
-            for (int v = 0; v < V; ++v) _mm256_storeu_ps(dst + i * ld + 8 * v, acc[i][v]);
     }
 }
 #else
