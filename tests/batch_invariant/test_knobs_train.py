@@ -3,6 +3,9 @@ variant is forced and whatever library knob is set. The reference runs at W=2 (t
 knob; each variant runs at W=1 in a fresh process (the knobs are read at process start), so every
 comparison checks the world size and the knob at once. `compare_runs` must report them identical.
 Negative control: a run with another seed is reported different by the same comparison.
+Runs are 2 steps of V = 2 microbatches (one per rank at W = 2): every kernel of a step runs for
+each microbatch, so more of them would repeat the same kernels (the scalar variant's software fma
+made V = 8 cost minutes); the world-size guarantee at the recipe's V = 8 is tests/trainer/test_train.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from titan_audit.audit import compare_runs
 from titan_audit.batch_invariant.cpu import _lib
 
 STEPS = 2
-BI = ["--set", "determinism.batch_invariant=true", "--set", "parallel.threads=1"]
+BI = ["--set", "determinism.batch_invariant=true", "--set", "parallel.threads=1", "--set", "data.global_batch_size=2"]
 
 
 def _train(out: Path, env: dict[str, str], *extra: str, nproc: int = 1) -> Path:
