@@ -7,6 +7,7 @@ run here."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -44,8 +45,9 @@ def test_bench_rl_without_trl_skips_the_peer_cases(monkeypatch):
     data = bench_rl()
     assert len(data["cases"]) == 1  # no figure for a peer that did not run
     skipped = data["cases"][0]["skipped"]
-    assert [s["case"] for s in skipped] == TRL_CASES
-    assert all(s["reason"] == trl_peer.trl_missing() for s in skipped)
+    assert [s["case"] for s in skipped] == [rl_suite.THREADS_CASE, *TRL_CASES]
+    assert skipped[0]["reason"] == rl_suite.THREADS_QUICK_SKIP  # needs no trl: only --quick leaves it out
+    assert all(s["reason"] == trl_peer.trl_missing() for s in skipped[1:])
 
 
 @pytest.mark.slow
@@ -56,6 +58,7 @@ def test_bench_rl_with_trl_times_the_peer():
     cases = data["cases"]
     assert [c["case"] for c in cases[1:]] == TRL_CASES[:1]
     assert cases[0]["skipped"] == [  # full suite only
+        {"case": rl_suite.THREADS_CASE, "reason": rl_suite.THREADS_QUICK_SKIP},
         {"case": TRL_CASES[1], "reason": rl_suite.QUICK_SKIP},
         {"case": REAL_WIDTH_CASE, "reason": rl_suite.REAL_WIDTH_QUICK_SKIP},
     ]
@@ -116,7 +119,8 @@ def recorded_suite(monkeypatch, quick: bool) -> tuple[list, list]:
 
 def test_real_width_case_runs_the_same_config_on_both_sides(monkeypatch):
     cases, (ours, trl) = recorded_suite(monkeypatch, quick=False)
-    assert [c.case for c in cases] == ["rl rl-tiny W=1", *TRL_CASES] and "skipped" not in cases[0].extra
+    assert [c.case for c in cases] == ["rl rl-tiny W=1", rl_suite.THREADS_CASE, *TRL_CASES]
+    assert "skipped" not in cases[0].extra
     real = cases[-1]
     assert (real.baseline, real.candidate) == (rl_suite.TRL_REAL, rl_suite.BI_REAL) and real.target == 1.0
     (our_config, nproc), (trl_config, threads) = ours[-1], trl[-1]
@@ -125,6 +129,17 @@ def test_real_width_case_runs_the_same_config_on_both_sides(monkeypatch):
     assert real.extra["candidate_seconds_backward"] == 0.1 and real.extra["trl_loss_type"] == "l"
     # control: the rl-tiny TRL cases ran the tiny model
     assert all(c.model.model_config().hidden_size == 256 for c, _ in trl[:-1])
+
+
+def test_threads_case_is_the_bi_side_again_with_two_threads(monkeypatch):
+    cases, (ours, _) = recorded_suite(monkeypatch, quick=False)
+    case = next(c for c in cases if c.case == rl_suite.THREADS_CASE)
+    assert (case.baseline, case.candidate, case.target) == (rl_suite.BI, rl_suite.THREADS_SIDE, 1.0)
+    # sides in order: native, BI, BI 2 threads, BI W=2, real width
+    (bi, _), (two, nproc) = ours[1], ours[2]
+    assert bi.parallel.threads == 1 and two.parallel.threads == 2 and nproc is None  # W=1, threads the only change
+    assert dataclasses.replace(two, parallel=bi.parallel) == bi
+    assert (case.baseline_s, case.candidate_s) == (2.0, 3.0) and case.baseline_s == cases[0].candidate_s
 
 
 def test_quick_leaves_the_real_width_case_out(monkeypatch):

@@ -21,6 +21,10 @@ Cases:
   of 1 thread each (`launch_rl(nproc=2)`: torchrun; rank 0's metrics) against TRL with 2 intra-op
   threads. CORES is the 2 cores of the project's reference machines, not os.cpu_count().
   Extra keys of the TRL cases: `trl_version`, `trl_optimizer`, `trl_loss_type`.
+- `rl rl-tiny W=1 threads=2 vs threads=1` (target <= THREADS_TARGET_RATIO = 1.0, issue 26: a second
+  intra-op thread must not slow the step): baseline the first case's `BI mode` side (1 thread),
+  candidate the same run with parallel.threads = 2 (`THREADS_SIDE`). Runs without trl too; left
+  out of `--quick` (THREADS_QUICK_SKIP). Same extra keys as the first case's candidate.
 - `rl qwen3-0.6b widths L=2 W=1 vs TRL` (target <= REAL_WIDTH_TARGET_RATIO = 1.0): the rl-tiny
   recipe with the model section replaced (`REAL_WIDTH`: model.preset = qwen3-0.6b with
   model.overrides.num_hidden_layers = 2, i.e. hidden 1024, 16/8 heads, head_dim 128, intermediate
@@ -54,6 +58,7 @@ log = logging.getLogger(__name__)
 
 TRL_TARGET_RATIO = 0.8  # our BI step <= 0.8x TRL's step on the same cores (issue 26)
 REAL_WIDTH_TARGET_RATIO = 1.0  # at real width: our BI step <= TRL's (issue 26)
+THREADS_TARGET_RATIO = 1.0  # BI at W=1: 2 intra-op threads no slower than 1 (issue 26)
 CORES = 2  # the all-cores case: our W = CORES ranks x 1 thread against TRL with CORES threads
 TRL_CASE = "rl rl-tiny W=1 vs TRL"
 TRL_ALL_CORES_CASE = f"rl rl-tiny all cores (W={CORES} vs TRL threads={CORES})"
@@ -62,6 +67,8 @@ NATIVE, BI = "native ops", "BI mode"
 BI_ALL_CORES = f"BI mode, W={CORES} (1 thread per rank)"
 TRL_1, TRL_ALL_CORES = "TRL GRPOTrainer, 1 thread", f"TRL GRPOTrainer, {CORES} threads"
 SIDES = {NATIVE: ["determinism.batch_invariant=false"], BI: []}
+THREADS_SIDE = "BI mode, 2 threads"
+THREADS_CASE = "rl rl-tiny W=1 threads=2 vs threads=1"
 QUICK_SKIP = "left out of --quick (torchrun's start and a second TRL process); the full suite runs it"
 QUICK = ["task.prompts_per_step=2", "task.samples_per_prompt=2", "sampling.max_new_tokens=4"]
 REAL_WIDTH = [
@@ -75,6 +82,7 @@ REAL_WIDTH = [
 REAL_WIDTH_CASE = "rl qwen3-0.6b widths L=2 W=1 vs TRL"
 REAL_WIDTH_STEPS, REAL_WIDTH_REPEATS = 3, 2
 BI_REAL, TRL_REAL = "BI mode, qwen3-0.6b widths L=2", "TRL GRPOTrainer, 1 thread, qwen3-0.6b widths L=2"
+THREADS_QUICK_SKIP = "left out of --quick (a third rl-tiny run); the full suite runs it"
 REAL_WIDTH_QUICK_SKIP = "left out of --quick (a ~187M-parameter model: its init and steps take seconds each)"
 
 
@@ -105,7 +113,7 @@ def _run_side(overrides: list[str], quick: bool, out: Path, nproc: int | None = 
 
 def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     missing = trl_peer.trl_missing()
-    sides = (*SIDES, BI_ALL_CORES, TRL_1, TRL_ALL_CORES, BI_REAL, TRL_REAL)
+    sides = (*SIDES, THREADS_SIDE, BI_ALL_CORES, TRL_1, TRL_ALL_CORES, BI_REAL, TRL_REAL)
     best = {side: {"seconds": float("inf")} for side in sides}
 
     def keep(side: str, figures: dict) -> None:
@@ -116,6 +124,8 @@ def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Cas
         for repeat in range(1 if options.quick else options.repeats):
             for i, (side, overrides) in enumerate(SIDES.items()):
                 keep(side, _run_side(overrides, options.quick, Path(tmp) / f"r{repeat}-s{i}"))
+            if not options.quick:
+                keep(THREADS_SIDE, _run_side(["parallel.threads=2"], False, Path(tmp) / f"r{repeat}-t2"))
             if missing is None:
                 keep(TRL_1, trl_peer.trl_step_seconds(_config([], options.quick), threads=1))
             if missing is None and not options.quick:
@@ -130,10 +140,18 @@ def rl_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Cas
     name = "rl rl-tiny W=1"
     cases = [_case(name, NATIVE, BI, best[NATIVE]["seconds"], best[BI]["seconds"], None, extra)]
     progress(name)
+    if options.quick:
+        skipped_threads = [(THREADS_CASE, THREADS_QUICK_SKIP)]
+    else:
+        extra = {f"candidate_seconds_{p}": best[THREADS_SIDE][f"seconds_{p}"] for p in PHASES}
+        threads = (best[BI]["seconds"], best[THREADS_SIDE]["seconds"])
+        cases.append(_case(THREADS_CASE, BI, THREADS_SIDE, *threads, THREADS_TARGET_RATIO, extra))
+        progress(THREADS_CASE)
+        skipped_threads = []
     if missing is not None:
-        skipped = [(c, missing) for c in (TRL_CASE, TRL_ALL_CORES_CASE, REAL_WIDTH_CASE)]
+        skipped = [*skipped_threads, *((c, missing) for c in (TRL_CASE, TRL_ALL_CORES_CASE, REAL_WIDTH_CASE))]
     elif options.quick:
-        skipped = [(TRL_ALL_CORES_CASE, QUICK_SKIP), (REAL_WIDTH_CASE, REAL_WIDTH_QUICK_SKIP)]
+        skipped = [*skipped_threads, (TRL_ALL_CORES_CASE, QUICK_SKIP), (REAL_WIDTH_CASE, REAL_WIDTH_QUICK_SKIP)]
     else:
         skipped = []
     for case, reason in skipped:
