@@ -212,23 +212,16 @@ static inline void micro_f32(const float* a, const float* b, int64_t ldb, int64_
     }
 }
 #elif defined(TA_ISA_AVX2)
-// AVX2 has 16 ymm registers: a tile of R <= 6 rows x 16 columns takes 2R accumulators, 2 B vectors
-// and 1 broadcast (15 for R = 6), so from 3 rows on a 32-column panel is done as two 16-column
-// halves, each its own pass over k (a full-panel tile of 3 x 32 needs 17 registers and spills in
-// the loop). One or two rows (4R accumulators + 4 B vectors fit) stream B in one pass, as the
-// halves' stride-128-byte reads of a memory-bound few-row product are slower. The halves touch
-// disjoint columns; each lane is still one output's fma chain over k ascending.
-template <int R>
-static inline void micro_f32_full(const float* a, const float* b, int64_t ldb, int64_t kc,
-                                  float* c, int64_t ldc, bool first) {
-    constexpr int V = int(PANEL / 8);  // ymm vectors per row
-    __m256 acc[R][V];
-    for (int i = 0; i < R; ++i)
-        for (int v = 0; v < V; ++v) acc[i][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8 * v);
+// The fma chains of an R-row tile over k in [0, kc) (A packed: A[i, k] at a[k * MR + i]; B row k
+// at b + k * ldb): acc[i][v] = fma(A[i, k], B[k, 8v .. 8v + 7], acc[i][v]) for k ascending, over
+// V ymm vectors (V = 4: a whole 32-column panel; V = 2: a 16-column half).
+template <int R, int V>
+static inline __attribute__((always_inline)) void chains(const float* a, const float* b, int64_t ldb, int64_t kc,
+                                                         __m256 (&acc)[R][V]) {
     for (int64_t k = 0; k < kc; ++k) {
         const float* bk = b + k * ldb;
         _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb + 16), _MM_HINT_T0);
+        if constexpr (V > 2) _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb + 16), _MM_HINT_T0);
         __m256 bv[V];
         for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(bk + 8 * v);
         for (int i = 0; i < R; ++i) {
@@ -236,40 +229,58 @@ static inline void micro_f32_full(const float* a, const float* b, int64_t ldb, i
             for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
         }
     }
+}
+
+// One R x 8V tile: the chains from +0.0 (first) or from c's stored partials, stored back to c.
+template <int R, int V>
+static inline void tile_chains(const float* a, const float* b, int64_t ldb, int64_t kc, float* c, int64_t ldc,
+                               bool first) {
+    __m256 acc[R][V];
+    for (int i = 0; i < R; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * ldc + 8 * v);
+    chains<R, V>(a, b, ldb, kc, acc);
     for (int i = 0; i < R; ++i)
         for (int v = 0; v < V; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
 }
 
+// Blocks [j0, j1) of the tree order for one R x 8V tile (see micro_tree below): each block's
+// chains from +0.0, merged with the stack in registers, parked at slots[l] or stored to c.
+template <int R, int V>
+static inline void tile_tree_chains(const float* a, const float* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1,
+                                    int64_t last, float* const* slots, int64_t col, float* c, int64_t ldc) {
+    for (int64_t j = j0; j < j1; ++j) {
+        __m256 acc[R][V];
+        for (int i = 0; i < R; ++i)
+            for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
+        chains<R, V>(a + (j - j0) * bs * MR, b + (j - j0) * bs * ldb, ldb, bs, acc);
+        int l = 0;
+        for (; (j >> l) & 1; ++l) {
+            const float* left = slots[l] + col;
+            for (int i = 0; i < R; ++i)
+                for (int v = 0; v < V; ++v)
+                    acc[i][v] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL + 8 * v), acc[i][v]);
+        }
+        float* dst = (j == last ? c : slots[l] + col);
+        const int64_t ld = j == last ? ldc : PANEL;
+        for (int i = 0; i < R; ++i)
+            for (int v = 0; v < V; ++v) _mm256_storeu_ps(dst + i * ld + 8 * v, acc[i][v]);
+    }
+}
+
+// AVX2 has 16 ymm registers: a tile of R <= 6 rows x 16 columns takes 2R accumulators, 2 B vectors
+// and 1 broadcast (15 for R = 6), so from 3 rows on a 32-column panel is done as two 16-column
+// halves, each its own pass over k (a full-panel tile of 3 x 32 needs 17 registers and spills in
+// the loop). One or two rows (4R accumulators + 4 B vectors fit) stream B in one pass, as the
+// halves' stride-128-byte reads of a memory-bound few-row product are slower. The halves touch
+// disjoint columns; each lane is still one output's fma chain over k ascending.
 template <int R>
 static inline void micro_f32(const float* a, const float* b, int64_t ldb, int64_t kc,
                              float* c, int64_t ldc, bool first) {
     if constexpr (R <= 2) {
-        micro_f32_full<R>(a, b, ldb, kc, c, ldc, first);
-        return;
-    }
-    for (int h = 0; h < 2; ++h) {
-        const float* bh = b + 16 * h;
-        float* ch = c + 16 * h;
-        __m256 acc0[R], acc1[R];
-        for (int i = 0; i < R; ++i) {
-            acc0[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(ch + i * ldc);
-            acc1[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(ch + i * ldc + 8);
-        }
-        for (int64_t k = 0; k < kc; ++k) {
-            const float* bk = bh + k * ldb;
-            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
-            const __m256 b0 = _mm256_loadu_ps(bk);
-            const __m256 b1 = _mm256_loadu_ps(bk + 8);
-            for (int i = 0; i < R; ++i) {
-                const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
-                acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
-                acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
-            }
-        }
-        for (int i = 0; i < R; ++i) {
-            _mm256_storeu_ps(ch + i * ldc, acc0[i]);
-            _mm256_storeu_ps(ch + i * ldc + 8, acc1[i]);
-        }
+        tile_chains<R, 4>(a, b, ldb, kc, c, ldc, first);
+    } else {
+        tile_chains<R, 2>(a, b, ldb, kc, c, ldc, first);
+        tile_chains<R, 2>(a, b + 16, ldb, kc, c + 16, ldc, first);
     }
 }
 #else
@@ -374,82 +385,13 @@ static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, i
 // every block of [j0, j1) and merging in its own columns of the slots (the halves never read each
 // other's sums).
 template <int R>
-static inline void micro_tree_f32_full(const float* a, const float* b, int64_t ldb, int64_t bs, int64_t j0,
-                                       int64_t j1, int64_t last, float* const* slots, float* c, int64_t ldc) {
-    constexpr int V = int(PANEL / 8);  // ymm vectors per row
-    for (int64_t j = j0; j < j1; ++j) {
-        const float* aj = a + (j - j0) * bs * MR;
-        const float* bj = b + (j - j0) * bs * ldb;
-        __m256 acc[R][V];
-        for (int i = 0; i < R; ++i)
-            for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < bs; ++k) {
-            const float* bk = bj + k * ldb;
-            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb + 16), _MM_HINT_T0);
-            __m256 bv[V];
-            for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(bk + 8 * v);
-            for (int i = 0; i < R; ++i) {
-                const __m256 av = _mm256_broadcast_ss(aj + k * MR + i);
-                for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
-            }
-        }
-        int l = 0;
-        for (; (j >> l) & 1; ++l) {
-            const float* left = slots[l];
-            for (int i = 0; i < R; ++i)
-                for (int v = 0; v < V; ++v)
-                    acc[i][v] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL + 8 * v), acc[i][v]);
-        }
-        float* dst = j == last ? c : slots[l];
-        const int64_t ld = j == last ? ldc : PANEL;
-        for (int i = 0; i < R; ++i)
-            for (int v = 0; v < V; ++v) _mm256_storeu_ps(dst + i * ld + 8 * v, acc[i][v]);
-    }
-}
-
-template <int R>
 static inline void micro_tree_f32(const float* a, const float* b, int64_t ldb, int64_t bs, int64_t j0, int64_t j1,
                                   int64_t last, float* const* slots, float* c, int64_t ldc) {
     if constexpr (R <= 2) {
-        micro_tree_f32_full<R>(a, b, ldb, bs, j0, j1, last, slots, c, ldc);
-        return;
-    }
-    for (int h = 0; h < 2; ++h) {
-        for (int64_t j = j0; j < j1; ++j) {
-            const float* aj = a + (j - j0) * bs * MR;
-            const float* bj = b + (j - j0) * bs * ldb + 16 * h;
-            __m256 acc0[R], acc1[R];
-            for (int i = 0; i < R; ++i) {
-                acc0[i] = _mm256_setzero_ps();
-                acc1[i] = _mm256_setzero_ps();
-            }
-            for (int64_t k = 0; k < bs; ++k) {
-                const float* bk = bj + k * ldb;
-                _mm_prefetch(reinterpret_cast<const char*>(bk + PREFETCH_ROWS * ldb), _MM_HINT_T0);
-                const __m256 b0 = _mm256_loadu_ps(bk);
-                const __m256 b1 = _mm256_loadu_ps(bk + 8);
-                for (int i = 0; i < R; ++i) {
-                    const __m256 av = _mm256_broadcast_ss(aj + k * MR + i);
-                    acc0[i] = _mm256_fmadd_ps(av, b0, acc0[i]);
-                    acc1[i] = _mm256_fmadd_ps(av, b1, acc1[i]);
-                }
-            }
-            int l = 0;
-            for (; (j >> l) & 1; ++l) {
-                const float* left = slots[l] + 16 * h;
-                for (int i = 0; i < R; ++i) {
-                    acc0[i] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL), acc0[i]);
-                    acc1[i] = _mm256_add_ps(_mm256_loadu_ps(left + i * PANEL + 8), acc1[i]);
-                }
-            }
-            float* dst = (j == last ? c : slots[l]) + 16 * h;
-            const int64_t ld = j == last ? ldc : PANEL;
-            for (int i = 0; i < R; ++i) {
-                _mm256_storeu_ps(dst + i * ld, acc0[i]);
-                _mm256_storeu_ps(dst + i * ld + 8, acc1[i]);
-            }
-        }
+        tile_tree_chains<R, 4>(a, b, ldb, bs, j0, j1, last, slots, 0, c, ldc);
+    } else {
+        tile_tree_chains<R, 2>(a, b, ldb, bs, j0, j1, last, slots, 0, c, ldc);
+        tile_tree_chains<R, 2>(a, b + 16, ldb, bs, j0, j1, last, slots, 16, c + 16, ldc);
     }
 }
 #else
