@@ -89,3 +89,6 @@ def test_stats_of_every_dtype_class():
     assert stats(torch.tensor([True, False, True, True])) == (1.0, 0.75)
     assert stats(torch.tensor([-7, 3, 2], dtype=torch.int16)) == (7.0, -2 / 3)
     assert all(math.isnan(v) for v in stats(torch.tensor([1 + 2j])))
+    # negative control: one element changed, the exact comparisons above fail
+    assert stats(torch.tensor([1.5, -2.5, 0.0], dtype=torch.float16)) != (2.25, -0.75 / 3)
+    assert stats(torch.tensor([-7, 3, 3], dtype=torch.int16)) != (7.0, -2 / 3)
