@@ -58,3 +58,37 @@ def test_stats_inf_and_nan():
     assert stats(torch.tensor([1.0, -math.inf])) == (math.inf, -math.inf)
     absmax, mean = stats(torch.tensor([math.nan, 1.0]).bfloat16())
     assert math.isnan(absmax) and math.isnan(mean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_hash_and_stats_read_piece_by_piece_are_the_one_pass_values(monkeypatch, dtype):
+    """A tensor longer than CHUNK_BYTES goes to the stats kernel and the hasher in pieces: the hash
+    is still `fingerprint`'s and the statistics the kernel's one-call bits. Negative control: the
+    last element's lowest bit flipped (in the last piece) changes the hash."""
+    from titan_audit.audit import summary as summary_module
+    from titan_audit.batch_invariant.cpu import stats as kernel
+
+    monkeypatch.setattr(summary_module, "CHUNK_BYTES", 8 * kernel.BLOCK)  # a whole block of every dtype
+    t = (torch.randn(3, 5 * kernel.BLOCK + 7, generator=torch.Generator().manual_seed(3)) * 100).to(dtype)
+    assert t.nbytes > 3 * summary_module.CHUNK_BYTES
+    s = summarize(t)
+    absmax, total = kernel.absmax_sum(t)
+    assert s.hash == fingerprint(t)
+    assert (s.absmax, s.mean) == (absmax, total / t.numel())
+    assert s.absmax == float(t.double().abs().max())
+    flipped = t.clone()
+    flipped.view(-1)[-1:].view(torch.uint8)[0] ^= 1  # lowest byte of the last element, little-endian
+    assert summarize(flipped).hash == fingerprint(flipped) != s.hash
+    assert summarize(t, with_stats=False) == (s.dtype, s.shape, s.hash, None, None)
+
+
+def test_stats_of_every_dtype_class():
+    # float16 and float8 are widened exactly; integers and bools take the exact integer path
+    h = torch.tensor([1.5, -2.25, 0.0], dtype=torch.float16)
+    assert stats(h) == (2.25, -0.75 / 3)
+    assert stats(torch.tensor([True, False, True, True])) == (1.0, 0.75)
+    assert stats(torch.tensor([-7, 3, 2], dtype=torch.int16)) == (7.0, -2 / 3)
+    assert all(math.isnan(v) for v in stats(torch.tensor([1 + 2j])))
+    # negative control: one element changed, the exact comparisons above fail
+    assert stats(torch.tensor([1.5, -2.5, 0.0], dtype=torch.float16)) != (2.25, -0.75 / 3)
+    assert stats(torch.tensor([-7, 3, 3], dtype=torch.int16)) != (7.0, -2 / 3)

@@ -45,8 +45,12 @@ Guarantees:
   run is damaged: ...") before anything is appended.
 - Optionally (`dump_names`, `dump_steps`) full tensor values go to RUN/dumps.zarr (audit.dumps).
 - `absmax`/`mean` (informational, never compared) are computed for the phases in `stats`
-  (default: all but grad, optim, param and ckpt, where they would cost three extra passes over
-  the model's memory each step; `stats=True` for all); elsewhere they are null.
+  (default: all but grad, optim, param and ckpt, where they would cost an extra pass of the
+  statistics kernel over the model's memory each step; `stats=True` for all); elsewhere they
+  are null.
+- Per record, the Python cost is a few microseconds: the row is one tuple (columns are built at
+  flush), plain tensors skip the DTensor check, and the summary's per-(dtype, shape) text is
+  cached (audit.summary).
 """
 
 from __future__ import annotations
@@ -64,15 +68,15 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from titan_audit.audit.dumps import DumpWriter
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
-from titan_audit.audit.summary import summarize
+from titan_audit.audit.summary import Summary, summarize
 
 LEVELS = ("off", "params", "full")
 ROOT_NAME = "<root>"
 STEP_LEVEL = -1
 _HOOK_PHASES = ("forward", "backward")
 # absmax/mean by default for everything but the bulk step-level phases (every parameter, its
-# gradient and optimizer state each step): there they would triple the cost of the `params`
-# level (three more passes over the model's memory per tensor; measured by `bench audit`).
+# gradient and optimizer state each step): there they would add the statistics kernel's pass
+# (~0.6x the hash) over the model's memory to every step of the `params` level.
 DEFAULT_STATS_PHASES = ("rollout", "data", "forward", "logprob", "loss", "backward")
 
 
@@ -82,8 +86,13 @@ def _dist_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# A record is one tuple: step, phase, microbatch, name, the Summary's fields, rank, seq.
+assert SCHEMA.names[4:9] == list(Summary._fields), "Summary's fields must be SCHEMA's columns 4-8"
+
+
 def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+    if type(tensor) in _PLAIN_TYPES:
         return False
     from torch.distributed.tensor import DTensor
 
@@ -130,7 +139,7 @@ class Recorder:
         self.step: int | None = None
         self.microbatch = STEP_LEVEL
         self._paused = False
-        self._columns: dict[str, list] = {name: [] for name in SCHEMA.names}
+        self._rows: list[tuple] = []  # one tuple per record, in SCHEMA's column order
         self._seq: dict[int, int] = {}
         self._calls: dict[tuple[int, str], int] = {}
         self._steps_since_flush = 0
@@ -171,10 +180,10 @@ class Recorder:
     def flush(self) -> Path | None:
         """Write the buffered records as one atomic part; returns its path (None if nothing)."""
         self._steps_since_flush = 0
-        if self._writer is None or not self._columns["step"]:
+        if self._writer is None or not self._rows:
             return None
-        path = self._writer.write(self._columns)
-        self._columns = {name: [] for name in SCHEMA.names}
+        path = self._writer.write(dict(zip(SCHEMA.names, map(list, zip(*self._rows)))))
+        self._rows = []
         return path
 
     def close(self) -> None:
@@ -202,7 +211,7 @@ class Recorder:
     @property
     def pending(self) -> int:
         """Records buffered since the last flush."""
-        return len(self._columns["step"])
+        return len(self._rows)
 
     # ----------------------------------------------------------------- explicit records
     def record(self, phase: str, name: str, tensor: torch.Tensor, *, microbatch: int | None = None) -> None:
@@ -294,7 +303,7 @@ class Recorder:
         return self._params  # the Recorder's module's parameters, listed once at construction
 
     def _record(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
-        if _is_dtensor(tensor):
+        if type(tensor) not in _PLAIN_TYPES and _is_dtensor(tensor):
             import torch.distributed as dist
 
             if microbatch == STEP_LEVEL:
@@ -311,18 +320,8 @@ class Recorder:
         summary = summarize(tensor, with_stats=phase in self.stats_phases)
         seq = self._seq.get(microbatch, 0)
         self._seq[microbatch] = seq + 1
-        c = self._columns
-        c["step"].append(step)
-        c["phase"].append(phase)
-        c["microbatch"].append(microbatch)
-        c["name"].append(name)
-        c["dtype"].append(summary.dtype)
-        c["shape"].append(summary.shape)
-        c["hash"].append(summary.hash)
-        c["absmax"].append(summary.absmax)
-        c["mean"].append(summary.mean)
-        c["rank"].append(self.rank)
-        c["seq"].append(seq)
+        # SCHEMA's order: step, phase, microbatch, name, dtype, shape, hash, absmax, mean, rank, seq
+        self._rows.append((step, phase, microbatch, name, *summary, self.rank, seq))
         if self.dump_names and (self.dump_steps is None or step in self.dump_steps):
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.dump_names):
                 if self._dumps is None:

@@ -76,6 +76,9 @@
                                           int);                                                                  \
     void ta_adamw_step_f32__##isa(float*, const float*, float*, float*, int64_t, double, double, double, double,   \
                                   double, double, double, double, int);                                          \
+    void ta_absmax_sum_f32__##isa(const float*, int64_t, double*);                                               \
+    void ta_absmax_sum_bf16__##isa(const uint16_t*, int64_t, double*);                                           \
+    void ta_absmax_sum_f64__##isa(const double*, int64_t, double*);                                              \
     }
 
 #define TA_DECLARE_ROWOPS(isa, T, sfx)                                                                           \
@@ -136,6 +139,9 @@ struct Variant {
     void (*embedding_backward)(const float*, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, int);
     void (*adamw_step)(float*, const float*, float*, float*, int64_t, double, double, double, double, double, double,
                        double, double, int);
+    void (*absmax_sum_f32)(const float*, int64_t, double*);
+    void (*absmax_sum_bf16)(const uint16_t*, int64_t, double*);
+    void (*absmax_sum_f64)(const double*, int64_t, double*);
 };
 
 #define TA_ROWOPS_OF(isa, sfx)                                                                                   \
@@ -152,7 +158,8 @@ struct Variant {
             ta_sigmoid_f32__##isa, ta_silu_f32__##isa, ta_sigmoid_backward_f32__##isa, ta_silu_backward_f32__##isa, \
             ta_exp_f64__##isa, ta_log_f64__##isa, ta_sqrt_f64__##isa, ta_normal_from_bits__##isa,                \
             ta_cos_sin_f32__##isa, ta_rope_inv_freq_f32__##isa, ta_embedding_backward_f32__##isa,                \
-            ta_adamw_step_f32__##isa}
+            ta_adamw_step_f32__##isa, ta_absmax_sum_f32__##isa, ta_absmax_sum_bf16__##isa,                        \
+            ta_absmax_sum_f64__##isa}
 
 TA_DECLARE(scalar)
 #if defined(TA_BATTERY_X86)
@@ -805,6 +812,77 @@ void build_cases() {
             sink.emit("exp_avg", m);
             sink.emit("exp_avg_sq", sq);
         });
+    }
+
+    // absmax + sum (the audit's statistics, kernels/stats.cpp): lengths around the 32 lanes and
+    // the 1024-element blocks, every bit pattern (NaNs: the state must hold the one quiet NaN),
+    // specials, both infinities (inf - inf), negative zeros, finite patterns of every exponent
+    // (float32 lanes may overflow to inf: that is the order's result too), and a long uniform
+    // run. Each case's output is the whole state (32 float64 lanes, absmax, sum) after one call,
+    // and again ("pieces") after feeding the same input in pieces of 1024, 2048 and the rest:
+    // both records must be the same bits.
+    for (const char* dt : {"f32", "bf16", "f64"}) {
+        for (const char* kase : {"uniform_1", "uniform_31", "uniform_33", "uniform_1023", "uniform_1024", "uniform_1025",
+                                 "uniform_100003", "bits_33", "bits_3001", "special_4099", "finite_3000", "infs_100",
+                                 "negzeros_2049"}) {
+            const std::string d = dt, k = kase, kernel = "absmax_sum_" + d;
+            add(kernel, k, false, [=](const Variant& v, int, const Sink& sink) {
+                Rng r = rng_for(kernel, k);
+                const int64_t n = std::atoll(k.substr(k.rfind('_') + 1).c_str());
+                const std::string what = k.substr(0, k.rfind('_'));
+                std::vector<double> x(n);  // the values, as float64 (float32 / bfloat16 ones are exact)
+                std::vector<uint64_t> bits(n);  // or raw bit patterns, for "bits"
+                if (what == "uniform") for (auto& e : x) e = uniform<double>(r, -8.0, 8.0);
+                if (what == "special") {
+                    if (d == "f64") x = with_specials<double>(r, n, kUniform, -8.0, 8.0);
+                    else for (int64_t i = 0; i < n; ++i) x[i] = i < kNumSpecial32 ? special<float>((int)i) : uniform<float>(r, -8.0f, 8.0f);
+                }
+                if (what == "finite") {
+                    for (auto& e : x) {
+                        const uint64_t sign = r.next() & 1u;
+                        if (d == "f64") e = f64_of(sign << 63 | r.below(2047) << 52 | (r.next() & 0xfffffffffffffull));
+                        else e = f32_of((uint32_t)(sign << 31 | r.below(255) << 23 | (r.next32() & 0x7fffffu)));
+                    }
+                }
+                if (what == "infs") for (int64_t i = 0; i < n; ++i) x[i] = (i % 3 == 1) ? -INFINITY : (i % 3 == 2 ? INFINITY : 1.0);
+                if (what == "negzeros") for (auto& e : x) e = -0.0;
+                for (auto& b : bits) b = r.next();
+                const bool raw = what == "bits";
+                std::vector<float> x32(n);
+                std::vector<uint16_t> x16(n);
+                for (int64_t i = 0; i < n; ++i) {
+                    uint32_t b32;
+                    const float f = (float)x[i];
+                    std::memcpy(&b32, &f, 4);
+                    x32[i] = raw ? f32_of((uint32_t)bits[i]) : f;
+                    // bfloat16: the top half of the float32 (what/"finite" values keep their exponent range)
+                    x16[i] = raw ? (uint16_t)bits[i] : (uint16_t)(b32 >> 16);
+                    if (raw) x[i] = f64_of(bits[i]);
+                }
+                auto feed = [&](double* state, int64_t begin, int64_t count) {
+                    if (d == "f32") v.absmax_sum_f32(x32.data() + begin, count, state);
+                    else if (d == "bf16") v.absmax_sum_bf16(x16.data() + begin, count, state);
+                    else v.absmax_sum_f64(x.data() + begin, count, state);
+                };
+                auto fresh = [] {
+                    std::vector<double> st(34, -0.0);
+                    st[32] = 0.0;
+                    return st;
+                };
+                std::vector<double> one = fresh();
+                feed(one.data(), 0, n);
+                sink.emit("", one);
+                std::vector<double> pieces = fresh();
+                int64_t at = 0;
+                for (int64_t len : {int64_t(1024), int64_t(2048)}) {
+                    if (at + len >= n) break;
+                    feed(pieces.data(), at, len);
+                    at += len;
+                }
+                feed(pieces.data(), at, n - at);
+                sink.emit("pieces", pieces);
+            });
+        }
     }
 
     // the constants the Python side relies on
