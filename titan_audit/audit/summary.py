@@ -39,7 +39,6 @@ import torch
 import xxhash
 
 from titan_audit.audit.fingerprint import _header, fingerprint
-from titan_audit.batch_invariant.cpu import _lib
 from titan_audit.batch_invariant.cpu import stats as _stats
 
 # Bytes fed to the stats kernel and then to the hasher at a time (whole kernel blocks of every
@@ -135,7 +134,7 @@ def _is_plain(t: torch.Tensor) -> bool:
 
 def _kernel_stats(tensor: torch.Tensor) -> tuple[float, float]:
     state = _stats.new_state()
-    _lib.kernel(_KERNEL[tensor.dtype])(tensor.data_ptr(), tensor.numel(), state)
+    _stats.kernel_for(tensor.dtype)(tensor.data_ptr(), tensor.numel(), state)
     return state[_STATE_LANES], state[_STATE_LANES + 1] / tensor.numel()
 
 
@@ -176,7 +175,7 @@ def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
         address = tensor.data_ptr()
         memory = meta.buffer.from_address(address)  # `tensor` stays alive until we return
         state = _stats.new_state()
-        kernel = _lib.kernel(_KERNEL[dtype])
+        kernel = _stats.kernel_for(dtype)
         if nbytes <= CHUNK_BYTES:
             kernel(address, meta.numel, state)
             hasher.update(memory)

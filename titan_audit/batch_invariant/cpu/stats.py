@@ -39,6 +39,12 @@ def new_state() -> ctypes.Array:
     return _State.from_buffer_copy(_NEW)
 
 
+def kernel_for(dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """The ctypes kernel of `dtype` (in DTYPES), called as (address, count, state) like `update`
+    (for callers that feed many pieces and keep the lookup out of their loop)."""
+    return _lib.kernel(KERNELS[dtype])
+
+
 def update(state: ctypes.Array, dtype: torch.dtype, address: int, count: int) -> None:
     """Feed `count` elements of `dtype` at `address` (the next ones of the tensor) into `state`;
     every piece but a tensor's last must be a multiple of BLOCK elements (module doc)."""
