@@ -1,6 +1,7 @@
 """The decoder: embedding, N pre-norm blocks (attention + SwiGLU MLP or MoE), final norm, LM head.
 
     logits = model(tokens, positions=None, cache=None, doc_ids=None)
+    logits_NV = model(tokens, logits_rows=rows_N)   # only the token rows b * T + t in rows_N
 
 One forward for every use:
 - training / scoring: `tokens` [B, T]; positions default to 0..T-1;
@@ -10,6 +11,9 @@ One forward for every use:
   `PagedKVCache.batch(...)`; the T new tokens of each row are appended after the row's cached
   tokens, positions default to the cache slots.
 `tokens` may also be 1-D [T] (one sequence; logits [T, V]).
+`logits_rows` (int64 [N], distinct, indices into the B * T token rows, row b * T + t) computes
+the LM head at those rows only and returns [N, V]: the full forward's rows, bit for bit in BI
+mode, gradients included (models/head_rows.py); log-probs and prefills need few of the rows.
 
 Guarantees (batch-invariant mode, `titan_audit.batch_invariant.enabled()`): every op but
 attention acts on one token's row through `ops` (BI matmuls/norms/softmax, position-independent
@@ -48,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from titan_audit.models import ops, tied
+from titan_audit.models import head_rows, ops, tied
 from titan_audit.models.attention import Attention
 from titan_audit.models.config import ModelConfig
 from titan_audit.models.mlp import FeedForward
@@ -182,9 +186,11 @@ class Transformer(nn.Module):
         cache: object | None = None,
         doc_ids: torch.Tensor | None = None,
         return_aux_loss: bool = False,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, T, V] (in the compute dtype); with `return_aux_loss`, (logits, the MoE
-        load-balancing loss of this call's real tokens: a float32 scalar, 0 without MoE layers)."""
+        """Logits [B, T, V] (in the compute dtype), or [N, V] at `logits_rows`; with
+        `return_aux_loss`, (logits, the MoE load-balancing loss of this call's real tokens: a
+        float32 scalar, 0 without MoE layers)."""
         squeeze = tokens.dim() == 1
         tokens_BT = self._check_tokens(tokens)
         batch, seq = tokens_BT.shape
@@ -239,7 +245,12 @@ class Transformer(nn.Module):
             else:
                 h_BTD = out
         output_weight = self.output_weight if cast is None else cast[id(self.output_weight)]
-        if link is not None:
+        if logits_rows is not None:
+            normed_MD = call(self.norm, h_BTD).reshape(batch * seq, -1)
+            rows_N = self._check_rows(logits_rows, batch * seq).to(normed_MD.device)
+            logits_BTV = head_rows.head_at_rows(normed_MD, output_weight, rows_N, link)
+            squeeze = False  # already [N, V]
+        elif link is not None:
             logits_BTV = tied.head(call(self.norm, h_BTD), output_weight, link)
         else:
             logits_BTV = ops.linear(call(self.norm, h_BTD), output_weight, gather_output=True)
@@ -288,6 +299,17 @@ class Transformer(nn.Module):
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
             raise ValueError(f"token ids must lie in [0, {vocab}), got [{int(tokens.min())}, {int(tokens.max())}]")
         return tokens
+
+    @staticmethod
+    def _check_rows(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+        if rows.dim() != 1 or rows.is_floating_point() or rows.dtype == torch.bool:
+            raise ValueError(f"logits_rows must be a 1-D integer tensor, got {rows.dtype} {tuple(rows.shape)}")
+        rows = rows.long()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+            raise ValueError(f"logits_rows must lie in [0, {num_rows}) (B * T), got [{int(rows.min())}, {int(rows.max())}]")
+        if int(torch.unique(rows).numel()) != rows.numel():
+            raise ValueError("logits_rows must be distinct")
+        return rows
 
     @staticmethod
     def _check_positions(positions: torch.Tensor, batch: int, seq: int) -> torch.Tensor:

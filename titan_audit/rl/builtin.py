@@ -395,10 +395,12 @@ class _Run:
         tokens_GL = torch.zeros(len(prompts), longest, dtype=torch.long)
         for g, prompt in enumerate(prompts):
             tokens_GL[g, : lengths[g]] = torch.tensor(prompt.prompt_ids, dtype=torch.long)
-        logits_GLV = self.model(tokens_GL.to(self.device), cache=self.cache.batch([p.seq for p in prompts]))
-        last_G = torch.tensor([n - 1 for n in lengths], device=self.device)
-        rows_G = torch.arange(len(prompts), device=self.device)
-        scaled_GV, logprobs_GV = self._token_logprobs(logits_GLV[rows_G, last_G])
+        # the head at each prompt's last position only (row g * longest + length - 1; the same
+        # bits as those rows of the full logits, models/head_rows.py)
+        last_G = torch.tensor([g * longest + n - 1 for g, n in enumerate(lengths)], device=self.device)
+        cache = self.cache.batch([p.seq for p in prompts])
+        logits_GV = self.model(tokens_GL.to(self.device), cache=cache, logits_rows=last_G)
+        scaled_GV, logprobs_GV = self._token_logprobs(logits_GV)
         for g, prompt in enumerate(prompts):
             self.cache.truncate(prompt.seq, lengths[g])
             prompt.scaled_1V = scaled_GV[g : g + 1]

@@ -12,7 +12,9 @@ causal attention keeps padding invisible to real tokens. In batch-invariant mode
 (`batch_invariant=True`, the default: the call runs inside `titan_audit.batch_invariant.enabled()`)
 every op is row-invariant, so each sample's log-probs are bitwise those of running it alone,
 whatever the other samples and the padded length, and bitwise equal to the built-in generator's
-(guarantee G4; tests/rl/test_builtin_generator.py). With `batch_invariant=False` the call runs in
+(guarantee G4; tests/rl/test_builtin_generator.py). The LM head runs only at the positions whose
+logits give a completion token (the model's `logits_rows`, the full head's bits and gradients in
+BI mode: models/head_rows.py). With `batch_invariant=False` the call runs in
 whatever mode the caller is in (native ops outside BI mode: no bitwise promise).
 
 Autograd: nothing here disables it; call it under `torch.no_grad()` to score only, or with grad
@@ -64,15 +66,23 @@ def sequence_logprobs(
     for i, row in enumerate(rows):
         tokens_NL[i, : len(row)] = torch.tensor(row, dtype=torch.long)
     tokens_NL = tokens_NL.to(device)
+    # the head runs at the completion positions only: row i * max_len + t for t in
+    # [start - 1, start - 1 + count) (models/head_rows.py: the same bits as the full logits' rows)
+    spans, rows = [], []
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        start, count = len(prompt), len(completion)
+        spans.append((len(rows), start, count))
+        rows.extend(range(i * max_len + start - 1, i * max_len + start - 1 + count))
     mode = bi.enabled() if batch_invariant else contextlib.nullcontext()
     with mode:
-        logits_NLV = model(tokens_NL)
+        if not rows:
+            return [torch.zeros(0, dtype=torch.float32, device=device) for _ in prompts]
+        logits_RV = model(tokens_NL, logits_rows=torch.tensor(rows, dtype=torch.long, device=device))
         out = []
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-            start, count = len(prompt), len(completion)
+        for i, (first, start, count) in enumerate(spans):
             if count == 0:
                 out.append(torch.zeros(0, dtype=torch.float32, device=device))
                 continue
-            scaled_TV = scale_logits(logits_NLV[i, start - 1 : start - 1 + count], temperature)
+            scaled_TV = scale_logits(logits_RV[first : first + count], temperature)
             out.append(token_logprobs(scaled_TV, tokens_NL[i, start : start + count]))
     return out
