@@ -306,7 +306,9 @@ class Transformer(nn.Module):
             raise ValueError(f"logits_rows must be a 1-D integer tensor, got {rows.dtype} {tuple(rows.shape)}")
         rows = rows.long()
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
-            raise ValueError(f"logits_rows must lie in [0, {num_rows}) (B * T), got [{int(rows.min())}, {int(rows.max())}]")
+            raise ValueError(
+                f"logits_rows must lie in [0, {num_rows}) (B * T), got [{int(rows.min())}, {int(rows.max())}]"
+            )
         if int(torch.unique(rows).numel()) != rows.numel():
             raise ValueError("logits_rows must be distinct")
         return rows
