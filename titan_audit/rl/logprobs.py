@@ -68,16 +68,16 @@ def sequence_logprobs(
     tokens_NL = tokens_NL.to(device)
     # the head runs at the completion positions only: row i * max_len + t for t in
     # [start - 1, start - 1 + count) (models/head_rows.py: the same bits as the full logits' rows)
-    spans, rows = [], []
+    spans, head_rows = [], []  # (first head row, start, count) per sample; flat token rows of the head
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         start, count = len(prompt), len(completion)
-        spans.append((len(rows), start, count))
-        rows.extend(range(i * max_len + start - 1, i * max_len + start - 1 + count))
+        spans.append((len(head_rows), start, count))
+        head_rows.extend(range(i * max_len + start - 1, i * max_len + start - 1 + count))
     mode = bi.enabled() if batch_invariant else contextlib.nullcontext()
     with mode:
-        if not rows:
+        if not head_rows:
             return [torch.zeros(0, dtype=torch.float32, device=device) for _ in prompts]
-        logits_RV = model(tokens_NL, logits_rows=torch.tensor(rows, dtype=torch.long, device=device))
+        logits_RV = model(tokens_NL, logits_rows=torch.tensor(head_rows, dtype=torch.long, device=device))
         out = []
         for i, (first, start, count) in enumerate(spans):
             if count == 0:
