@@ -49,11 +49,7 @@ def head_at_rows(
 def _direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not ops.bi_mode() or isinstance(weight, DTensor) or weight.dtype != torch.float32 or x.dtype != weight.dtype:
         return False
-    try:
-        backend_for(x, weight)
-    except NotImplementedError:
-        return False
-    return True
+    return tied.has_backend(weight)  # x is on weight's device (the forward's own activations)
 
 
 class _HeadAtRows(torch.autograd.Function):

@@ -55,11 +55,12 @@ def applies(weight: torch.Tensor) -> bool:
         and weight.requires_grad
         and not isinstance(weight, DTensor)
         and weight.dtype == torch.float32
-        and _has_backend(weight)
+        and has_backend(weight)
     )
 
 
-def _has_backend(weight: torch.Tensor) -> bool:
+def has_backend(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s device has a batch-invariant backend (CPU kernels, or CUDA's Triton)."""
     try:
         backend_for(weight)
     except NotImplementedError:
