@@ -27,9 +27,10 @@ from it, so trl does not import it):
   TRL's default loss_type and reward scaling; optimizer: TRL's default AdamW (torch's fused
   AdamW) at our lr, betas, eps, weight decay and grad clip, constant schedule, no warm-up;
 - no eval, no checkpoint, no logging (`logging_strategy="no"`, `report_to="none"`, no tqdm).
-- the environment is ours, so TRL's torch gets the same allocator setting: importing titan_audit
-  set THP_MEM_ALLOC_ENABLE=1 (huge pages, titan_audit/__init__.py) unless the user set it, and the
-  subprocess inherits it (TRL's step is faster with it too; leaving it out would flatter us).
+- the memory policy is ours, so TRL's torch allocates as ours does: the subprocess runs
+  `-m titan_audit.bench.trl_peer`, so importing titan_audit sets it up before torch loads
+  (`titan_audit/memory_policy.py`: huge pages and glibc's malloc thresholds, unless the user set
+  their own; TRL's step is faster with them too, so leaving them out would flatter us).
 A step's time is the interval between consecutive `on_step_end` callbacks (everything TRL does
 per optimizer step: fetching the prompts, generation, rewards, forwards, backwards, clipping, the
 optimizer step); the figure is the median over the steps after the first.
