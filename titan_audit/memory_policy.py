@@ -13,18 +13,20 @@ takes page faults. A user's own setting always wins. Two settings (issue 26):
    which inherit it) and is a no-op otherwise; export it yourself to get it there, or set it to
    0 to keep 4 KB pages.
 
-2. glibc's malloc keeps freed memory for reuse (Linux with glibc only): `mallopt` fixes the
-   mmap threshold at 32 MB (glibc's largest) and the trim threshold at 1 GB. glibc's defaults
-   adapt both to the sizes it has seen freed, and a training step frees its gradients and
-   activations at the end of every step: the top of the heap was then handed back to the kernel,
-   and the next step faulted the same pages in again. With huge pages on, torch asks for 2 MB
-   alignment on every allocation of 2 MB or more, which glibc served from a fresh mmap each
-   time: a 2-16 MB tensor cost ~1.5 ms of faults per allocation instead of ~60 us, and a
-   tiny-dense BI step ~25% more time. With the fixed thresholds, blocks under 32 MB come from
-   the heap and are reused; larger ones are mmapped (and huge pages make them cheap). The cost:
-   up to 1 GB of freed heap stays with the process instead of going back to the kernel.
-   Skipped when the user tunes malloc already (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`
-   or `GLIBC_TUNABLES` set) or sets `TITAN_AUDIT_MALLOC=default`.
+2. glibc's malloc keeps what the process frees, for reuse (Linux with glibc only): `mallopt`
+   turns off malloc's own mmap (`M_MMAP_MAX=0`) and heap trimming (`M_TRIM_THRESHOLD=-1`), so
+   every block comes from the heap and a freed block stays with the process. glibc's defaults
+   mmap a fresh region for each large block (and, with huge pages on, for every 2 MB-aligned
+   block of 2 MB or more) and hand it back to the kernel on free: a training step frees its
+   gradients and activations at the end of every step, and the next step faulted the same memory
+   in again. Measured (issue 26, 2-core AMD EPYC VMs): a 2-16 MB tensor cost ~1.5 ms of faults
+   per allocation instead of ~60 us (a tiny-dense BI step ~25% more time); at qwen3-0.6b widths
+   a 40-750 MB block freshly faulted cost up to 1.5 ms per MB where the hypervisor had taken the
+   freed memory back (free page reporting), about half of a 5 s training step (2.6-2.8 s with
+   the policy). The cost: the process keeps its peak heap until it exits (at those widths a BI
+   training process peaked at 9.0 GB instead of 5.8: freed blocks are reused, not returned).
+   Skipped when the user tunes malloc already (`MALLOC_MMAP_MAX_`, `MALLOC_MMAP_THRESHOLD_`,
+   `MALLOC_TRIM_THRESHOLD_` or `GLIBC_TUNABLES` set) or sets `TITAN_AUDIT_MALLOC=default`.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ import sys
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 MALLOC_ENV = "TITAN_AUDIT_MALLOC"  # "default": leave glibc's malloc as it is
-USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
-MMAP_THRESHOLD_BYTES = 32 << 20  # the largest glibc accepts on 64-bit (HEAP_MAX_SIZE / 2)
-TRIM_THRESHOLD_BYTES = 1 << 30
+USER_MALLOC_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc <malloc.h>
+NO_MMAP = 0  # M_MMAP_MAX: no block is mmapped by malloc
+NO_TRIM = -1  # M_TRIM_THRESHOLD: never trim the heap (mallopt(3))
 
-applied_mallopt = False  # whether configure() set the two malloc thresholds in this process
+applied_mallopt = False  # whether configure() set both malloc parameters in this process
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -67,6 +69,6 @@ def configure() -> None:
         return
     libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; a glibc that refuses a value keeps its default (speed only)
-    mmap_ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-    trim_ok = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    mmap_ok = libc.mallopt(M_MMAP_MAX, NO_MMAP) == 1
+    trim_ok = libc.mallopt(M_TRIM_THRESHOLD, NO_TRIM) == 1
     applied_mallopt = mmap_ok and trim_ok

@@ -29,8 +29,9 @@ Cases:
   recipe with the model section replaced (`REAL_WIDTH`: model.preset = qwen3-0.6b with
   model.overrides.num_hidden_layers = 2, i.e. hidden 1024, 16/8 heads, head_dim 128, intermediate
   3072, vocab 151936 tied; ~187M parameters) and a smaller shape so a side takes seconds to tens of
-  seconds a step: 2 prompts x 4 samples x 16 new tokens, REAL_WIDTH_STEPS = 3 steps (2 timed),
-  W = 1, parallel.threads = 1. Baseline TRL with 1 thread on the same config (the vocab is the
+  seconds a step: 2 prompts x 4 samples x 16 new tokens, REAL_WIDTH_STEPS = 5 steps (4 timed:
+  the first steps at this width still grow the heap, see memory_policy.py), W = 1,
+  parallel.threads = 1. Baseline TRL with 1 thread on the same config (the vocab is the
   model's 151936; the byte tokenizer's ids stay < 258, so TRL gets our prompt ids and the model's
   vocab size, which trl_peer checks), candidate our BI mode (`launch_rl`, as the first case).
   Sides run min(repeats, REAL_WIDTH_REPEATS) times. Same extra keys as the other TRL cases.
@@ -80,7 +81,7 @@ REAL_WIDTH = [
     "parallel.threads=1",
 ]
 REAL_WIDTH_CASE = "rl qwen3-0.6b widths L=2 W=1 vs TRL"
-REAL_WIDTH_STEPS, REAL_WIDTH_REPEATS = 3, 2
+REAL_WIDTH_STEPS, REAL_WIDTH_REPEATS = 5, 2
 BI_REAL, TRL_REAL = "BI mode, qwen3-0.6b widths L=2", "TRL GRPOTrainer, 1 thread, qwen3-0.6b widths L=2"
 THREADS_QUICK_SKIP = "left out of --quick (a third rl-tiny run); the full suite runs it"
 REAL_WIDTH_QUICK_SKIP = "left out of --quick (a ~187M-parameter model: its init and steps take seconds each)"
