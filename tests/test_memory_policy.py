@@ -3,9 +3,9 @@ and a user's own settings are kept. Both effects are counted in minor page fault
 - huge pages: touching a fresh 64 MB tensor takes ~16k faults with 4 KB pages, a few dozen with
   2 MB ones;
 - glibc's malloc kept from mmap and trim: allocating, filling and freeing a 4 MB or a 64 MB tensor
-  again and again takes no fault once the heap has settled and its memory is reused; with glibc's defaults each round maps
-  a fresh region and faults it in (~512 faults per 4 MB round beside torch's huge-page alignment,
-  ~32 per 64 MB round in 2 MB pages)."""
+  again and again takes no fault once the heap has settled and its memory is reused; with glibc's
+  defaults each round maps a fresh region and faults it in (~512 faults per 4 MB round beside
+  torch's huge-page alignment, ~32 per 64 MB round in 2 MB pages)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ intermediate 3072, vocab 151936 tied, with 2 layers; ~187M parameters): `determi
 against `deterministic` at W = 1, 1 thread, 2 x 64-token sequences per step as V = 2
 microbatches, 6 steps (the first two or three still grow the heap and take fresh pages, see
 memory_policy.py; the median of the last five is the steady step); target TARGET_BI_RATIO. A side
-takes tens of seconds (the init of the model and ~3-15 s a step on 2 cores), so these sides run min(repeats, REAL_WIDTH_REPEATS) times,
-and `--quick` leaves the case out.
+takes tens of seconds (the init of the model and ~3-15 s a step on 2 cores), so these sides run
+min(repeats, REAL_WIDTH_REPEATS) times, and `--quick` leaves the case out.
 A side's time is rank 0's median step time over the steps after the first (metrics.parquet),
 minimum over the runs; the sides alternate run by run so machine noise hits them alike.
 """
