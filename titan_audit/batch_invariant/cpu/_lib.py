@@ -177,6 +177,27 @@ def ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+UNFILLED_MIN_BYTES = 128 << 10  # below this torch.empty's fill costs less than the storage route
+
+
+def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous CPU tensor for a kernel that writes every element of it: `torch.empty`
+    without deterministic mode's NaN fill. Under `torch.use_deterministic_algorithms(True)` (with
+    `torch.utils.deterministic.fill_uninitialized_memory`, the default) every `torch.empty` first
+    writes NaN into all of its memory so that a read before a write is repeatable; a kernel output
+    is written in full before anyone reads it, so that pass is wasted work (issue 26: 22k fills,
+    ~10% of an rl-tiny BI step, twice that with 2 threads). The storage is allocated directly
+    (no aten factory fills it) and viewed with `set_`; no bit of any result changes. Small outputs
+    take `torch.empty`, whose fill is then cheaper than the extra calls."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * dtype.itemsize
+    if nbytes < UNFILLED_MIN_BYTES or not torch.are_deterministic_algorithms_enabled():
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage(nbytes), 0, shape)
+
+
 def num_threads() -> int:
     """The intra-op thread count the kernels split outputs over (torch's; never changes bits)."""
     return torch.get_num_threads()

@@ -111,8 +111,8 @@ def _forward_eager(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     call = _Call(q, k, v, causal, q_positions, doc_ids, extra_mask)
     batch, hq, _, tq, _, _, dim_v = call.shape
-    out = torch.empty((batch, hq, tq, dim_v), dtype=call.dtype)
-    lse = torch.empty((batch, hq, tq), dtype=call.dtype)
+    out = _lib.output((batch, hq, tq, dim_v), call.dtype)
+    lse = _lib.output((batch, hq, tq), call.dtype)
     if out.numel() == 0:
         return out, lse
     score_scale = scale * LOG2_E if call.dtype == torch.float32 else scale  # float32 scores are base 2
@@ -148,9 +148,9 @@ def _backward_eager(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _Call(q, k, v, causal, q_positions, doc_ids, extra_mask)
     batch, hq, hkv, tq, tk, dim, dim_v = call.shape
-    dq = torch.empty((batch, hq, tq, dim), dtype=call.dtype)
-    dk = torch.empty((batch, hkv, tk, dim), dtype=call.dtype)
-    dv = torch.empty((batch, hkv, tk, dim_v), dtype=call.dtype)
+    dq = _lib.output((batch, hq, tq, dim), call.dtype)
+    dk = _lib.output((batch, hkv, tk, dim), call.dtype)
+    dv = _lib.output((batch, hkv, tk, dim_v), call.dtype)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     g = grad_out.to(call.dtype).contiguous()

@@ -28,7 +28,7 @@ def embedding_backward(
     flat_idx = indices.reshape(-1).to(torch.int64).contiguous()
     if flat_idx.numel() != flat_grad.shape[0]:
         raise ValueError(f"embedding_backward: {flat_idx.numel()} indices for {flat_grad.shape[0]} grad rows")
-    out = torch.empty((num_weights, dim), dtype=torch.float32)
+    out = _lib.output((num_weights, dim), torch.float32)
     threads = _lib.num_threads() if flat_grad.numel() >= 1 << 15 else 1
     _lib.kernel("embedding_backward_f32")(
         _lib.ptr(flat_grad), _lib.ptr(flat_idx), _lib.ptr(out), flat_idx.numel(), dim, num_weights, padding_idx, threads

@@ -198,7 +198,7 @@ def _gemm(
 ) -> torch.Tensor:
     """C [batch, M, N] (new, contiguous) = A @ B with A's / B's element strides (batch, row, k) and
     (batch, k, col); one compute dtype (float32 or float64) for all three."""
-    c = torch.empty((batch, m, n), dtype=a.dtype)
+    c = _lib.output((batch, m, n), a.dtype)
     buf, addr = _args_buffer()
     _ARGS.pack_into(
         buf,

@@ -28,6 +28,6 @@ def normal_from_bits(bits: np.ndarray, mean: float = 0.0, std: float = 1.0) -> t
             f"normal_from_bits: bits must be a 1-D uint32 array of even length, got {bits.dtype} {bits.shape}"
         )
     bits = np.ascontiguousarray(bits)
-    out = torch.empty(bits.size, dtype=torch.float32)
+    out = _lib.output((bits.size,), torch.float32)
     _lib.kernel("normal_from_bits")(bits.ctypes.data, out.data_ptr(), bits.size // 2, float(mean), float(std))
     return out

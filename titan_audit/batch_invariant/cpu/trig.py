@@ -24,7 +24,7 @@ def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     """float32 [head_dim // 2]: 1 / theta^(2i / head_dim), by our float64 exp/log, rounded once."""
     if not theta > 0 or head_dim < 2 or head_dim % 2:
         raise ValueError(f"rope_inv_freq: need theta > 0 and an even head_dim >= 2, got {theta}, {head_dim}")
-    out = torch.empty(head_dim // 2, dtype=torch.float32)
+    out = _lib.output((head_dim // 2,), torch.float32)
     _lib.kernel("rope_inv_freq_f32")(float(theta), int(head_dim), _lib.ptr(out))
     return out
 
@@ -36,7 +36,7 @@ def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             f"cos_sin: expected a float32 CPU tensor, got {getattr(angles, 'dtype', type(angles).__name__)}"
         )
     angles = angles.contiguous()
-    cos, sin = torch.empty_like(angles), torch.empty_like(angles)
+    cos, sin = _lib.output(tuple(angles.shape), angles.dtype), _lib.output(tuple(angles.shape), angles.dtype)
     if angles.numel():
         threads = _lib.num_threads() if angles.numel() >= 1 << 16 else 1
         _lib.kernel("cos_sin_f32")(_lib.ptr(angles), _lib.ptr(cos), _lib.ptr(sin), angles.numel(), threads)
