@@ -86,7 +86,7 @@ def packed_elems(k: int, n: int) -> int:
 def pack(b: torch.Tensor) -> torch.Tensor:
     """B [K, N] (any strides, float32 or float64) packed into the kernel's panels (a copy)."""
     k, n = b.shape
-    packed = torch.empty(packed_elems(k, n), dtype=b.dtype)
+    packed = _lib.output((packed_elems(k, n),), b.dtype)  # pack writes every panel, padding zeroed
     if packed.numel():
         _lib.kernel(f"gemm_pack_{_suffix(b.dtype)}")(
             b.data_ptr(), 1, k, n, 0, b.stride(0), b.stride(1), packed.data_ptr(), _lib.num_threads()
