@@ -10,8 +10,8 @@ The package is layered; each subpackage imports only from the layers below it:
 
 See DESIGN.md (shared with the project) for the five guarantees G1-G5.
 
-Importing the package sets this process's memory policy for CPU tensors (huge pages, glibc malloc
-thresholds): see `memory_policy.py`. It changes no bit.
+Importing the package sets this process's memory policy for CPU tensors (huge pages; glibc's
+malloc keeps freed memory for reuse): see `memory_policy.py`. It changes no bit.
 """
 
 from importlib.metadata import PackageNotFoundError, version

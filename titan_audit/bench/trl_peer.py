@@ -29,8 +29,8 @@ from it, so trl does not import it):
 - no eval, no checkpoint, no logging (`logging_strategy="no"`, `report_to="none"`, no tqdm).
 - the memory policy is ours, so TRL's torch allocates as ours does: the subprocess runs
   `-m titan_audit.bench.trl_peer`, so importing titan_audit sets it up before torch loads
-  (`titan_audit/memory_policy.py`: huge pages and glibc's malloc thresholds, unless the user set
-  their own; TRL's step is faster with them too, so leaving them out would flatter us).
+  (`titan_audit/memory_policy.py`: huge pages and glibc's malloc keeping freed memory, unless the
+  user set their own; TRL's step is faster with them too, so leaving them out would flatter us).
 A step's time is the interval between consecutive `on_step_end` callbacks (everything TRL does
 per optimizer step: fetching the prompts, generation, rewards, forwards, backwards, clipping, the
 optimizer step); the figure is the median over the steps after the first.
