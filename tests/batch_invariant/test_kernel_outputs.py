@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._debug_mode import DebugMode
 
 from titan_audit import batch_invariant as bi
 from titan_audit.batch_invariant.cpu import _lib
@@ -37,11 +38,14 @@ def test_a_large_output_is_not_filled_and_the_count_can_see_a_fill(dtype):
     assert out.stride() == control.stride() and out.untyped_storage().nbytes() == control.untyped_storage().nbytes()
 
 
-def test_small_outputs_and_outputs_outside_deterministic_mode_take_torch_empty():
+def test_small_outputs_outputs_under_a_dispatch_mode_and_outside_deterministic_mode_take_torch_empty():
     assert _lib.output((3, 0), torch.float32).shape == (3, 0)
     with enable(0):
         fills, small = _fills(lambda: _lib.output((4, 8), torch.float32))
+        with DebugMode():  # what the op log records under: every op's outputs are hashed on return
+            fills_watched, watched = _fills(lambda: _lib.output(LARGE, torch.float32))
     assert fills == small.numel() and bool(small.isnan().all())
+    assert fills_watched == watched.numel() and bool(watched.isnan().all())
     fills, _ = _fills(lambda: _lib.output(LARGE, torch.float32))
     assert fills == 0
 

@@ -90,7 +90,7 @@ def test_real_width_config_has_the_widths_and_the_small_shape():
     assert widths == (151_936, 1024, 16, 8, 128)
     assert (m.intermediate_size, m.num_hidden_layers, m.tie_word_embeddings) == (3072, 2, True)
     shape = (config.task.prompts_per_step, config.task.samples_per_prompt, config.sampling.max_new_tokens)
-    assert shape == (2, 4, 16) and config.parallel.threads == 1 and config.steps == 3
+    assert shape == (2, 4, 16) and config.parallel.threads == 1 and config.steps == rl_suite.REAL_WIDTH_STEPS == 5
     assert (config.audit.level, config.checkpoint.interval, config.determinism.batch_invariant) == ("off", 0, True)
     assert config.task.name == "reversal-short"  # the rl-tiny recipe's task, prompts and reward
     # control: the rl-tiny cases keep the tiny model and the recipe's shape

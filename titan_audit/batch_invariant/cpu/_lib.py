@@ -188,12 +188,18 @@ def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     is written in full before anyone reads it, so that pass is wasted work (issue 26: 22k fills,
     ~10% of an rl-tiny BI step, twice that with 2 threads). The storage is allocated directly
     (no aten factory fills it) and viewed with `set_`; no bit of any result changes. Small outputs
-    take `torch.empty`, whose fill is then cheaper than the extra calls."""
+    take `torch.empty`, whose fill is then cheaper than the extra calls; so does every output
+    while a TorchDispatchMode watches the aten ops (the op log of `bisect --step`, audit/oplog.py,
+    hashes each op's outputs when the op returns: `set_`'s would be whatever the memory held)."""
     numel = 1
     for size in shape:
         numel *= size
     nbytes = numel * dtype.itemsize
-    if nbytes < UNFILLED_MIN_BYTES or not torch.are_deterministic_algorithms_enabled():
+    if (
+        nbytes < UNFILLED_MIN_BYTES
+        or not torch.are_deterministic_algorithms_enabled()
+        or torch._C._len_torch_dispatch_stack() > 0
+    ):
         return torch.empty(shape, dtype=dtype)
     return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage(nbytes), 0, shape)
 
