@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
@@ -659,7 +660,8 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
     """One rank's entry point under `torchrun`: run(config dict, out, flags) from
     `CONFIG_JSON OUT FLAGS...`. Started by `torchrun()`: the rank dies with torchrun, and a user
     error goes to its error file (the launcher reports it) and exits 2. Under another torchrun:
-    the error is printed once (rank 0) and exits 2. The process group is destroyed either way."""
+    the error is printed once (rank 0) and exits 2. The process group is destroyed either way; a rank
+    that finished exits 0 without interpreter teardown."""
     import torch.distributed as dist
 
     from titan_audit.log import configure, verbose_from_env
@@ -697,6 +699,14 @@ def rank_main(argv: Sequence[str], run: Callable[[dict, str, set[str]], object])
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    # Done: leave without interpreter teardown, as trainer/local_ranks.py does. Gloo threads of the
+    # groups a DeviceMesh created (parallel.tp > 1) can still be alive then and abort the rank
+    # ("terminate called without an active exception", seen in CI under load), and torchrun then
+    # kills its peers. The run's files are written and the process group is destroyed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 _LOST_PEER_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
