@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -191,10 +192,7 @@ def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     take `torch.empty`, whose fill is then cheaper than the extra calls; so does every output
     while a TorchDispatchMode watches the aten ops (the op log of `bisect --step`, audit/oplog.py,
     hashes each op's outputs when the op returns: `set_`'s would be whatever the memory held)."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if (
         nbytes < UNFILLED_MIN_BYTES
         or not torch.are_deterministic_algorithms_enabled()

@@ -67,7 +67,7 @@ def _unary(name: str, x: torch.Tensor) -> torch.Tensor:
     _check(x)
     dtype = result_dtype(name, x.dtype)
     x = x.to(dtype).contiguous()
-    y = _lib.output(tuple(x.shape), dtype)
+    y = _lib.output(x.shape, dtype)
     if x.numel():
         suffix = "f64" if dtype == torch.float64 else "f32"
         _lib.kernel(f"{name}_{suffix}")(_lib.ptr(x), _lib.ptr(y), x.numel(), _threads(x.numel()))
@@ -78,7 +78,7 @@ def _binary(name: str, grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     grad, other = _f32(grad), _f32(other)
     if grad.shape != other.shape:
         raise ValueError(f"{name}: grad {tuple(grad.shape)} and its input {tuple(other.shape)} must have one shape")
-    out = _lib.output(tuple(grad.shape), torch.float32)
+    out = _lib.output(grad.shape, torch.float32)
     if grad.numel():
         _lib.kernel(f"{name}_f32")(_lib.ptr(grad), _lib.ptr(other), _lib.ptr(out), grad.numel(), _threads(grad.numel()))
     return out

@@ -82,7 +82,7 @@ def _row_sum(x: torch.Tensor) -> torch.Tensor:
 def _row_map(name: str, x: torch.Tensor) -> torch.Tensor:
     x = _rows(x, compute_dtype(x.dtype))
     m, n = _shape_mn(x)
-    y = _lib.output(tuple(x.shape), x.dtype)
+    y = _lib.output(x.shape, x.dtype)
     if m and n:
         _lib.kernel(f"{name}_{_suffix(x.dtype)}")(_lib.ptr(x), _lib.ptr(y), m, n, _threads(x.numel()))
     return y
@@ -94,7 +94,7 @@ def _row_backward(name: str, grad: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     if grad.shape != y.shape:
         raise ValueError(f"{name}: grad {tuple(grad.shape)} and output {tuple(y.shape)} must have one shape")
     m, n = _shape_mn(y)
-    out = _lib.output(tuple(y.shape), dtype)
+    out = _lib.output(y.shape, dtype)
     if m and n:
         _lib.kernel(f"{name}_{_suffix(dtype)}")(_lib.ptr(grad), _lib.ptr(y), _lib.ptr(out), m, n, _threads(y.numel()))
     return out
@@ -105,7 +105,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple
     x = _rows(x, dtype)
     w = None if weight is None else _rows(weight, dtype)
     m, n = _shape_mn(x)
-    y = _lib.output(tuple(x.shape), dtype)
+    y = _lib.output(x.shape, dtype)
     rstd = _lib.output((*x.shape[:-1], 1), dtype)
     if m and n:
         _lib.kernel(f"rms_norm_{_suffix(dtype)}")(
@@ -128,7 +128,7 @@ def _rms_norm_backward(
     grad, x, rstd = _rows(grad, dtype), _rows(x, dtype), _rows(rstd, dtype)
     w = None if weight is None else _rows(weight, dtype)
     m, n = _shape_mn(x)
-    grad_x = _lib.output(tuple(x.shape), dtype)
+    grad_x = _lib.output(x.shape, dtype)
     grad_w = None if w is None else torch.zeros(n, dtype=dtype)
     if m and n:
         _lib.kernel(f"rms_norm_backward_{_suffix(dtype)}")(

@@ -36,7 +36,7 @@ def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             f"cos_sin: expected a float32 CPU tensor, got {getattr(angles, 'dtype', type(angles).__name__)}"
         )
     angles = angles.contiguous()
-    cos, sin = _lib.output(tuple(angles.shape), angles.dtype), _lib.output(tuple(angles.shape), angles.dtype)
+    cos, sin = _lib.output(angles.shape, angles.dtype), _lib.output(angles.shape, angles.dtype)
     if angles.numel():
         threads = _lib.num_threads() if angles.numel() >= 1 << 16 else 1
         _lib.kernel("cos_sin_f32")(_lib.ptr(angles), _lib.ptr(cos), _lib.ptr(sin), angles.numel(), threads)
