@@ -9,6 +9,7 @@ fixture), so rewards vary and the updates are not zero.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -17,10 +18,11 @@ import torch
 from command_line import cli
 
 from titan_audit.audit import compare_runs
+from titan_audit.rl import rollout_schedule
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
 from titan_audit.rl.config import load_rl_config
 from titan_audit.rl.loop import rl_train
-from titan_audit.rl.rollouts import DELAY_ENV, WeightSyncError, rollout_version
+from titan_audit.rl.rollouts import DELAY_ENV, RolloutWorker, WeightSyncError, rollout_version
 from titan_audit.rl.tasks import RewardError, Task, register_task
 
 SMALL = [
@@ -106,6 +108,32 @@ def test_lag_two_with_random_delays_is_identical_to_without(warm, tmp_path, monk
     # negative control: another lag is another trajectory, and compare sees it
     rl_train(config("rollout.lag=1", steps=steps), tmp_path / "lag1", init=warm, quiet=True)
     assert not compare_runs(tmp_path / "plain", tmp_path / "lag1").identical
+
+
+class _ThreadRecordingGenerator(BuiltinGenerator):
+    """Records the name of the thread each generate call runs in."""
+
+    threads: list[str] = []
+
+    def generate(self, requests, params):
+        self.threads.append(threading.current_thread().name)
+        return super().generate(requests, params)
+
+
+def test_lag_zero_generates_in_the_trainer_thread_with_the_threaded_workers_bits(warm, tmp_path, monkeypatch):
+    """At lag 0 no worker thread runs the jobs (rollouts.py: a second OpenMP team made threads=2 slow);
+    the run is bitwise the run whose jobs go through the worker thread."""
+    factory = lambda model, bi: _ThreadRecordingGenerator(model, BuiltinGeneratorConfig(batch_invariant=bi))  # noqa: E731
+    _ThreadRecordingGenerator.threads = []
+    rl_train(config(steps=2), tmp_path / "inline", init=warm, quiet=True, generator_factory=factory)
+    assert _ThreadRecordingGenerator.threads == ["MainThread", "MainThread"]
+    _ThreadRecordingGenerator.threads = []
+    threaded = lambda *a, **k: RolloutWorker(*a, **{**k, "threaded": True})  # noqa: E731
+    monkeypatch.setattr(rollout_schedule, "RolloutWorker", threaded)
+    rl_train(config(steps=2), tmp_path / "threaded", init=warm, quiet=True, generator_factory=factory)
+    assert _ThreadRecordingGenerator.threads == ["titan-audit-rollouts"] * 2  # control: the worker thread ran them
+    result = compare_runs(tmp_path / "inline", tmp_path / "threaded")
+    assert result.identical and result.compared > 0, result.first_divergence
 
 
 class _CorruptingGenerator(BuiltinGenerator):

@@ -116,7 +116,9 @@ class RolloutSchedule:
             stop_token_ids=(task.tokenizer.eos_id,),
         )
         scorer = SameWeightsScorer(config, device) if (config.verify and self.lag > 0) else None
-        self.worker = RolloutWorker(generator, max_in_flight=self.lag + 1, scorer=scorer, device=device)
+        self.worker = RolloutWorker(
+            generator, max_in_flight=self.lag + 1, scorer=scorer, device=device, threaded=self.lag > 0
+        )
 
     def prompts(self, step: int) -> list[Prompt]:
         """The whole prompt set of `step` (every rank's prompts, in prompt-id order)."""

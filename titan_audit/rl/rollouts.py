@@ -20,6 +20,16 @@ on when it ran, how long the trainer took, or what ran concurrently: the traject
 (config, L) alone. At most L + 1 jobs are in flight, holding at most L + 1 snapshots; the config
 bounds L by `rollout.buffer`.
 
+L = 0 runs unthreaded (`threaded=False`, what RolloutSchedule picks): the trainer would wait for
+each job right after submitting it, so `take` runs the submitted jobs itself, in the trainer's
+thread and in submission order, with the same steps (delay hook, crash point, weight sync and its
+fingerprint check, generation) and the same results. Why not a thread that sits idle: every thread
+that runs an OpenMP parallel region gets its own team of workers, and once libgomp manages more
+threads than there are cores its idle workers sleep after ~1000 spins instead of ~300k, so each
+parallel region of the step paid a futex wake-up. On the 2-core bench machine that made
+`parallel.threads=2` slower than 1 (1.03x, `titan-audit bench rl`); without the second team 2
+threads take ~0.78x of 1 thread's step.
+
 Checkpoints: after step k the rollouts of steps k+1 .. k+L are in flight; `finished(steps)`
 waits for them and they go into the checkpoint as plain data (`to_state` / `from_state`: tokens,
 log-prob bits, versions, fingerprints), so a resume restores them instead of regenerating from
@@ -167,7 +177,8 @@ Scorer = Callable[[RolloutJob, list[Sample]], dict[str, list[torch.Tensor]]]
 
 
 class RolloutWorker:
-    """Runs `RolloutJob`s on a generator in one background thread (module docstring)."""
+    """Runs `RolloutJob`s on a generator in one background thread, or (`threaded=False`) in the
+    thread that takes their results (module docstring)."""
 
     def __init__(
         self,
@@ -176,6 +187,7 @@ class RolloutWorker:
         max_in_flight: int,
         scorer: Scorer | None = None,
         device: torch.device | str = "cpu",
+        threaded: bool = True,
     ) -> None:
         self.generator = generator
         self.device = torch.device(device)  # the thread's current CUDA device (Triton launches on it)
@@ -185,8 +197,10 @@ class RolloutWorker:
         self._done: dict[int, RolloutResult | BaseException] = {}
         self._submitted: set[int] = set()
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="titan-audit-rollouts", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="titan-audit-rollouts", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ trainer side
     def submit(self, job: RolloutJob) -> None:
@@ -227,13 +241,19 @@ class RolloutWorker:
             return sorted(self._submitted | self._done.keys())
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
 
     def _wait(self, step: int) -> RolloutResult | BaseException:
         with self._cond:
             if step not in self._submitted and step not in self._done:
                 raise AssertionError(f"no rollouts of step {step} were submitted")
+        if self._thread is None:  # unthreaded: run the jobs up to this one here, in submission order
+            while step not in self._done:
+                with torch.no_grad():
+                    self._run_one(self._jobs.get_nowait())
+        with self._cond:
             while step not in self._done:
                 self._cond.wait()
             return self._done[step]
@@ -245,14 +265,17 @@ class RolloutWorker:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                result: RolloutResult | BaseException = self._execute(job)
-            except BaseException as error:  # noqa: BLE001 - handed to the trainer thread
-                result = error
-            with self._cond:
-                self._submitted.discard(job.step)
-                self._done[job.step] = result
-                self._cond.notify_all()
+            self._run_one(job)
+
+    def _run_one(self, job: RolloutJob) -> None:
+        try:
+            result: RolloutResult | BaseException = self._execute(job)
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer thread
+            result = error
+        with self._cond:
+            self._submitted.discard(job.step)
+            self._done[job.step] = result
+            self._cond.notify_all()
 
     def _execute(self, job: RolloutJob) -> RolloutResult:
         if self.device.type == "cuda":  # the current device is per thread: this rank's GPU, not GPU 0
