@@ -11,6 +11,7 @@ the missed cases, and a ValueError when no case had a target (a check never pass
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -114,16 +115,35 @@ def _batch_time(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def time_interleaved(fns: list[Callable[[], object]], options: BenchOptions) -> list[float]:
-    """Per-call seconds of each fn: min over `repeats` batches, the fns interleaved batch by batch."""
+def time_interleaved(
+    fns: list[Callable[[], object]],
+    options: BenchOptions,
+    modes: list[Callable[[], contextlib.AbstractContextManager] | None] | None = None,
+) -> list[float]:
+    """Per-call seconds of each fn: min over `repeats` batches, the fns interleaved batch by batch.
+
+    modes[i] (optional): a context manager factory entered around each of fn i's batches (and its
+    calibration), outside the timing: the state a side runs in for a whole run, such as the
+    batch-invariant mode an RL run installs once (`batch_invariant.enabled()`), which a side that
+    alternates with a native side would otherwise install and remove on every call."""
+    modes = modes or [None] * len(fns)
+    assert len(modes) == len(fns), (len(modes), len(fns))
+
+    def mode(i: int) -> contextlib.AbstractContextManager:
+        return modes[i]() if modes[i] is not None else contextlib.nullcontext()
+
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        calls = [_calibrate(fn, options.min_batch_s) for fn in fns]
+        calls = []
+        for i, fn in enumerate(fns):
+            with mode(i):
+                calls.append(_calibrate(fn, options.min_batch_s))
         best = [math.inf] * len(fns)
         for _ in range(options.repeats):
             for i, fn in enumerate(fns):
-                best[i] = min(best[i], _batch_time(fn, calls[i]))
+                with mode(i):
+                    best[i] = min(best[i], _batch_time(fn, calls[i]))
         return best
     finally:
         if gc_was_enabled:

@@ -23,7 +23,9 @@ Cases per decode batch B in {8, 32, 64}:
   Left out of `--quick` (the init of the ~187M-parameter model alone takes seconds).
 Extra keys: `baseline_tokens_per_s`, `candidate_tokens_per_s` (new tokens per second of each side),
 `new_tokens` (per call), and on the HF case `builtin_native_tokens_per_s`.
-The three sides of one B are timed interleaved (bench/core.py), so noise hits them alike.
+The three sides of one B are timed interleaved (bench/core.py), so noise hits them alike. A BI
+side's timed batches run with the BI mode installed around them (BI_MODE), as in an RL run that
+installs it once; the vLLM cases report one install and removal as `bi_mode_install_s`.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
 
-from titan_audit import models
+from titan_audit import batch_invariant, models
 from titan_audit.bench.core import BenchOptions, Case, time_interleaved
 from titan_audit.models.presets import get_preset
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
@@ -49,6 +52,10 @@ QUICK_PROMPT_LEN, QUICK_NEW_TOKENS = 8, 4
 REAL_WIDTH = {"preset": "qwen3-0.6b", "num_hidden_layers": 2}  # the preset's widths, 2 layers
 REAL_WIDTH_BATCH = 8
 NATIVE, BI, HF = "builtin generator, native ops", "builtin generator, BI mode", "HF transformers generate"
+# The BI sides run with the mode installed around each timed batch (bench/core.time_interleaved):
+# a run installs it once, while a side alternating with a native one would pay an install and a
+# removal (~13 ms on the 2-core EPYC, `bi_mode_install_s` of the vLLM cases) on every call.
+BI_MODE = batch_invariant.enabled
 
 
 def _hf_generate(
@@ -95,6 +102,18 @@ def real_width_config() -> models.ModelConfig:
     return dataclasses.replace(get_preset(REAL_WIDTH["preset"]), num_hidden_layers=REAL_WIDTH["num_hidden_layers"])
 
 
+def mode_install_seconds(repeats: int = 3) -> float:
+    """Seconds to install and remove the batch-invariant mode once (min of `repeats`), from off."""
+    assert not batch_invariant.is_enabled()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with batch_invariant.enabled():
+            pass
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _requests(prompts_BT: torch.Tensor) -> list[GenerationRequest]:
     return [GenerationRequest(tuple(row), SampleKey(0, 0, i, 0)) for i, row in enumerate(prompts_BT.tolist())]
 
@@ -119,7 +138,8 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
             }
             if has_hf:
                 sides[HF] = _hf_generate(model, f"{tmp}/B{batch}", prompts_BT, new_tokens)
-            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing)))
+            modes = [BI_MODE if side == BI else None for side in sides]
+            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, modes)))
             tokens = batch * new_tokens
             name = f"generate B={batch}"
             cases.append(_case(name, NATIVE, BI, seconds, tokens, TARGET_RATIO))
@@ -137,7 +157,7 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
     bi = BuiltinGenerator(real, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=REAL_WIDTH_BATCH))
     requests = _requests(torch.randint(0, real.config.vocab_size, (REAL_WIDTH_BATCH, prompt_len), generator=g))
     sides = {NATIVE: lambda: native.generate(requests, params), BI: lambda: bi.generate(requests, params)}
-    seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing)))
+    seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, [None, BI_MODE])))
     name = f"generate {REAL_WIDTH['preset']} widths L={REAL_WIDTH['num_hidden_layers']} B={REAL_WIDTH_BATCH}"
     cases.append(_case(name, NATIVE, BI, seconds, REAL_WIDTH_BATCH * new_tokens, TARGET_RATIO))
     progress(name)
@@ -207,6 +227,7 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
         )
         g = torch.Generator().manual_seed(0)
         cases: list[Case] = []
+        install_s = mode_install_seconds()
         for batch in batches:
             prompts_BT = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
             requests = _requests(prompts_BT)
@@ -228,10 +249,11 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
                 VLLM_BI: run_bi,
                 BI: lambda requests=requests: builtin.generate(requests, params),
             }
-            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing)))
+            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, [None, BI_MODE, BI_MODE])))
             tokens = batch * new_tokens
             case = _case(f"generate B={batch} vLLM", VLLM_DEFAULT, VLLM_BI, seconds, tokens, VLLM_TARGET_RATIO)
             case.extra["builtin_bi_tokens_per_s"] = tokens / seconds[BI]
+            case.extra["bi_mode_install_s"] = install_s
             cases.append(case)
             progress(case.case)
         return cases
