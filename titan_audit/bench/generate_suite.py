@@ -54,7 +54,7 @@ REAL_WIDTH_BATCH = 8
 NATIVE, BI, HF = "builtin generator, native ops", "builtin generator, BI mode", "HF transformers generate"
 # The BI sides run with the mode installed around each timed batch (bench/core.time_interleaved):
 # a run installs it once, while a side alternating with a native one would pay an install and a
-# removal (~13 ms on the 2-core EPYC, `bi_mode_install_s` of the vLLM cases) on every call.
+# removal (6-13 ms on the 2-core EPYC, `bi_mode_install_s` of the vLLM cases) on every call.
 BI_MODE = batch_invariant.enabled
 
 

@@ -28,7 +28,7 @@ that runs an OpenMP parallel region gets its own team of workers, and once libgo
 threads than there are cores its idle workers sleep after ~1000 spins instead of ~300k, so each
 parallel region of the step paid a futex wake-up. On the 2-core bench machine that made
 `parallel.threads=2` slower than 1 (1.03x, `titan-audit bench rl`); without the second team 2
-threads take ~0.78x of 1 thread's step.
+threads take 0.70-0.72x of 1 thread's step.
 
 Checkpoints: after step k the rollouts of steps k+1 .. k+L are in flight; `finished(steps)`
 waits for them and they go into the checkpoint as plain data (`to_state` / `from_state`: tokens,
