@@ -1,24 +1,25 @@
-"""batch_invariant/: ops whose per-row bits do not depend on the batch, and a mode that installs
-them in place of the aten ops (guarantee G2).
+"""batch_invariant/: ops whose per-row bits do not depend on the batch, and a mode that installs them
+in place of the aten ops (guarantee G2).
 
-Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`,
-`log_softmax`, `rms_norm`, `attention`. Mode: `enabled()` (context manager), `enable()`,
-`disable()`, `is_enabled()` (read by the numerics fingerprint; it reports the overrides actually
-installed). Gemm order (`order.py`, process-wide, v2 by default): `gemm_order("v1"|"v2")` (context
-manager), `set_gemm_order`, `current_gemm_order()`; config key `determinism.bi_kernels`.
-`census`: what else computed on a CPU tensor while the mode was on (record or strict; census.py),
-so "only our kernels and exact IEEE ops run" is checked, not assumed. Kernels come from a backend
-chosen by device (`backend.backend_for`): on CPU our own compiled kernels (`cpu/kernels`, built by
-`make`; scalar, AVX2 and AVX-512 variants with identical bits, so BI results are the same on every
-CPU); on CUDA the Triton kernels (`gpu/`: persistent matmul with fixed tiles and no split-K, row
-ops, split-KV attention over a paged KV cache, deterministic attention backward), imported only
-when a CUDA tensor arrives.
-"""
+Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`, `log_softmax`,
+`rms_norm`, `attention`; for inference (forward only) `add_rms_norm` (a residual add and the norm
+after it) and `silu_mul` (SwiGLU's product), fused on CPU with the same bits. Mode: `enabled()`
+(context manager), `enable()`, `disable()`, `is_enabled()` (read by the numerics fingerprint; it
+reports the overrides actually installed). Gemm order (`order.py`, process-wide, v2 by default):
+`gemm_order("v1"|"v2")` (context manager), `set_gemm_order`, `current_gemm_order()`; config key
+`determinism.bi_kernels`. `census`: what else computed on a CPU tensor while the mode was on
+(record or strict; census.py), so "only our kernels and exact IEEE ops run" is checked, not
+assumed. Kernels come from a backend chosen by device (`backend.backend_for`): on CPU our own
+compiled kernels (`cpu/kernels`, built by `make`; scalar, AVX2 and AVX-512 variants with identical
+bits, so BI results are the same on every CPU); on CUDA the Triton kernels (`gpu/`: persistent
+matmul with fixed tiles and no split-K, row ops, split-KV attention over a paged KV cache,
+deterministic attention backward), imported only when a CUDA tensor arrives."""
 
 from titan_audit.batch_invariant import census
 from titan_audit.batch_invariant.backend import backend_for, register_backend
 from titan_audit.batch_invariant.mode import disable, enable, enabled, is_enabled
 from titan_audit.batch_invariant.ops import (
+    add_rms_norm,
     addmm,
     attention,
     bmm,
@@ -28,6 +29,7 @@ from titan_audit.batch_invariant.ops import (
     mean,
     mm,
     rms_norm,
+    silu_mul,
     softmax,
     sum,
 )
@@ -35,6 +37,7 @@ from titan_audit.batch_invariant.order import GEMM_ORDERS, current_gemm_order, g
 
 __all__ = [
     "GEMM_ORDERS",
+    "add_rms_norm",
     "addmm",
     "attention",
     "backend_for",
@@ -54,6 +57,7 @@ __all__ = [
     "register_backend",
     "rms_norm",
     "set_gemm_order",
+    "silu_mul",
     "softmax",
     "sum",
 ]

@@ -307,6 +307,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return _RMSNorm.apply(x, weight, float(eps))
 
 
+# ---------------------------------------------------------------- fused inference ops (forward only)
+
+
+def _check_forward_only(name: str, *tensors: torch.Tensor) -> None:
+    if _needs_autograd(*tensors):
+        raise ValueError(f"{name} is forward only (inference); call it under torch.no_grad() or use the separate ops")
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta, weight, eps)): a residual add and the norm after it, for
+    inference. One kernel where the backend has it (CPU), else these two ops; either way every
+    non-NaN element is bitwise `h + delta` and `rms_norm(h + delta, weight, eps)` (a NaN comes
+    out as the canonical NaN on CPU). Rows are independent. Forward only."""
+    for name, t in (("h", h), ("delta", delta), ("weight", weight)):
+        _check_float(name, t)
+    _check_same_dtype(h=h, delta=delta, weight=weight)
+    if h.shape != delta.shape or h.dim() == 0 or tuple(weight.shape) != (h.shape[-1],):
+        raise ValueError(
+            f"add_rms_norm: expected h and delta [..., N] of one shape and weight [N], got h {tuple(h.shape)}, "
+            f"delta {tuple(delta.shape)}, weight {tuple(weight.shape)}"
+        )
+    if not eps >= 0:
+        raise ValueError(f"add_rms_norm: eps must be >= 0, got {eps}")
+    _check_forward_only("add_rms_norm", h, delta, weight)
+    backend = backend_for(h, delta, weight)
+    if not hasattr(backend, "add_rms_norm"):
+        s = h + delta
+        return s, rms_norm(s, weight, eps)
+    s, y = backend.add_rms_norm(h, delta, weight, float(eps))
+    return s.to(h.dtype), y.to(h.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (SwiGLU's product) in float32, for inference: one kernel where the backend
+    has it (CPU), else the backend's silu and one multiply; either way every non-NaN element is
+    bitwise `silu(gate) * up` (a NaN comes out as the canonical NaN on CPU). gate and up may be
+    strided views (the two halves of one fused gate/up projection). Forward only."""
+    _check_float("gate", gate), _check_float("up", up)
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    _check_forward_only("silu_mul", gate, up)
+    backend = backend_for(gate, up)
+    if not hasattr(backend, "silu_mul"):
+        return backend.silu(gate) * up.float()
+    return backend.silu_mul(gate, up)
+
+
 # ---------------------------------------------------------------- attention
 
 
@@ -404,6 +453,7 @@ def attention(
 
 
 __all__ = [
+    "add_rms_norm",
     "addmm",
     "attention",
     "bmm",
@@ -413,6 +463,7 @@ __all__ = [
     "mean",
     "mm",
     "rms_norm",
+    "silu_mul",
     "softmax",
     "sum",
 ]

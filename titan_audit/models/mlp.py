@@ -1,7 +1,8 @@
 """SwiGLU feed-forward (HF layout: gate_proj, up_proj, down_proj, no biases).
 
 down(silu(gate(x)) * up(x)); every op acts on one token's row, through `ops`, so in
-batch-invariant mode a token's output depends on that token alone.
+batch-invariant mode a token's output depends on that token alone (`ops.silu_mul`: one fused
+kernel for BI inference, the same bits).
 """
 
 from __future__ import annotations
@@ -20,5 +21,5 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = ops.silu(ops.linear(x, self.gate_proj.weight))
-        return ops.linear(gate * ops.linear(x, self.up_proj.weight), self.down_proj.weight)
+        gate, up = ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)
+        return ops.linear(ops.silu_mul(gate, up), self.down_proj.weight)

@@ -61,6 +61,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp_group=None) -
     return weight * normed.to(x.dtype)
 
 
+def _fused_inference(*tensors: torch.Tensor) -> bool:
+    """Whether a fused inference op may replace its composition here: BI mode, float32, plain
+    tensors, no autograd recording, eager (the fused ops are forward-only kernels)."""
+    return (
+        bi_mode()
+        and not torch.compiler.is_compiling()
+        and all(t.dtype == torch.float32 and not isinstance(t, DTensor) for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta, weight, eps)): a residual add and the norm after it. For
+    float32 inference in BI mode one fused kernel (`batch_invariant.add_rms_norm`: the same bits
+    for every non-NaN element); otherwise these two ops, as written."""
+    if _fused_inference(h, delta, weight) and h.shape == delta.shape:
+        return batch_invariant.add_rms_norm(h, delta, weight, eps)
+    s = h + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (SwiGLU). For float32 inference in BI mode one fused kernel
+    (`batch_invariant.silu_mul`: the same bits for every non-NaN element); otherwise the two ops."""
+    if _fused_inference(gate, up) and gate.shape == up.shape:
+        return batch_invariant.silu_mul(gate, up)
+    return silu(gate) * up
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return pointwise.silu(x) if bi_mode() else F.silu(x)
 

@@ -102,8 +102,8 @@ class Block(nn.Module):
         """The block's output; with `with_stats`, (output, the MoE layer's RouterStats over the
         real tokens, or None for a dense layer)."""
         attn = self.self_attn(self.input_layernorm(x_BTD), cos_BTd, sin_BTd, self.layer, cache_step, packing)
-        h_BTD = x_BTD + attn
-        normed_BTD = self.post_attention_layernorm(h_BTD)
+        norm = self.post_attention_layernorm  # h = x + attn, then its norm (one fused kernel in BI inference)
+        h_BTD, normed_BTD = ops.add_rms_norm(x_BTD, attn, norm.weight, norm.eps)
         if not with_stats:
             return h_BTD + self.mlp(normed_BTD)
         if not isinstance(self.mlp, MoE):

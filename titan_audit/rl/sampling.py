@@ -101,16 +101,19 @@ def sample_rows(scaled_BV: torch.Tensor, uniforms: Sequence[float], params: Samp
         ordered_BV, order_BV = scaled_BV, None
     cum_BV = torch.cumsum(ops.softmax(ordered_BV, -1).double(), dim=-1)  # sequential per row
     device = scaled_BV.device
-    keep_B = torch.full((batch,), vocab, dtype=torch.long, device=device)
-    if 0 < params.top_k < vocab:
-        keep_B = torch.full((batch,), params.top_k, dtype=torch.long, device=device)
-    if params.top_p < 1.0:
-        mass_k_B1 = cum_BV.gather(1, (keep_B - 1)[:, None])
-        # first rank whose renormalised cumulative mass reaches p; it is kept too
-        crossing_B = _first_greater(cum_BV, mass_k_B1 * params.top_p, right=False)
-        keep_B = torch.minimum(keep_B, crossing_B + 1)
-    keep_B = keep_B.clamp(1, vocab)
-    kept_mass_B1 = cum_BV.gather(1, (keep_B - 1)[:, None])
+    if truncate:
+        keep_B = torch.full((batch,), vocab, dtype=torch.long, device=device)
+        if 0 < params.top_k < vocab:
+            keep_B = torch.full((batch,), params.top_k, dtype=torch.long, device=device)
+        if params.top_p < 1.0:
+            mass_k_B1 = cum_BV.gather(1, (keep_B - 1)[:, None])
+            # first rank whose renormalised cumulative mass reaches p; it is kept too
+            crossing_B = _first_greater(cum_BV, mass_k_B1 * params.top_p, right=False)
+            keep_B = torch.minimum(keep_B, crossing_B + 1)
+        keep_B = keep_B.clamp(1, vocab)
+        kept_mass_B1 = cum_BV.gather(1, (keep_B - 1)[:, None])
+    else:  # every token kept: the kept mass is the last cumulative sum (the same value, no gather)
+        kept_mass_B1 = cum_BV[:, -1:]
     u_B1 = torch.tensor(list(uniforms), dtype=torch.float64, device=device)[:, None]
     rank_B = _first_greater(cum_BV, u_B1 * kept_mass_B1, right=True)
     last_positive_B = _first_greater(cum_BV, kept_mass_B1, right=False)  # last token adding mass

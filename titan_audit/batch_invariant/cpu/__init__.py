@@ -3,7 +3,10 @@ library with scalar / AVX2 / AVX-512 variants that give identical bits (`_lib`):
 `mm` / `bmm` here sum in the process-wide gemm order, `batch_invariant.order`), attention
 (`attention.py`), the embedding's weight gradient (`embedding.py`), the row reductions and fused
 row ops (`reductions.py`) and the element-wise functions (`pointwise.py`; `exp`, `log`, `sqrt`,
-`sigmoid`, `silu`, ... here, as the backend provides them to the model and to the mode).
+`sigmoid`, `silu`, ... here, as the backend provides them to the model and to the mode). Two
+forward-only fused ops exist on this backend alone (`add_rms_norm`: a residual add and the norm
+after it; `silu_mul`: SwiGLU's silu(gate) * up), for inference paths that call them where
+`batch_invariant.ops` offers them; outside the `Backend` protocol, a GPU backend need not have them.
 Every kernel here is forward-only and works below autograd; `titan_audit.batch_invariant.ops`
 adds autograd and input checks on top.
 
@@ -27,9 +30,11 @@ from titan_audit.batch_invariant.cpu.pointwise import (
     sigmoid_backward,
     silu,
     silu_backward,
+    silu_mul,
     sqrt,
 )
 from titan_audit.batch_invariant.cpu.reductions import (
+    add_rms_norm,
     log_softmax,
     log_softmax_backward,
     rms_norm,
@@ -49,6 +54,7 @@ __all__ = [
     "KEY_CHUNK",
     "NAME",
     "KernelLibraryError",
+    "add_rms_norm",
     "attention_backward",
     "attention_forward",
     "bmm",
@@ -67,6 +73,7 @@ __all__ = [
     "sigmoid_backward",
     "silu",
     "silu_backward",
+    "silu_mul",
     "softmax",
     "softmax_backward",
     "sqrt",

@@ -40,6 +40,7 @@ for _name in FLOAT64:
     _lib.declare(f"{_name}_f64", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
 for _name in BINARY:
     _lib.declare(f"{_name}_f32", None, [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int])
+_lib.declare("silu_mul_f32", None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int])
 
 
 def _check(x: torch.Tensor) -> None:
@@ -82,6 +83,31 @@ def _binary(name: str, grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     if grad.numel():
         _lib.kernel(f"{name}_f32")(_lib.ptr(grad), _lib.ptr(other), _lib.ptr(out), grad.numel(), _threads(grad.numel()))
     return out
+
+
+def _row_view(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., n] as float32 rows [M, n] with a contiguous last dim (a view when it is one)."""
+    x2 = (x if x.dtype == torch.float32 else x.to(torch.float32)).reshape(-1, n)
+    return x2 if x2.stride(-1) == 1 or n <= 1 else x2.contiguous()
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, float32 [..., N], forward only (SwiGLU's product): silu's bits, then one
+    IEEE multiply, in one pass (pointwise.cpp's silu_mul; every non-NaN element bitwise
+    `silu(gate) * up`, NaNs canonical). gate and up of one shape; each may be a strided view whose
+    rows have a contiguous last dim (the halves of one fused gate/up matrix are read in place)."""
+    _check(gate), _check(up)
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    n = gate.shape[-1] if gate.dim() else 1
+    g2, u2 = _row_view(gate, n), _row_view(up, n)
+    m = g2.shape[0]
+    y = _lib.output(gate.shape, torch.float32)
+    if m and n:
+        _lib.kernel("silu_mul_f32")(
+            _lib.ptr(g2), _lib.ptr(u2), _lib.ptr(y), m, n, g2.stride(0), u2.stride(0), _threads(m * n)
+        )
+    return y
 
 
 def _fake(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
@@ -140,6 +166,7 @@ __all__ = [
     "sigmoid_backward",
     "silu",
     "silu_backward",
+    "silu_mul",
     "result_dtype",
     "sqrt",
 ]

@@ -42,6 +42,7 @@ for _sfx in ("f32", "f64"):
     _lib.declare(f"log_softmax_backward_{_sfx}", None, [_P, _P, _P, _I64, _I64, _INT])
     _lib.declare(f"rms_norm_{_sfx}", None, [_P, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT])
     _lib.declare(f"rms_norm_backward_{_sfx}", None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _INT])
+    _lib.declare(f"add_rms_norm_{_sfx}", None, [_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT])
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,6 +120,25 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple
             _threads(x.numel()),
         )
     return y, rstd
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y) with s = h + delta and y = rms_norm(s) * weight (the `rms_norm` kernel's y), in
+    compute dtype, forward only: a residual add and the norm after it in one pass (rowops.cpp's
+    add_rms_norm; every non-NaN element bitwise the two calls', NaNs canonical). h and delta of
+    one shape, weight [N]."""
+    dtype = compute_dtype(h.dtype)
+    h, delta, w = _rows(h, dtype), _rows(delta, dtype), _rows(weight, dtype)
+    m, n = _shape_mn(h)
+    s = _lib.output(h.shape, dtype)
+    y = _lib.output(h.shape, dtype)
+    if m and n:
+        _lib.kernel(f"add_rms_norm_{_suffix(dtype)}")(
+            _lib.ptr(h), _lib.ptr(delta), _lib.ptr(w), _lib.ptr(s), _lib.ptr(y), m, n, float(eps), _threads(h.numel())
+        )
+    return s, y
 
 
 def _rms_norm_backward(

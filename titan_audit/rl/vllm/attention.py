@@ -159,12 +159,18 @@ class TitanAttentionImpl(AttentionImpl):
 
 
 def _attention(q_BHTD, k_BHSD, v_BHSD, positions_BT) -> torch.Tensor:
-    """`models.ops.attention` without key documents: in BI mode the call it makes
-    (`batch_invariant.attention`, causal, at the given query positions), without its
-    torch.compile barrier (vLLM runs this model eagerly)."""
-    if bi.is_enabled():
+    """`models.ops.attention` without key documents: in BI mode the kernel call it makes
+    (`batch_invariant.attention`'s, causal, at the given query positions), without its torch.compile
+    barrier (vLLM runs this model eagerly) and, outside autograd, without its argument checks (what
+    they check holds by construction here: `_Plan` builds the long [R, T] positions, `_gather`
+    the [R, Hkv, S, D] keys and values); the same kernel, so the same bits."""
+    if not bi.is_enabled():
+        return ops.attention(q_BHTD, k_BHSD, v_BHSD, positions_BT)
+    if torch.is_grad_enabled() and q_BHTD.requires_grad:
         return bi.attention(q_BHTD, k_BHSD, v_BHSD, causal=True, q_positions=positions_BT)
-    return ops.attention(q_BHTD, k_BHSD, v_BHSD, positions_BT)
+    scale = q_BHTD.shape[-1] ** -0.5
+    out, _ = bi.backend_for(q_BHTD).attention_forward(q_BHTD, k_BHSD, v_BHSD, scale, True, positions_BT, None)
+    return out
 
 
 class _Plan:

@@ -4,24 +4,27 @@ vLLM builds it from a checkpoint directory written by `models.save_pretrained` (
 `config.json` read by `models.hf_config`, so Qwen3 / Qwen3-MoE / Llama checkpoints of models/
 load unchanged) when the engine is started with `hf_overrides={"architectures": [ARCHITECTURE]}`.
 
-What runs: a `models.Transformer` built from that config holds every weight, and the forward
-below calls its modules and the same `models.ops` functions in the same order as
-`Transformer.forward` / `Block.forward` / `models.attention.Attention.forward`: embedding,
-RMSNorms, q/k/v projections, q/k-norm, RoPE from the model's own table, o-projection, SwiGLU MLP
-or MoE, final norm, LM head. vLLM's flat `[num_tokens]` batch (every scheduled token of every
-request) is one `[num_tokens, D]` row block: every op but attention acts on one token's row,
-and in batch-invariant mode a row's bits do not depend on the other rows. Three regroupings
-keep every bit (tests/rl/test_vllm_parity.py proves it against the trainer): q/k/v are one gemm
-over the row-stacked weights [q; k; v], gate/up one gemm over [gate; up] (an output column of the
-BI gemm is one fixed-order sum over K of its own weight row, whatever the other columns), q- and
-k-norm one RMSNorm call over the heads of both (a row per head) and RoPE one call over q's and
-k's heads (element-wise). The stacked weights are the storage: each q/k/v/gate/up parameter is
-a view of its row block, so `load_weights` and the in-place weight sync write them and the
-packed-weight cache sees the writes (a view bumps its base's version counter). Attention calls
-our backend (`attention.py`) through the vLLM `Attention` layer of each block (so vLLM
+What runs: a `models.Transformer` built from that config holds every weight, and the forward below
+calls its modules and the same `models.ops` functions in the same order as `Transformer.forward` /
+`Block.forward` / `models.attention.Attention.forward`: embedding, RMSNorms, q/k/v projections,
+q/k-norm, RoPE from the model's own table, o-projection, SwiGLU MLP or MoE, final norm, LM head.
+vLLM's flat `[num_tokens]` batch (every scheduled token of every request) is one `[num_tokens, D]`
+row block: every op but attention acts on one token's row, and in batch-invariant mode a row's
+bits do not depend on the other rows. Three regroupings keep every bit
+(tests/rl/test_vllm_parity.py proves it against the trainer): q/k/v are one gemm over the
+row-stacked weights [q; k; v], gate/up one gemm over [gate; up] (an output column of the BI gemm
+is one fixed-order sum over K of its own weight row, whatever the other columns), q- and k-norm
+one RMSNorm call over the heads of both (a row per head) and RoPE one call over q's and k's heads
+(element-wise). Two fusions keep every bit as well (`models.ops.add_rms_norm` / `silu_mul`,
+forward-only kernels, bitwise their compositions for every non-NaN value): each residual add with
+the norm after it (the block's post-attention norm; the next block's input norm, or the final
+norm) and SwiGLU's silu(gate) * up. The stacked weights are the storage: each q/k/v/gate/up
+parameter is a view of its row block, so `load_weights` and the in-place weight sync write them
+and the packed-weight cache sees the writes (a view bumps its base's version counter). Attention
+calls our backend (`attention.py`) through the vLLM `Attention` layer of each block (so vLLM
 allocates and schedules the paged KV cache), reading that layer's cache and the step's metadata
-from vLLM's forward context. Hence in BI mode a token's logits are bitwise those of the
-trainer's full forward of its sequence (guarantee G4).
+from vLLM's forward context. Hence in BI mode a token's logits are bitwise those of the trainer's
+full forward of its sequence (guarantee G4).
 
 Modes: `additional_config={"titan_audit": {"batch_invariant": true}}` (what VllmGenerator
 passes) runs forward and logits inside `batch_invariant.enabled()`; otherwise the model runs in
@@ -140,16 +143,21 @@ class TitanForCausalLM(nn.Module):
             cos_Nd, sin_Nd = self.model.rope.lookup(positions.long())
             # apply_rope's [B, H, T, d] layout with B = tokens, T = 1: cos/sin [N, 1, d]
             cos_N1d, sin_N1d = cos_Nd[:, None], sin_Nd[:, None]
-            for i, block in enumerate(self.model.layers):
+            layers = self.model.layers
+            x_ND = layers[0].input_layernorm(h_ND)
+            for i, block in enumerate(layers):
                 context = get_attention_context(self.attn[i].layer_name)
-                x_ND = block.input_layernorm(h_ND)
-                h_ND = h_ND + self._attention(i, block.self_attn, x_ND, cos_N1d, sin_N1d, context)
-                x_ND = block.post_attention_layernorm(h_ND)
+                attn_ND = self._attention(i, block.self_attn, x_ND, cos_N1d, sin_N1d, context)
+                norm = block.post_attention_layernorm
+                h_ND, x_ND = ops.add_rms_norm(h_ND, attn_ND, norm.weight, norm.eps)
                 if self._gate_up[i] is None:  # MoE: the block's module on a [1, N, D] batch
-                    h_ND = h_ND + block.mlp(x_ND[None])[0]
+                    mlp_ND = block.mlp(x_ND[None])[0]
                 else:
-                    h_ND = h_ND + self._mlp(i, block.mlp, x_ND)
-            return self.model.norm(h_ND)
+                    mlp_ND = self._mlp(i, block.mlp, x_ND)
+                # the residual add and the next norm (the next block's input norm, or the final one)
+                norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                h_ND, x_ND = ops.add_rms_norm(h_ND, mlp_ND, norm.weight, norm.eps)
+            return x_ND
 
     def _attention(self, i: int, attn, x_ND, cos_N1d, sin_N1d, context) -> torch.Tensor:
         """models.attention.Attention.forward with q/k/v from one gemm, q- and k-norm in one call
@@ -175,7 +183,7 @@ class TitanForCausalLM(nn.Module):
         """mlp.FeedForward.forward with gate and up from one gemm."""
         gate_up_NI = ops.linear(x_ND, self._gate_up[i])
         hidden = gate_up_NI.shape[1] // 2
-        return ops.linear(ops.silu(gate_up_NI[:, :hidden]) * gate_up_NI[:, hidden:], mlp.down_proj.weight)
+        return ops.linear(ops.silu_mul(gate_up_NI[:, :hidden], gate_up_NI[:, hidden:]), mlp.down_proj.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, V]: the LM head of `Transformer.forward`."""

@@ -66,6 +66,7 @@
     void ta_silu_f32__##isa(const float*, float*, int64_t, int);                                                 \
     void ta_sigmoid_backward_f32__##isa(const float*, const float*, float*, int64_t, int);                       \
     void ta_silu_backward_f32__##isa(const float*, const float*, float*, int64_t, int);                          \
+    void ta_silu_mul_f32__##isa(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int);    \
     void ta_exp_f64__##isa(const double*, double*, int64_t, int);                                                \
     void ta_log_f64__##isa(const double*, double*, int64_t, int);                                                \
     void ta_sqrt_f64__##isa(const double*, double*, int64_t, int);                                               \
@@ -88,7 +89,8 @@
     void ta_softmax_backward_##sfx##__##isa(const T*, const T*, T*, int64_t, int64_t, int);                      \
     void ta_log_softmax_backward_##sfx##__##isa(const T*, const T*, T*, int64_t, int64_t, int);                  \
     void ta_rms_norm_##sfx##__##isa(const T*, const T*, T*, T*, int64_t, int64_t, double, int);                  \
-    void ta_rms_norm_backward_##sfx##__##isa(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, int);
+    void ta_rms_norm_backward_##sfx##__##isa(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, int); \
+    void ta_add_rms_norm_##sfx##__##isa(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double, int);
 
 template <typename T>
 struct RowOps {
@@ -99,6 +101,7 @@ struct RowOps {
     void (*log_softmax_backward)(const T*, const T*, T*, int64_t, int64_t, int);
     void (*rms_norm)(const T*, const T*, T*, T*, int64_t, int64_t, double, int);
     void (*rms_norm_backward)(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, int);
+    void (*add_rms_norm)(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double, int);
 };
 
 template <typename T>
@@ -142,12 +145,13 @@ struct Variant {
     void (*absmax_sum_f32)(const float*, int64_t, double*);
     void (*absmax_sum_bf16)(const uint16_t*, int64_t, double*);
     void (*absmax_sum_f64)(const double*, int64_t, double*);
+    void (*silu_mul32)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int);
 };
 
 #define TA_ROWOPS_OF(isa, sfx)                                                                                   \
     {ta_row_sum_##sfx##__##isa, ta_softmax_##sfx##__##isa, ta_log_softmax_##sfx##__##isa,                        \
      ta_softmax_backward_##sfx##__##isa, ta_log_softmax_backward_##sfx##__##isa, ta_rms_norm_##sfx##__##isa,      \
-     ta_rms_norm_backward_##sfx##__##isa}
+     ta_rms_norm_backward_##sfx##__##isa, ta_add_rms_norm_##sfx##__##isa}
 
 #define TA_VARIANT(isa)                                                                                          \
     Variant{#isa, ta_kernels_version__##isa, ta_gemm_packed_elems__##isa, ta_attention_key_chunk__##isa,          \
@@ -159,7 +163,7 @@ struct Variant {
             ta_exp_f64__##isa, ta_log_f64__##isa, ta_sqrt_f64__##isa, ta_normal_from_bits__##isa,                \
             ta_cos_sin_f32__##isa, ta_rope_inv_freq_f32__##isa, ta_embedding_backward_f32__##isa,                \
             ta_adamw_step_f32__##isa, ta_absmax_sum_f32__##isa, ta_absmax_sum_bf16__##isa,                        \
-            ta_absmax_sum_f64__##isa}
+            ta_absmax_sum_f64__##isa, ta_silu_mul_f32__##isa}
 
 TA_DECLARE(scalar)
 #if defined(TA_BATTERY_X86)
@@ -512,6 +516,12 @@ void rowops_case(const std::string& sfx, int64_t m, int64_t n, Kind kind, T lo, 
         sink.emit("y_noweight", y0);
         sink.emit("rstd_noweight", rstd0);
     });
+    reg("add_rms_norm", [=](const Variant& v, int t, const Sink& sink, const std::vector<std::vector<T>>& in) {
+        std::vector<T> s(m * n, T(7)), y(m * n, T(7));
+        row_of<T>(v).add_rms_norm(in[0].data(), in[1].data(), in[2].data(), s.data(), y.data(), m, n, 1e-6, t);
+        sink.emit("sum", s);
+        sink.emit("y", y);
+    });
     reg("rms_norm_backward", [=](const Variant& v, int t, const Sink& sink, const std::vector<std::vector<T>>& in) {
         std::vector<T> y(m * n), rstd(m), gx(m * n, T(7)), gw(n, T(7)), gx0(m * n, T(7));
         row_of<T>(*g_scalar).rms_norm(in[0].data(), in[2].data(), y.data(), rstd.data(), m, n, 1e-6, 1);
@@ -629,6 +639,22 @@ void binary32_case(const std::string& fn, Binary32 Variant::*f) {
     }
 }
 
+// silu_mul: m rows of n gate values then n up values (one fused gate/up matrix, ld 2n), gate in
+// silu's range or (special) silu's special inputs, up in [-2, 2].
+void silu_mul_case(int64_t m, int64_t n, bool special) {
+    const std::string kase = "m" + std::to_string(m) + "_n" + std::to_string(n) + (special ? "_special" : "");
+    add("silu_mul_f32", kase, true, [=](const Variant& v, int t, const Sink& sink) {
+        Rng r = rng_for("silu_mul_f32", kase);
+        const std::vector<float> g = unary_inputs<float>("silu", special ? "special" : "range", r, m * n),
+                                 u = values<float>(r, m * n, kUniform, -2.0f, 2.0f);
+        std::vector<float> a(2 * m * n), y(m * n, 7.0f);
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) a[i * 2 * n + j] = g[i * n + j], a[i * 2 * n + n + j] = u[i * n + j];
+        v.silu_mul32(a.data(), a.data() + n, y.data(), m, n, 2 * n, 2 * n, t);
+        sink.emit("", y);
+    });
+}
+
 // ---------------------------------------------------------------- the battery
 
 void build_cases() {
@@ -701,6 +727,10 @@ void build_cases() {
     unary32_case("silu", &Variant::silu32);
     binary32_case("sigmoid_backward", &Variant::sigmoid_backward32);
     binary32_case("silu_backward", &Variant::silu_backward32);
+    for (const auto& c : {std::make_pair(1, 1), std::make_pair(3, 7), std::make_pair(2, 17), std::make_pair(5, 33),
+                          std::make_pair(8, 768), std::make_pair(2, 1023)})
+        silu_mul_case(c.first, c.second, false);
+    silu_mul_case(3, 1367, true);
     unary64_case("exp", &Variant::exp64);
     unary64_case("log", &Variant::log64);
     unary64_case("sqrt", &Variant::sqrt64);

@@ -1,5 +1,5 @@
-// pointwise.cpp: element-wise exp, exp2, log, sqrt, sigmoid, silu and the backward of sigmoid and
-// silu in float32, and exp, log, sqrt in float64, over contiguous buffers.
+// pointwise.cpp: element-wise exp, exp2, log, sqrt, sigmoid, silu, silu(gate) * up and the backward
+// of sigmoid and silu in float32, and exp, log, sqrt in float64, over contiguous buffers.
 //
 // Guarantee: an element's bits are a function of its value alone (and its gradient's), the
 // same on every ISA variant and wherever the element sits in its buffer: each element runs the
@@ -175,6 +175,50 @@ TA_EXPORT(void, silu_f32)(const float* x, float* y, int64_t n, int threads) {
     map(n, threads, [&](int64_t i) {
         const float e = exp_neg_abs(x[i]);
         y[i] = ta::canon_nan_f32((x[i] * ta::select_f32(x[i] >= 0.0f, 1.0f, e)) / (1.0f + e));
+    });
+}
+
+// silu_mul (forward only; SwiGLU's silu(gate) * up): per row r of m, y[r, j] = silu(g[r, j]) *
+// u[r, j] for j < n, g's rows ld_g elements apart, u's ld_u (one fused gate/up matrix: u = g + n).
+// silu is silu_f32's formula above, op for op, made canonical, then one IEEE multiply by u: the
+// bits of silu_f32 followed by torch's `*`, NaNs canonical. Threads split rows.
+TA_EXPORT(void, silu_mul_f32)(const float* g, const float* u, float* y, int64_t m, int64_t n, int64_t ld_g,
+                              int64_t ld_u, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *gr = g + r * ld_g, *ur = u + r * ld_u;
+            float* yr = y + r * n;
+            int64_t j = 0;
+#if defined(TA_ISA_AVX2)
+            for (; j < n; j += 8) {
+                const __m256i k = j + 8 <= n ? _mm256_set1_epi32(-1)
+                                             : _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
+                                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                const __m256 v = _mm256_maskload_ps(gr + j, k), one = _mm256_set1_ps(1.0f);
+                const __m256 e = ta::exp_f32_v8(neg_abs8(v));
+                const __m256 nonneg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+                const __m256 num = _mm256_mul_ps(v, _mm256_blendv_ps(e, one, nonneg));
+                const __m256 s = canon8(_mm256_div_ps(num, _mm256_add_ps(one, e)));
+                _mm256_maskstore_ps(yr + j, k, canon8(_mm256_mul_ps(s, _mm256_maskload_ps(ur + j, k))));
+            }
+#endif
+#if defined(TA_ISA_AVX512)
+            for (; j < n; j += 16) {
+                const __mmask16 k = j + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                const __m512 v = _mm512_maskz_loadu_ps(k, gr + j), one = _mm512_set1_ps(1.0f);
+                const __m512 e = ta::exp_f32_v16(neg_abs16(v));
+                const __mmask16 nonneg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+                const __m512 num = _mm512_mul_ps(v, _mm512_mask_blend_ps(nonneg, e, one));
+                const __m512 s = canon16(_mm512_div_ps(num, _mm512_add_ps(one, e)));
+                _mm512_mask_storeu_ps(yr + j, k, canon16(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, ur + j))));
+            }
+#endif
+            for (; j < n; ++j) {
+                const float e = exp_neg_abs(gr[j]);
+                const float s = ta::canon_nan_f32((gr[j] * ta::select_f32(gr[j] >= 0.0f, 1.0f, e)) / (1.0f + e));
+                yr[j] = ta::canon_nan_f32(s * ur[j]);
+            }
+        }
     });
 }
 

@@ -1,5 +1,6 @@
 // rowops.cpp: row reductions and the fused row ops (sum, softmax, log_softmax, rms_norm and
-// their backward) over a contiguous [M, N] matrix, float32 and float64.
+// their backward, the forward-only residual add + rms_norm) over a contiguous [M, N] matrix,
+// float32 and float64.
 //
 // Guarantee: every output element is a fixed sequence of IEEE operations on its own row (and the
 // shared weight), set by N alone: never by M, the thread count or the ISA variant. How:
@@ -304,6 +305,23 @@ void rms_norm(const T* x, const T* w, T* y, T* rstd, int64_t m, int64_t n, T eps
     });
 }
 
+// add_rms_norm (forward only): per row, s_j = h_j + d_j (one IEEE add; written out), then the
+// rms_norm above of s with w, op for op: rstd = 1 / sqrt(lane_dot(s, s) / n + eps),
+// y_j = (s_j * rstd) * w_j. So s and y are bitwise `h + d` and then rms_norm(h + d, w) (the
+// residual add and the next norm of a transformer block) in one call; NaNs come out canonical.
+template <typename T>
+void add_rms_norm(const T* h, const T* d, const T* w, T* s, T* y, int64_t m, int64_t n, T eps, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T *hr = h + r * n, *dr = d + r * n;
+            T *sr = s + r * n, *yr = y + r * n;
+            for (int64_t j = 0; j < n; ++j) sr[j] = canon(hr[j] + dr[j]);
+            const T rs = T(1) / std::sqrt(lane_dot(sr, sr, n) / T(n) + eps);
+            for (int64_t j = 0; j < n; ++j) yr[j] = canon((sr[j] * rs) * w[j]);
+        }
+    });
+}
+
 // rms_norm backward, per row: gw_j = g_j * w_j (w null: g_j); d = lane_dot(gw, x) (gw rounded
 // first); k = ((rstd * rstd) * rstd) * (d / n); gx_j = fma(-x_j, k, rstd * gw_j).
 // Weight gradient (w non-null), per column j: gwt_j = fma(g_ij * x_ij, rstd_i, gwt_j) for rows
@@ -362,6 +380,10 @@ void rms_norm_backward(const T* g, const T* x, const T* w, const T* rstd, T* gx,
     TA_EXPORT(void, rms_norm_##sfx)(const T* x, const T* w, T* y, T* rstd, int64_t m, int64_t n, double eps,   \
                                     int threads) {                                                             \
         rms_norm<T>(x, w, y, rstd, m, n, T(eps), threads);                                                     \
+    }                                                                                                          \
+    TA_EXPORT(void, add_rms_norm_##sfx)(const T* h, const T* d, const T* w, T* s, T* y, int64_t m, int64_t n,    \
+                                        double eps, int threads) {                                             \
+        add_rms_norm<T>(h, d, w, s, y, m, n, T(eps), threads);                                                 \
     }                                                                                                          \
     TA_EXPORT(void, rms_norm_backward_##sfx)(const T* g, const T* x, const T* w, const T* rstd, T* gx, T* gwt, \
                                              int64_t m, int64_t n, int threads) {                              \

@@ -1,0 +1,109 @@
+"""The fused inference ops (`batch_invariant.add_rms_norm`, `silu_mul`) and `models.ops`' use of them.
+
+Proves: each fused kernel gives, bitwise, the bits of the two ops it replaces (h + delta then
+rms_norm with the weight; silu then one multiply) on every ISA variant and thread count, for the
+halves of one fused gate/up matrix read in place, row by row whatever the batch; both refuse
+autograd; `models.ops` takes the fused kernel only for float32 BI inference and the composition
+otherwise (so training keeps its graph). Negative control: the native composition (torch's
+rms_norm and silu) differs from the fused kernel's bits, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.batch_invariant._helpers import num_threads, randn
+from titan_audit import batch_invariant as bi
+from titan_audit.audit.bitwise import assert_bitwise_equal
+from titan_audit.batch_invariant.cpu import _lib
+from titan_audit.models import ops
+
+SHAPES = [(1, 1), (3, 7), (8, 256), (5, 1023), (40, 1000)]  # odd rows hit every vector tail; 40 x 1000 splits
+
+
+def _inputs(m: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, delta = randn(m, n, seed=seed, scale=3.0), randn(m, n, seed=seed + 1)
+    weight = torch.rand(n, generator=torch.Generator().manual_seed(seed + 2)) + 0.5
+    gate_up = randn(m, 2 * n, seed=seed + 3, scale=10.0)
+    return h, delta, weight, gate_up
+
+
+def _composed(h, delta, weight, gate_up):  # noqa: ANN001, ANN202
+    n = h.shape[-1]
+    s = h + delta
+    return s, ops.rms_norm(s, weight, 1e-6), ops.silu(gate_up[:, :n]) * gate_up[:, n:]
+
+
+@pytest.mark.parametrize(("m", "n"), SHAPES)
+def test_fused_ops_are_bitwise_their_compositions_on_every_variant_and_thread_count(m: int, n: int) -> None:
+    h, delta, weight, gate_up = _inputs(m, n, seed=m * 1000 + n)
+    with torch.no_grad(), bi.enabled():
+        s_ref, y_ref, swiglu_ref = _composed(h, delta, weight, gate_up)
+        for isa in _lib.available_isas():
+            for threads in (1, 2):
+                with _lib.forced_isa(isa), num_threads(threads):
+                    s, y = bi.add_rms_norm(h, delta, weight, 1e-6)
+                    swiglu = bi.silu_mul(gate_up[:, :n], gate_up[:, n:])  # the halves, read in place
+                what = f"{isa}, {threads} threads, [{m}, {n}]"
+                assert_bitwise_equal(s, s_ref, f"add_rms_norm sum, {what}")
+                assert_bitwise_equal(y, y_ref, f"add_rms_norm norm, {what}")
+                assert_bitwise_equal(swiglu, swiglu_ref, f"silu_mul, {what}")
+
+
+def test_a_rows_bits_do_not_depend_on_the_batch() -> None:
+    h, delta, weight, gate_up = _inputs(9, 256, seed=7)
+    with torch.no_grad(), bi.enabled():
+        s, y = bi.add_rms_norm(h, delta, weight)
+        swiglu = bi.silu_mul(gate_up[:, :256], gate_up[:, 256:])
+        for i in (0, 4, 8):
+            s_i, y_i = bi.add_rms_norm(h[i : i + 1], delta[i : i + 1], weight)
+            assert_bitwise_equal(s_i[0], s[i], f"sum row {i}")
+            assert_bitwise_equal(y_i[0], y[i], f"norm row {i}")
+            assert_bitwise_equal(bi.silu_mul(gate_up[i : i + 1, :256], gate_up[i : i + 1, 256:])[0], swiglu[i])
+
+
+def test_negative_control_the_native_compositions_differ() -> None:
+    h, delta, weight, gate_up = _inputs(40, 1000, seed=11)
+    with torch.no_grad(), bi.enabled():
+        _, y = bi.add_rms_norm(h, delta, weight, 1e-6)
+        swiglu = bi.silu_mul(gate_up[:, :1000], gate_up[:, 1000:])
+    y_native = F.rms_norm(h + delta, (1000,), weight, 1e-6)
+    swiglu_native = F.silu(gate_up[:, :1000]) * gate_up[:, 1000:]
+    assert (y.view(torch.int32) != y_native.view(torch.int32)).any()
+    assert (swiglu.view(torch.int32) != swiglu_native.view(torch.int32)).any()
+
+
+def test_fused_ops_refuse_autograd_and_bad_shapes() -> None:
+    h, delta, weight, gate_up = _inputs(3, 7, seed=3)
+    with bi.enabled():
+        with pytest.raises(ValueError, match="forward only"):
+            bi.add_rms_norm(h, delta, weight.requires_grad_())
+        with pytest.raises(ValueError, match="forward only"):
+            bi.silu_mul(gate_up[:, :7].requires_grad_(), gate_up[:, 7:])
+        with pytest.raises(ValueError, match="one shape"):
+            bi.add_rms_norm(h, delta[:2], weight.detach())
+        with pytest.raises(ValueError, match="one shape"):
+            bi.silu_mul(gate_up[:, :7], gate_up[:, 8:])
+
+
+def test_models_ops_fuse_only_for_bi_inference(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    fused = bi.add_rms_norm
+    monkeypatch.setattr(bi, "add_rms_norm", lambda *a: calls.append(1) or fused(*a))
+    h, delta, weight, _ = _inputs(4, 33, seed=5)
+    weight = torch.nn.Parameter(weight)
+    with bi.enabled():
+        with torch.no_grad():
+            s_fused, y_fused = ops.add_rms_norm(h, delta, weight, 1e-6)
+        assert len(calls) == 1
+        s, y = ops.add_rms_norm(h, delta, weight, 1e-6)  # autograd records: the composition
+        assert len(calls) == 1 and y.requires_grad
+        y.sum().backward()
+        assert weight.grad is not None
+    assert_bitwise_equal(s_fused, s.detach(), "sum: fused vs composed")
+    assert_bitwise_equal(y_fused, y.detach(), "norm: fused vs composed")
+    with torch.no_grad():
+        ops.add_rms_norm(h, delta, weight, 1e-6)  # native mode: the composition
+    assert len(calls) == 1
