@@ -1,8 +1,10 @@
-"""The fused inference ops (`batch_invariant.add_rms_norm`, `silu_mul`) and `models.ops`' use of them.
+"""The fused inference ops (`batch_invariant.add_rms_norm`, `rms_norm_rope`, `silu_mul`) and
+`models.ops`' use of them.
 
-Proves: each fused kernel gives, bitwise, the bits of the two ops it replaces (h + delta then
-rms_norm with the weight; silu then one multiply) on every ISA variant and thread count, for the
-halves of one fused gate/up matrix read in place, row by row whatever the batch; both refuse
+Proves: each fused kernel gives, bitwise, the bits of the ops it replaces (h + delta then rms_norm
+with the weight; rms_norm, the weight and `apply_rope`; silu then one multiply) on every ISA
+variant and thread count, for strided views read in place (the halves of one fused gate/up
+matrix, q's and k's heads of one projection), row by row whatever the batch; both refuse
 autograd; `models.ops` takes the fused kernel only for float32 BI inference and the composition
 otherwise (so training keeps its graph). Negative control: the native composition (torch's
 rms_norm and silu) differs from the fused kernel's bits, so the comparison can fail.
@@ -19,6 +21,7 @@ from titan_audit import batch_invariant as bi
 from titan_audit.audit.bitwise import assert_bitwise_equal
 from titan_audit.batch_invariant.cpu import _lib
 from titan_audit.models import ops
+from titan_audit.models.rope import apply_rope
 
 SHAPES = [(1, 1), (3, 7), (8, 256), (5, 1023), (40, 1000)]  # odd rows hit every vector tail; 40 x 1000 splits
 
@@ -50,6 +53,27 @@ def test_fused_ops_are_bitwise_their_compositions_on_every_variant_and_thread_co
                 assert_bitwise_equal(s, s_ref, f"add_rms_norm sum, {what}")
                 assert_bitwise_equal(y, y_ref, f"add_rms_norm norm, {what}")
                 assert_bitwise_equal(swiglu, swiglu_ref, f"silu_mul, {what}")
+
+
+@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, 1, 2), (3, 6, 64), (8, 6, 128), (5, 3, 10)])
+def test_rms_norm_rope_is_bitwise_norm_weight_and_rope_on_every_variant(tokens: int, heads: int, d: int) -> None:
+    qkv = randn(tokens, heads + 2, d, seed=tokens * 100 + d, scale=4.0)
+    x = qkv[:, :heads]  # q's and k's heads of one projection: a strided view
+    weight_Hd = torch.rand(heads, d, generator=torch.Generator().manual_seed(d)) + 0.5
+    cos, sin = randn(tokens, d, seed=1), randn(tokens, d, seed=2)
+    with torch.no_grad(), bi.enabled():
+        ref = apply_rope(ops.rms_norm(x, weight_Hd, 1e-6)[:, :, None], cos[:, None], sin[:, None])[:, :, 0]
+        ref_one = apply_rope(ops.rms_norm(x, weight_Hd[0], 1e-6)[:, :, None], cos[:, None], sin[:, None])[:, :, 0]
+        for isa in _lib.available_isas():
+            for threads in (1, 2):
+                with _lib.forced_isa(isa), num_threads(threads):
+                    what = f"{isa}, {threads} threads, x {tuple(x.shape)}"
+                    assert_bitwise_equal(bi.rms_norm_rope(x, weight_Hd, cos, sin, 1e-6), ref, what)
+                    assert_bitwise_equal(
+                        bi.rms_norm_rope(x, weight_Hd[0], cos, sin, 1e-6), ref_one, f"[d] weight, {what}"
+                    )
+        alone = bi.rms_norm_rope(x[-1:], weight_Hd, cos[-1:], sin[-1:], 1e-6)  # the last token alone
+        assert_bitwise_equal(alone[0], ref[-1], "the last token alone vs in the batch")
 
 
 def test_a_rows_bits_do_not_depend_on_the_batch() -> None:
@@ -86,6 +110,8 @@ def test_fused_ops_refuse_autograd_and_bad_shapes() -> None:
             bi.add_rms_norm(h, delta[:2], weight.detach())
         with pytest.raises(ValueError, match="one shape"):
             bi.silu_mul(gate_up[:, :7], gate_up[:, 8:])
+        with pytest.raises(ValueError, match="d even"):
+            bi.rms_norm_rope(h[:, None], weight.detach(), h, h)
 
 
 def test_models_ops_fuse_only_for_bi_inference(monkeypatch: pytest.MonkeyPatch) -> None:

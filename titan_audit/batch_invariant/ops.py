@@ -341,6 +341,39 @@ def add_rms_norm(
     return s.to(h.dtype), y.to(h.dtype)
 
 
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """q/k-norm then rotate-half RoPE, for inference: x [N, H, d] (the heads of N tokens, d even),
+    weight [H, d] or [d], cos / sin [N, d]; returns [N, H, d] = rope(rms_norm(x) * weight) with
+    rope(n) = n * cos + rotate_half(n) * sin, rotate_half(n) = cat(-n[d/2:], n[:d/2]). One kernel
+    where the backend has it (CPU), else these ops; either way every non-NaN element is bitwise
+    `rms_norm(x, None, eps) * weight` followed by `models.rope.apply_rope` (a NaN comes out as the
+    canonical NaN on CPU). x may be a strided view (q's and k's heads of one projection). Forward
+    only."""
+    for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
+        _check_float(name, t)
+    _check_same_dtype(x=x, weight=weight, cos=cos, sin=sin)
+    if x.dim() != 3 or x.shape[2] % 2:
+        raise ValueError(f"rms_norm_rope: x must be [N, H, d] with d even, got {tuple(x.shape)}")
+    tokens, heads, d = x.shape
+    if tuple(weight.shape) not in ((heads, d), (d,)) or cos.shape != (tokens, d) or sin.shape != (tokens, d):
+        raise ValueError(
+            f"rms_norm_rope: for x {tuple(x.shape)} expected weight [{heads}, {d}] or [{d}] and cos / sin "
+            f"[{tokens}, {d}], got weight {tuple(weight.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
+    if not eps >= 0:
+        raise ValueError(f"rms_norm_rope: eps must be >= 0, got {eps}")
+    _check_forward_only("rms_norm_rope", x, weight, cos, sin)
+    weight_Hd = weight.expand(heads, d)
+    backend = backend_for(x, weight, cos, sin)
+    if not hasattr(backend, "rms_norm_rope"):
+        n = backend.rms_norm(x, None, float(eps))[0].to(x.dtype) * weight_Hd
+        rotated = torch.cat((-n[..., d // 2 :], n[..., : d // 2]), dim=-1)
+        return n * cos[:, None] + rotated * sin[:, None]
+    return backend.rms_norm_rope(x, weight_Hd, cos, sin, float(eps)).to(x.dtype)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (SwiGLU's product) in float32, for inference: one kernel where the backend
     has it (CPU), else the backend's silu and one multiply; either way every non-NaN element is
@@ -463,6 +496,7 @@ __all__ = [
     "mean",
     "mm",
     "rms_norm",
+    "rms_norm_rope",
     "silu_mul",
     "softmax",
     "sum",

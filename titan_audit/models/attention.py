@@ -50,13 +50,17 @@ class Attention(nn.Module):
         q_BTHd = ops.linear(x_BTD, self.q_proj.weight).view(batch, seq, -1, self.head_dim)
         k_BTHd = ops.linear(x_BTD, self.k_proj.weight).view(batch, seq, -1, self.head_dim)
         v_BTHd = ops.linear(x_BTD, self.v_proj.weight).view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None:
-            weight = self.q_proj.weight  # a DTensor under tensor parallelism: q/k hold this rank's heads
-            tp_group = weight.device_mesh.get_group() if isinstance(weight, DTensor) else None
-            q_BTHd = self.q_norm(q_BTHd, tp_group)
-            k_BTHd = self.k_norm(k_BTHd, tp_group)
-        q_BHTd = apply_rope(q_BTHd.transpose(1, 2), cos_BTd, sin_BTd)
-        k_BHTd = apply_rope(k_BTHd.transpose(1, 2), cos_BTd, sin_BTd)
+        weight = self.q_proj.weight  # a DTensor under tensor parallelism: q/k hold this rank's heads
+        if self.q_norm is not None and not isinstance(weight, DTensor):  # norm + RoPE (fused in BI inference)
+            q_BHTd = ops.rms_norm_rope(q_BTHd, self.q_norm.weight, cos_BTd, sin_BTd, self.q_norm.eps)
+            k_BHTd = ops.rms_norm_rope(k_BTHd, self.k_norm.weight, cos_BTd, sin_BTd, self.k_norm.eps)
+        else:
+            if self.q_norm is not None:
+                tp_group = weight.device_mesh.get_group()
+                q_BTHd = self.q_norm(q_BTHd, tp_group)
+                k_BTHd = self.k_norm(k_BTHd, tp_group)
+            q_BHTd = apply_rope(q_BTHd.transpose(1, 2), cos_BTd, sin_BTd)
+            k_BHTd = apply_rope(k_BTHd.transpose(1, 2), cos_BTd, sin_BTd)
         v_BHTd = v_BTHd.transpose(1, 2)
 
         if cache_step is not None:

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_audit import batch_invariant
 from titan_audit.models import pointwise, tensor_parallel
+from titan_audit.models.rope import apply_rope
 
 
 def bi_mode() -> bool:
@@ -82,6 +83,21 @@ def add_rms_norm(
         return batch_invariant.add_rms_norm(h, delta, weight, eps)
     s = h + delta
     return s, rms_norm(s, weight, eps)
+
+
+def rms_norm_rope(
+    x_BTHd: torch.Tensor, weight: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """q/k-norm then RoPE: `apply_rope(rms_norm(x, weight, eps).transpose(1, 2), cos, sin)`, [B, H, T, d]
+    (weight [d] or [H, d]). For float32 inference in BI mode one fused kernel
+    (`batch_invariant.rms_norm_rope`: the same bits for every non-NaN element; the result is a
+    transposed view); otherwise these ops, as written."""
+    if _fused_inference(x_BTHd, weight, cos_BTd, sin_BTd) and x_BTHd.shape[-1] % 2 == 0:
+        batch, seq, heads, d = x_BTHd.shape
+        cos_Nd, sin_Nd = (t.expand(batch, seq, d).reshape(-1, d) for t in (cos_BTd, sin_BTd))
+        y_NHd = batch_invariant.rms_norm_rope(x_BTHd.reshape(-1, heads, d), weight, cos_Nd, sin_Nd, eps)
+        return y_NHd.view(batch, seq, heads, d).transpose(1, 2)
+    return apply_rope(rms_norm(x_BTHd, weight, eps).transpose(1, 2), cos_BTd, sin_BTd)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,14 @@
 """The CPU backend: batch-invariant kernels of our own, compiled from `cpu/kernels/*.cpp` into one
-library with scalar / AVX2 / AVX-512 variants that give identical bits (`_lib`): gemm (`matmul.py`;
-`mm` / `bmm` here sum in the process-wide gemm order, `batch_invariant.order`), attention
-(`attention.py`), the embedding's weight gradient (`embedding.py`), the row reductions and fused
-row ops (`reductions.py`) and the element-wise functions (`pointwise.py`; `exp`, `log`, `sqrt`,
-`sigmoid`, `silu`, ... here, as the backend provides them to the model and to the mode). Two
-forward-only fused ops exist on this backend alone (`add_rms_norm`: a residual add and the norm
-after it; `silu_mul`: SwiGLU's silu(gate) * up), for inference paths that call them where
-`batch_invariant.ops` offers them; outside the `Backend` protocol, a GPU backend need not have them.
-Every kernel here is forward-only and works below autograd; `titan_audit.batch_invariant.ops`
-adds autograd and input checks on top.
+library with scalar / AVX2 / AVX-512 variants that give identical bits (`_lib`): gemm
+(`matmul.py`; `mm` / `bmm` here sum in the process-wide gemm order, `batch_invariant.order`),
+attention (`attention.py`), the embedding's weight gradient (`embedding.py`), the row reductions
+and fused row ops (`reductions.py`) and the element-wise functions (`pointwise.py`; `exp`, `log`,
+`sqrt`, `sigmoid`, `silu`, ... here, as the backend provides them to the model and to the mode).
+Three forward-only fused ops exist on this backend alone (`add_rms_norm`: a residual add and the
+norm after it; `rms_norm_rope`: q/k-norm then RoPE; `silu_mul`: SwiGLU's silu(gate) * up), for
+inference paths that call them where `batch_invariant.ops` offers them; outside the `Backend`
+protocol, a GPU backend need not have them. Every kernel here is forward-only and works below
+autograd; `titan_audit.batch_invariant.ops` adds autograd and input checks on top.
 
 The backend interface (what a GPU backend must provide, by these names and signatures) is the
 `Backend` protocol in `titan_audit.batch_invariant.backend`. `kernel_library` is the loader of the
@@ -39,6 +39,7 @@ from titan_audit.batch_invariant.cpu.reductions import (
     log_softmax_backward,
     rms_norm,
     rms_norm_backward,
+    rms_norm_rope,
     softmax,
     softmax_backward,
     sum_dims,
@@ -69,6 +70,7 @@ __all__ = [
     "pointwise",
     "rms_norm",
     "rms_norm_backward",
+    "rms_norm_rope",
     "sigmoid",
     "sigmoid_backward",
     "silu",

@@ -43,6 +43,7 @@ for _sfx in ("f32", "f64"):
     _lib.declare(f"rms_norm_{_sfx}", None, [_P, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT])
     _lib.declare(f"rms_norm_backward_{_sfx}", None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _INT])
     _lib.declare(f"add_rms_norm_{_sfx}", None, [_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT])
+    _lib.declare(f"rms_norm_rope_{_sfx}", None, [_P] * 5 + [_I64] * 5 + [ctypes.c_double, _INT])
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -139,6 +140,42 @@ def add_rms_norm(
             _lib.ptr(h), _lib.ptr(delta), _lib.ptr(w), _lib.ptr(s), _lib.ptr(y), m, n, float(eps), _threads(h.numel())
         )
     return s, y
+
+
+def rms_norm_rope(
+    x_NHd: torch.Tensor, weight_Hd: torch.Tensor, cos_Nd: torch.Tensor, sin_Nd: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """q/k-norm then RoPE, forward only (rowops.cpp's rms_norm_rope): per token n and head h,
+    rms_norm(x[n, h]) * weight[h] rotated by cos[n] / sin[n] (rotate-half), [N, H, d] in compute
+    dtype; every non-NaN element bitwise `rms_norm` (no weight), the weight multiply and
+    models/rope.py's `apply_rope`, NaNs canonical. x's heads may be a strided view of a wider
+    projection (its token stride is passed); weight_Hd may be an expanded [d] (head stride 0)."""
+    dtype = compute_dtype(x_NHd.dtype)
+    tokens, heads, d = x_NHd.shape
+    x = x_NHd.to(dtype)
+    if x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    w = weight_Hd.to(dtype)
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cos, sin = _rows(cos_Nd, dtype), _rows(sin_Nd, dtype)
+    y = _lib.output((tokens, heads, d), dtype)
+    if tokens and heads and d:
+        _lib.kernel(f"rms_norm_rope_{_suffix(dtype)}")(
+            _lib.ptr(x),
+            _lib.ptr(w),
+            _lib.ptr(cos),
+            _lib.ptr(sin),
+            _lib.ptr(y),
+            tokens,
+            heads,
+            d,
+            x.stride(0),
+            w.stride(0),
+            float(eps),
+            _threads(y.numel()),
+        )
+    return y
 
 
 def _rms_norm_backward(

@@ -168,11 +168,12 @@ class TitanForCausalLM(nn.Module):
         hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         qkv_NHd = ops.linear(x_ND, self._qkv[i]).view(n, hq + 2 * hkv, d)
         qk_NHd, v_NHd = qkv_NHd[:, : hq + hkv], qkv_NHd[:, hq + hkv :]
-        if attn.q_norm is not None:
+        if attn.q_norm is not None:  # q/k-norm and RoPE (models.attention's), fused in BI inference
             assert attn.q_norm.eps == attn.k_norm.eps, (attn.q_norm.eps, attn.k_norm.eps)
             weight_Hd = torch.cat((attn.q_norm.weight.expand(hq, d), attn.k_norm.weight.expand(hkv, d)))
-            qk_NHd = ops.rms_norm(qk_NHd, weight_Hd, attn.q_norm.eps)
-        qk_NHd = apply_rope(qk_NHd[:, :, None], cos_N1d, sin_N1d)[:, :, 0]
+            qk_NHd = ops.rms_norm_rope(qk_NHd[:, None], weight_Hd, cos_N1d, sin_N1d, attn.q_norm.eps)[:, :, 0]
+        else:
+            qk_NHd = apply_rope(qk_NHd[:, :, None], cos_N1d, sin_N1d)[:, :, 0]
         if metadata is None:  # vLLM's warm-up / profiling run: no cache yet
             out_NF = x_ND.new_zeros((n, hq * d))
         else:

@@ -90,7 +90,9 @@
     void ta_log_softmax_backward_##sfx##__##isa(const T*, const T*, T*, int64_t, int64_t, int);                  \
     void ta_rms_norm_##sfx##__##isa(const T*, const T*, T*, T*, int64_t, int64_t, double, int);                  \
     void ta_rms_norm_backward_##sfx##__##isa(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, int); \
-    void ta_add_rms_norm_##sfx##__##isa(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double, int);
+    void ta_add_rms_norm_##sfx##__##isa(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double, int);     \
+    void ta_rms_norm_rope_##sfx##__##isa(const T*, const T*, const T*, const T*, T*, int64_t, int64_t, int64_t,   \
+                                         int64_t, int64_t, double, int);
 
 template <typename T>
 struct RowOps {
@@ -102,6 +104,8 @@ struct RowOps {
     void (*rms_norm)(const T*, const T*, T*, T*, int64_t, int64_t, double, int);
     void (*rms_norm_backward)(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, int);
     void (*add_rms_norm)(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double, int);
+    void (*rms_norm_rope)(const T*, const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          double, int);
 };
 
 template <typename T>
@@ -151,7 +155,8 @@ struct Variant {
 #define TA_ROWOPS_OF(isa, sfx)                                                                                   \
     {ta_row_sum_##sfx##__##isa, ta_softmax_##sfx##__##isa, ta_log_softmax_##sfx##__##isa,                        \
      ta_softmax_backward_##sfx##__##isa, ta_log_softmax_backward_##sfx##__##isa, ta_rms_norm_##sfx##__##isa,      \
-     ta_rms_norm_backward_##sfx##__##isa, ta_add_rms_norm_##sfx##__##isa}
+     ta_rms_norm_backward_##sfx##__##isa, ta_add_rms_norm_##sfx##__##isa,                  \
+     ta_rms_norm_rope_##sfx##__##isa}
 
 #define TA_VARIANT(isa)                                                                                          \
     Variant{#isa, ta_kernels_version__##isa, ta_gemm_packed_elems__##isa, ta_attention_key_chunk__##isa,          \
@@ -522,6 +527,17 @@ void rowops_case(const std::string& sfx, int64_t m, int64_t n, Kind kind, T lo, 
         sink.emit("sum", s);
         sink.emit("y", y);
     });
+    if (n % 2 == 0) {  // q/k-norm + RoPE: the m x n matrix as m / 2 tokens x 2 heads (m even) or m tokens x 1
+        reg("rms_norm_rope", [=](const Variant& v, int t, const Sink& sink, const std::vector<std::vector<T>>& in) {
+            const int64_t heads = m % 2 == 0 ? 2 : 1, tokens = m / heads;
+            std::vector<T> cs(tokens * n), sn(tokens * n), wt(heads * n), y(m * n, T(7));
+            for (int64_t i = 0; i < tokens * n; ++i) cs[i] = in[1][i] * T(0.5), sn[i] = in[1][m * n - 1 - i] * T(0.5);
+            for (int64_t i = 0; i < heads * n; ++i) wt[i] = in[2][i % n] + T(i / n);
+            row_of<T>(v).rms_norm_rope(in[0].data(), wt.data(), cs.data(), sn.data(), y.data(), tokens, heads, n,
+                                       heads * n, n, 1e-6, t);
+            sink.emit("", y);
+        });
+    }
     reg("rms_norm_backward", [=](const Variant& v, int t, const Sink& sink, const std::vector<std::vector<T>>& in) {
         std::vector<T> y(m * n), rstd(m), gx(m * n, T(7)), gw(n, T(7)), gx0(m * n, T(7));
         row_of<T>(*g_scalar).rms_norm(in[0].data(), in[2].data(), y.data(), rstd.data(), m, n, 1e-6, 1);
@@ -714,6 +730,8 @@ void build_cases() {
     }
     rowops_case<float>("f32", 6, 37, kSpecials, -8.0f, 8.0f);
     rowops_case<double>("f64", 6, 37, kSpecials, -8.0, 8.0);
+    rowops_case<float>("f32", 6, 64, kSpecials, -8.0f, 8.0f);  // an even row: rms_norm_rope's specials
+    rowops_case<double>("f64", 6, 64, kSpecials, -8.0, 8.0);
     rowops_case<float>("f32", 3, 129, kBits, 0.0f, 0.0f);
     rowops_case<double>("f64", 3, 129, kBits, 0.0, 0.0);
     rowops_case<float>("f32", 40, 1000, kUniform, -30.0f, 30.0f);  // enough elements for 2 threads

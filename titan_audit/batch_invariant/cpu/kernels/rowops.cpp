@@ -1,6 +1,6 @@
 // rowops.cpp: row reductions and the fused row ops (sum, softmax, log_softmax, rms_norm and
-// their backward, the forward-only residual add + rms_norm) over a contiguous [M, N] matrix,
-// float32 and float64.
+// their backward, the forward-only residual add + rms_norm and q/k-norm + RoPE) over a contiguous
+// [M, N] matrix, float32 and float64.
 //
 // Guarantee: every output element is a fixed sequence of IEEE operations on its own row (and the
 // shared weight), set by N alone: never by M, the thread count or the ISA variant. How:
@@ -22,6 +22,7 @@
 #include "ta_math.h"
 
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -322,6 +323,31 @@ void add_rms_norm(const T* h, const T* d, const T* w, T* s, T* y, int64_t m, int
     });
 }
 
+// rms_norm_rope (forward only; q/k-norm then RoPE): row r = (token t, head h) of x, token t's
+// heads ld_tok elements apart, a head's d (even) elements contiguous; the head's weight at
+// w + h * ld_w, the token's cos/sin rows at t * d. As rms_norm without weight, then the weight,
+// then models/rope.py's rotate-half RoPE, op for op:
+//   rstd = 1 / sqrt(lane_dot(x, x) / d + eps);  n_j = w_j * canon(x_j * rstd);
+//   y_j = n_j * cos_j + (-n_{j+d/2}) * sin_j (j < d/2),  n_j * cos_j + n_{j-d/2} * sin_j (j >= d/2)
+// (two products, then one add; NaNs canonical). y is [tokens, heads, d], contiguous.
+template <typename T>
+void rms_norm_rope(const T* x, const T* w, const T* cs, const T* sn, T* y, int64_t tokens, int64_t heads, int64_t d,
+                   int64_t ld_tok, int64_t ld_w, T eps, int threads) {
+    const int64_t half = d / 2;
+    ta::parallel_for(tokens * heads, threads, [&](int64_t r0, int64_t r1) {
+        std::vector<T> n(d);
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t t = r / heads, h = r % heads;
+            const T *xr = x + t * ld_tok + h * d, *wr = w + h * ld_w, *c = cs + t * d, *s = sn + t * d;
+            T* yr = y + r * d;
+            const T rs = T(1) / std::sqrt(lane_dot(xr, xr, d) / T(d) + eps);
+            for (int64_t j = 0; j < d; ++j) n[j] = wr[j] * canon(xr[j] * rs);
+            for (int64_t j = 0; j < half; ++j) yr[j] = canon(n[j] * c[j] + (-n[j + half]) * s[j]);
+            for (int64_t j = half; j < d; ++j) yr[j] = canon(n[j] * c[j] + n[j - half] * s[j]);
+        }
+    });
+}
+
 // rms_norm backward, per row: gw_j = g_j * w_j (w null: g_j); d = lane_dot(gw, x) (gw rounded
 // first); k = ((rstd * rstd) * rstd) * (d / n); gx_j = fma(-x_j, k, rstd * gw_j).
 // Weight gradient (w non-null), per column j: gwt_j = fma(g_ij * x_ij, rstd_i, gwt_j) for rows
@@ -384,6 +410,11 @@ void rms_norm_backward(const T* g, const T* x, const T* w, const T* rstd, T* gx,
     TA_EXPORT(void, add_rms_norm_##sfx)(const T* h, const T* d, const T* w, T* s, T* y, int64_t m, int64_t n,    \
                                         double eps, int threads) {                                             \
         add_rms_norm<T>(h, d, w, s, y, m, n, T(eps), threads);                                                 \
+    }                                                                                                          \
+    TA_EXPORT(void, rms_norm_rope_##sfx)(const T* x, const T* w, const T* cs, const T* sn, T* y, int64_t tokens, \
+                                         int64_t heads, int64_t d, int64_t ld_tok, int64_t ld_w, double eps,   \
+                                         int threads) {                                                        \
+        rms_norm_rope<T>(x, w, cs, sn, y, tokens, heads, d, ld_tok, ld_w, T(eps), threads);                     \
     }                                                                                                          \
     TA_EXPORT(void, rms_norm_backward_##sfx)(const T* g, const T* x, const T* w, const T* rstd, T* gx, T* gwt, \
                                              int64_t m, int64_t n, int threads) {                              \
