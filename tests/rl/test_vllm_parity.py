@@ -127,6 +127,31 @@ def test_sample_alone_equals_sample_in_a_batch(synced):
     assert same_samples(batch[::3], alone) == []
 
 
+def test_equal_length_prompts_prefill_in_one_call_with_the_bits_of_each_alone(synced, monkeypatch):
+    """Fresh prompts of one length are one prefill run (one attention call per layer for all of
+    them, attention.py's `_Plan.prefills`): each sample is bitwise the one generated alone."""
+    from titan_audit.rl.vllm import attention
+
+    g = torch.Generator().manual_seed(31)
+    requests = [
+        GenerationRequest(tuple(torch.randint(20, 512, (12,), generator=g).tolist()), SampleKey(0, 0, i, 0))
+        for i in range(5)
+    ]  # 5 x 12 tokens fit one step of 64
+    run_sizes = []
+    plan = attention._Plan.__init__
+
+    def recording(self, *args):
+        plan(self, *args)
+        run_sizes.extend(count for _start, _q_len, count, _blocks, _positions in self.prefills)
+
+    monkeypatch.setattr(attention._Plan, "__init__", recording)
+    with one_thread():
+        batch = synced.generate(requests, PARAMS)
+        alone = [synced.generate([r], PARAMS)[0] for r in requests]
+    assert max(run_sizes) == 5  # the batch's prompts were one call
+    assert same_samples(batch, alone) == []
+
+
 # ----------------------------------------------------------------------------------- weight sync
 def perturbed(model, scale: float):
     other = tiny("tiny-dense")

@@ -21,7 +21,10 @@ chunked prefill, a prefix-cache hit (its keys were written by an earlier request
 bits) or a decode step, alone or with any other requests, and equal to the trainer's full
 forward (guarantee G4). Decode requests (one new token) run together in one call, their keys
 right-padded to the longest: padding keys lie beyond each query's position, so they are
-invisible and (BI attention contract) do not change its bits. Other requests run one per call.
+invisible and (BI attention contract) do not change its bits. Prefilling requests run in runs:
+consecutive requests with the same query and sequence lengths (a batch of fresh prompts of one
+length) are one call, their queries a view of consecutive rows; a row's bits do not depend on
+the other rows of its call.
 In a step where every request decodes, the queries are read in place and the call's output is
 the layer's output (no copy in or out).
 
@@ -140,11 +143,12 @@ class TitanAttentionImpl(AttentionImpl):
             q_BH1D = query_NHD.index_select(0, plan.decode_rows)[:, :, None]
             out_BH1D = _attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
             out_NHD.index_copy_(0, plan.decode_rows, out_BH1D[:, :, 0])
-        for start, q_len, blocks, positions_1T in plan.prefills:
-            k_1HSD, v_1HSD = self._gather(cache_BNHCD, blocks)
-            q_1HTD = query_NHD[start : start + q_len].transpose(0, 1)[None]
-            out_1HTD = _attention(q_1HTD, k_1HSD, v_1HSD, positions_1T)
-            out_NHD[start : start + q_len] = out_1HTD[0].transpose(0, 1)
+        for start, q_len, count, blocks_RB, positions_RT in plan.prefills:
+            k_RHSD, v_RHSD = self._gather(cache_BNHCD, blocks_RB)
+            rows = slice(start, start + count * q_len)  # the run's queries: consecutive rows, q_len each
+            q_RHTD = query_NHD[rows].view(count, q_len, self.num_heads, dim).transpose(1, 2)
+            out_RHTD = _attention(q_RHTD, k_RHSD, v_RHSD, positions_RT)
+            out_NHD[rows] = out_RHTD.transpose(1, 2).reshape(count * q_len, self.num_heads, dim)
         return out_NHD.view(n, -1)
 
     def _gather(self, cache_BNHCD: torch.Tensor, blocks_RB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,12 +199,19 @@ class _Plan:
         q_lens = [starts[r + 1] - starts[r] for r in range(num_reqs)]
         self.decodes = [r for r in range(num_reqs) if q_lens[r] == 1]
         self.all_decode = len(self.decodes) == num_reqs == n
+        # prefills: runs of consecutive requests with the same query and sequence lengths (a batch
+        # of fresh prompts of one length is one run), each run one attention call
         self.prefills = []
-        for r in range(num_reqs):
+        r = 0
+        while r < num_reqs:
+            end = r + 1
             if q_lens[r] > 1:
-                blocks = table[r : r + 1, : -(-seq_lens[r] // block_size)]
-                positions_1T = torch.arange(seq_lens[r] - q_lens[r], seq_lens[r], device=device)[None]
-                self.prefills.append((starts[r], q_lens[r], blocks, positions_1T))
+                while end < num_reqs and (q_lens[end], seq_lens[end]) == (q_lens[r], seq_lens[r]):
+                    end += 1
+                blocks = table[r:end, : -(-seq_lens[r] // block_size)]
+                positions_RT = torch.arange(seq_lens[r] - q_lens[r], seq_lens[r], device=device).expand(end - r, -1)
+                self.prefills.append((starts[r], q_lens[r], end - r, blocks, positions_RT))
+            r = end
         if self.decodes:
             longest = max(seq_lens[r] for r in self.decodes)
             reqs = torch.tensor(self.decodes, device=device)
