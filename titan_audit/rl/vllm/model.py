@@ -15,16 +15,16 @@ bits do not depend on the other rows. Three regroupings keep every bit
 row-stacked weights [q; k; v], gate/up one gemm over [gate; up] (an output column of the BI gemm
 is one fixed-order sum over K of its own weight row, whatever the other columns), q- and k-norm
 one RMSNorm call over the heads of both (a row per head) and RoPE one call over q's and k's heads
-(element-wise). Two fusions keep every bit as well (`models.ops.add_rms_norm` / `silu_mul`,
-forward-only kernels, bitwise their compositions for every non-NaN value): each residual add with
-the norm after it (the block's post-attention norm; the next block's input norm, or the final
-norm) and SwiGLU's silu(gate) * up. The stacked weights are the storage: each q/k/v/gate/up
-parameter is a view of its row block, so `load_weights` and the in-place weight sync write them
-and the packed-weight cache sees the writes (a view bumps its base's version counter). Attention
-calls our backend (`attention.py`) through the vLLM `Attention` layer of each block (so vLLM
-allocates and schedules the paged KV cache), reading that layer's cache and the step's metadata
-from vLLM's forward context. Hence in BI mode a token's logits are bitwise those of the trainer's
-full forward of its sequence (guarantee G4).
+(element-wise). Fusions keep every bit as well (`models.ops.add_rms_norm` / `rms_norm_rope` /
+`silu_mul`, forward-only kernels, bitwise their compositions for every non-NaN value): each
+residual add with the norm after it (the block's post-attention norm; the next block's input norm,
+or the final norm), q/k-norm with RoPE, and SwiGLU's silu(gate) * up. The stacked weights are the
+storage: each q/k/v/gate/up parameter is a view of its row block, so `load_weights` and the
+in-place weight sync write them and the packed-weight cache sees the writes (a view bumps its
+base's version counter). Attention calls our backend (`attention.py`) through the vLLM `Attention`
+layer of each block (so vLLM allocates and schedules the paged KV cache), reading that layer's
+cache and the step's metadata from vLLM's forward context. Hence in BI mode a token's logits are
+bitwise those of the trainer's full forward of its sequence (guarantee G4).
 
 Modes: `additional_config={"titan_audit": {"batch_invariant": true}}` (what VllmGenerator
 passes) runs forward and logits inside `batch_invariant.enabled()`; otherwise the model runs in
