@@ -58,6 +58,11 @@ NATIVE, BI, HF = "builtin generator, native ops", "builtin generator, BI mode", 
 BI_MODE = batch_invariant.enabled
 
 
+def _modes(sides: dict) -> list:
+    """time_interleaved's per-side modes: BI_MODE for the BI sides (built-in or vLLM), None else."""
+    return [BI_MODE if side in (BI, VLLM_BI) else None for side in sides]
+
+
 def _hf_generate(
     model: models.Transformer, tmp: str, prompts_BT: torch.Tensor, new_tokens: int
 ) -> Callable[[], object]:
@@ -138,8 +143,7 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
             }
             if has_hf:
                 sides[HF] = _hf_generate(model, f"{tmp}/B{batch}", prompts_BT, new_tokens)
-            modes = [BI_MODE if side == BI else None for side in sides]
-            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, modes)))
+            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, _modes(sides))))
             tokens = batch * new_tokens
             name = f"generate B={batch}"
             cases.append(_case(name, NATIVE, BI, seconds, tokens, TARGET_RATIO))
@@ -157,7 +161,7 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
     bi = BuiltinGenerator(real, BuiltinGeneratorConfig(batch_invariant=True, max_batch_size=REAL_WIDTH_BATCH))
     requests = _requests(torch.randint(0, real.config.vocab_size, (REAL_WIDTH_BATCH, prompt_len), generator=g))
     sides = {NATIVE: lambda: native.generate(requests, params), BI: lambda: bi.generate(requests, params)}
-    seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, [None, BI_MODE])))
+    seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, _modes(sides))))
     name = f"generate {REAL_WIDTH['preset']} widths L={REAL_WIDTH['num_hidden_layers']} B={REAL_WIDTH_BATCH}"
     cases.append(_case(name, NATIVE, BI, seconds, REAL_WIDTH_BATCH * new_tokens, TARGET_RATIO))
     progress(name)
@@ -249,7 +253,7 @@ def vllm_generate_suite(options: BenchOptions, progress: Callable[[str], None]) 
                 VLLM_BI: run_bi,
                 BI: lambda requests=requests: builtin.generate(requests, params),
             }
-            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, [None, BI_MODE, BI_MODE])))
+            seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, _modes(sides))))
             tokens = batch * new_tokens
             case = _case(f"generate B={batch} vLLM", VLLM_DEFAULT, VLLM_BI, seconds, tokens, VLLM_TARGET_RATIO)
             case.extra["builtin_bi_tokens_per_s"] = tokens / seconds[BI]

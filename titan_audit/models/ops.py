@@ -67,9 +67,9 @@ def _fused_inference(*tensors: torch.Tensor) -> bool:
     tensors, no autograd recording, eager (the fused ops are forward-only kernels)."""
     return (
         bi_mode()
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))  # training: decided here
         and not torch.compiler.is_compiling()
         and all(t.dtype == torch.float32 and not isinstance(t, DTensor) for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
     )
 
 

@@ -34,6 +34,11 @@ inline float sigmoid_f32(float x) {
     const float e = exp_neg_abs(x);
     return ta::select_f32(x >= 0.0f, 1.0f, e) / (1.0f + e);
 }
+// silu(x) = (x * num) / (1 + e) with e and num as in sigmoid_f32 (one rounding fewer for x >= 0).
+inline float silu_one(float x) {
+    const float e = exp_neg_abs(x);
+    return (x * ta::select_f32(x >= 0.0f, 1.0f, e)) / (1.0f + e);
+}
 
 #if defined(TA_ISA_AVX512)
 // AVX-512: 16 elements a step with ta::exp_f32_v16 (exp_f32's bits), the tail as one masked
@@ -67,6 +72,14 @@ inline __m512 sigmoid16(__m512 x) {
     const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
     return _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e));
 }
+
+// (x * num) / (1 + e) (silu_one).
+inline __m512 silu16(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = ta::exp_f32_v16(neg_abs16(x));
+    const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    return _mm512_div_ps(_mm512_mul_ps(x, _mm512_mask_blend_ps(nonneg, e, one)), _mm512_add_ps(one, e));
+}
 #endif
 
 #if defined(TA_ISA_AVX2)
@@ -94,6 +107,13 @@ inline __m256 sigmoid8(__m256 x) {
     const __m256 e = ta::exp_f32_v8(neg_abs8(x));
     const __m256 nonneg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
     return _mm256_div_ps(_mm256_blendv_ps(e, one, nonneg), _mm256_add_ps(one, e));
+}
+
+inline __m256 silu8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = ta::exp_f32_v8(neg_abs8(x));
+    const __m256 nonneg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    return _mm256_div_ps(_mm256_mul_ps(x, _mm256_blendv_ps(e, one, nonneg)), _mm256_add_ps(one, e));
 }
 #endif
 
@@ -154,28 +174,17 @@ TA_EXPORT(void, sigmoid_f32)(const float* x, float* y, int64_t n, int threads) {
 TA_EXPORT(void, silu_f32)(const float* x, float* y, int64_t n, int threads) {
 #if defined(TA_ISA_AVX2)
     map8(n, threads, [&](int64_t i, __m256i k) {
-        const __m256 v = _mm256_maskload_ps(x + i, k), one = _mm256_set1_ps(1.0f);
-        const __m256 e = ta::exp_f32_v8(neg_abs8(v));
-        const __m256 nonneg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
-        const __m256 num = _mm256_mul_ps(v, _mm256_blendv_ps(e, one, nonneg));
-        _mm256_maskstore_ps(y + i, k, canon8(_mm256_div_ps(num, _mm256_add_ps(one, e))));
+        _mm256_maskstore_ps(y + i, k, canon8(silu8(_mm256_maskload_ps(x + i, k))));
     });
     return;
 #endif
 #if defined(TA_ISA_AVX512)
     map16(n, threads, [&](int64_t i, __mmask16 k) {
-        const __m512 v = _mm512_maskz_loadu_ps(k, x + i), one = _mm512_set1_ps(1.0f);
-        const __m512 e = ta::exp_f32_v16(neg_abs16(v));
-        const __mmask16 nonneg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
-        const __m512 num = _mm512_mul_ps(v, _mm512_mask_blend_ps(nonneg, e, one));
-        _mm512_mask_storeu_ps(y + i, k, canon16(_mm512_div_ps(num, _mm512_add_ps(one, e))));
+        _mm512_mask_storeu_ps(y + i, k, canon16(silu16(_mm512_maskz_loadu_ps(k, x + i))));
     });
     return;
 #endif
-    map(n, threads, [&](int64_t i) {
-        const float e = exp_neg_abs(x[i]);
-        y[i] = ta::canon_nan_f32((x[i] * ta::select_f32(x[i] >= 0.0f, 1.0f, e)) / (1.0f + e));
-    });
+    map(n, threads, [&](int64_t i) { y[i] = ta::canon_nan_f32(silu_one(x[i])); });
 }
 
 // silu_mul (forward only; SwiGLU's silu(gate) * up): per row r of m, y[r, j] = silu(g[r, j]) *
@@ -194,30 +203,18 @@ TA_EXPORT(void, silu_mul_f32)(const float* g, const float* u, float* y, int64_t 
                 const __m256i k = j + 8 <= n ? _mm256_set1_epi32(-1)
                                              : _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
                                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-                const __m256 v = _mm256_maskload_ps(gr + j, k), one = _mm256_set1_ps(1.0f);
-                const __m256 e = ta::exp_f32_v8(neg_abs8(v));
-                const __m256 nonneg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
-                const __m256 num = _mm256_mul_ps(v, _mm256_blendv_ps(e, one, nonneg));
-                const __m256 s = canon8(_mm256_div_ps(num, _mm256_add_ps(one, e)));
+                const __m256 s = canon8(silu8(_mm256_maskload_ps(gr + j, k)));
                 _mm256_maskstore_ps(yr + j, k, canon8(_mm256_mul_ps(s, _mm256_maskload_ps(ur + j, k))));
             }
 #endif
 #if defined(TA_ISA_AVX512)
             for (; j < n; j += 16) {
                 const __mmask16 k = j + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-                const __m512 v = _mm512_maskz_loadu_ps(k, gr + j), one = _mm512_set1_ps(1.0f);
-                const __m512 e = ta::exp_f32_v16(neg_abs16(v));
-                const __mmask16 nonneg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
-                const __m512 num = _mm512_mul_ps(v, _mm512_mask_blend_ps(nonneg, e, one));
-                const __m512 s = canon16(_mm512_div_ps(num, _mm512_add_ps(one, e)));
+                const __m512 s = canon16(silu16(_mm512_maskz_loadu_ps(k, gr + j)));
                 _mm512_mask_storeu_ps(yr + j, k, canon16(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, ur + j))));
             }
 #endif
-            for (; j < n; ++j) {
-                const float e = exp_neg_abs(gr[j]);
-                const float s = ta::canon_nan_f32((gr[j] * ta::select_f32(gr[j] >= 0.0f, 1.0f, e)) / (1.0f + e));
-                yr[j] = ta::canon_nan_f32(s * ur[j]);
-            }
+            for (; j < n; ++j) yr[j] = ta::canon_nan_f32(ta::canon_nan_f32(silu_one(gr[j])) * ur[j]);
         }
     });
 }

@@ -287,28 +287,29 @@ void log_softmax_backward(const T* g, const T* y, T* out, int64_t m, int64_t n, 
     });
 }
 
-// rms_norm: ss = lane_dot(x, x); rstd = 1 / sqrt(ss / n + eps); y_j = (x_j * rstd) * w_j
-// (w null: y_j = x_j * rstd). rstd is written per row.
+// rms_norm of one row: ss = lane_dot(x, x); rstd = 1 / sqrt(ss / n + eps); y_j = (x_j * rstd) * w_j
+// (w null: y_j = x_j * rstd); returns rstd.
+template <typename T>
+inline T rms_norm_row(const T* x, const T* w, T* y, int64_t n, T eps) {
+    const T rs = T(1) / std::sqrt(lane_dot(x, x, n) / T(n) + eps);
+    if (w) {
+        for (int64_t j = 0; j < n; ++j) y[j] = canon((x[j] * rs) * w[j]);
+    } else {
+        for (int64_t j = 0; j < n; ++j) y[j] = canon(x[j] * rs);
+    }
+    return rs;
+}
+
+// rms_norm: rms_norm_row per row; rstd is written per row.
 template <typename T>
 void rms_norm(const T* x, const T* w, T* y, T* rstd, int64_t m, int64_t n, T eps, int threads) {
     ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-            const T* xr = x + r * n;
-            T* yr = y + r * n;
-            const T rs = T(1) / std::sqrt(lane_dot(xr, xr, n) / T(n) + eps);
-            rstd[r] = canon(rs);
-            if (w) {
-                for (int64_t j = 0; j < n; ++j) yr[j] = canon((xr[j] * rs) * w[j]);
-            } else {
-                for (int64_t j = 0; j < n; ++j) yr[j] = canon(xr[j] * rs);
-            }
-        }
+        for (int64_t r = r0; r < r1; ++r) rstd[r] = canon(rms_norm_row(x + r * n, w, y + r * n, n, eps));
     });
 }
 
-// add_rms_norm (forward only): per row, s_j = h_j + d_j (one IEEE add; written out), then the
-// rms_norm above of s with w, op for op: rstd = 1 / sqrt(lane_dot(s, s) / n + eps),
-// y_j = (s_j * rstd) * w_j. So s and y are bitwise `h + d` and then rms_norm(h + d, w) (the
+// add_rms_norm (forward only): per row, s_j = h_j + d_j (one IEEE add; written out), then
+// rms_norm_row of s with w. So s and y are bitwise `h + d` and then rms_norm(h + d, w) (the
 // residual add and the next norm of a transformer block) in one call; NaNs come out canonical.
 template <typename T>
 void add_rms_norm(const T* h, const T* d, const T* w, T* s, T* y, int64_t m, int64_t n, T eps, int threads) {
@@ -317,8 +318,7 @@ void add_rms_norm(const T* h, const T* d, const T* w, T* s, T* y, int64_t m, int
             const T *hr = h + r * n, *dr = d + r * n;
             T *sr = s + r * n, *yr = y + r * n;
             for (int64_t j = 0; j < n; ++j) sr[j] = canon(hr[j] + dr[j]);
-            const T rs = T(1) / std::sqrt(lane_dot(sr, sr, n) / T(n) + eps);
-            for (int64_t j = 0; j < n; ++j) yr[j] = canon((sr[j] * rs) * w[j]);
+            rms_norm_row(sr, w, yr, n, eps);
         }
     });
 }
@@ -327,7 +327,7 @@ void add_rms_norm(const T* h, const T* d, const T* w, T* s, T* y, int64_t m, int
 // heads ld_tok elements apart, a head's d (even) elements contiguous; the head's weight at
 // w + h * ld_w, the token's cos/sin rows at t * d. As rms_norm without weight, then the weight,
 // then models/rope.py's rotate-half RoPE, op for op:
-//   rstd = 1 / sqrt(lane_dot(x, x) / d + eps);  n_j = w_j * canon(x_j * rstd);
+//   n_j = w_j * rms_norm_row(x, no weight)_j;
 //   y_j = n_j * cos_j + (-n_{j+d/2}) * sin_j (j < d/2),  n_j * cos_j + n_{j-d/2} * sin_j (j >= d/2)
 // (two products, then one add; NaNs canonical). y is [tokens, heads, d], contiguous.
 template <typename T>
@@ -340,8 +340,8 @@ void rms_norm_rope(const T* x, const T* w, const T* cs, const T* sn, T* y, int64
             const int64_t t = r / heads, h = r % heads;
             const T *xr = x + t * ld_tok + h * d, *wr = w + h * ld_w, *c = cs + t * d, *s = sn + t * d;
             T* yr = y + r * d;
-            const T rs = T(1) / std::sqrt(lane_dot(xr, xr, d) / T(d) + eps);
-            for (int64_t j = 0; j < d; ++j) n[j] = wr[j] * canon(xr[j] * rs);
+            rms_norm_row(xr, static_cast<const T*>(nullptr), n.data(), d, eps);
+            for (int64_t j = 0; j < d; ++j) n[j] = wr[j] * n[j];
             for (int64_t j = 0; j < half; ++j) yr[j] = canon(n[j] * c[j] + (-n[j + half]) * s[j]);
             for (int64_t j = half; j < d; ++j) yr[j] = canon(n[j] * c[j] + n[j - half] * s[j]);
         }
