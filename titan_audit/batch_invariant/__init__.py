@@ -2,7 +2,8 @@
 in place of the aten ops (guarantee G2).
 
 Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`, `log_softmax`,
-`rms_norm`, `attention`; for inference (forward only) `add_rms_norm` (a residual add and the norm
+`rms_norm`, `scaled_rms_norm` (the weight applied after the norm, as HF's RMSNorm: one kernel each
+way on CPU, the bits of the two ops), `attention`; for inference (forward only) `add_rms_norm` (a residual add and the norm
 after it), `rms_norm_rope` (q/k-norm then RoPE) and `silu_mul` (SwiGLU's product), fused on CPU
 with the same bits. Mode: `enabled()` (context manager), `enable()`, `disable()`, `is_enabled()`
 (read by the numerics fingerprint; it reports the overrides actually installed). Gemm order
@@ -31,6 +32,7 @@ from titan_audit.batch_invariant.ops import (
     mm,
     rms_norm,
     rms_norm_rope,
+    scaled_rms_norm,
     silu_mul,
     softmax,
     sum,
@@ -59,6 +61,7 @@ __all__ = [
     "register_backend",
     "rms_norm",
     "rms_norm_rope",
+    "scaled_rms_norm",
     "set_gemm_order",
     "silu_mul",
     "softmax",

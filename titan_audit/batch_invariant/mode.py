@@ -149,6 +149,11 @@ def _vector_norm(
         return torch.ops.aten.linalg_vector_norm.out(x, ord, dim, keepdim, dtype=None, out=out)
     if ord not in (1, 2):
         raise NotImplementedError(f"batch_invariant: linalg.vector_norm with ord={ord!r} (only 1, 2 and +-inf)")
+    be = backend_for(x)
+    if ord == 2 and x.dtype in (torch.float32, torch.float64) and hasattr(be, "sum_squares_dims"):
+        # the bits of the sum of x * x below, without the temporary (a gradient norm: 16+ MB)
+        total = _cast(be.sum_squares_dims(x, _dims(x, dim), keepdim), x.dtype)
+        return total.sqrt()
     terms = x.abs() if ord == 1 else x * x
     total = _sum_impl(mean=False)(terms, dim, keepdim)
     return total if ord == 1 else total.sqrt()

@@ -307,6 +307,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return _RMSNorm.apply(x, weight, float(eps))
 
 
+class _ScaledRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, rstd = backend_for(x, weight).rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = backend_for(x, weight).rms_norm_scaled_backward(grad, x, weight, rstd)
+        return grad_x, grad_w, None
+
+
+def scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`weight * rms_norm(x, None, eps)` for float32 or float64 x and weight [N] of x's dtype
+    (the weight applied after the norm, as HF's RMSNorm and the model compose it), forward and
+    backward bitwise those two ops': the forward is `rms_norm`'s kernel with the weight (x * rstd,
+    then times the weight: the same two roundings); the backward one kernel where the backend has
+    it (CPU: the multiply's gradient into the norm's backward, and the weight's gradient, a sum
+    over rows of grad * normed, in `sum`'s order), else the two ops with autograd. Saves the
+    multiply's launch and its saved tensor, and for training the sum over rows' transposed copy."""
+    _check_float("x", x), _check_float("weight", weight), _check_same_dtype(x=x, weight=weight)
+    if x.dtype not in (torch.float32, torch.float64) or x.dim() == 0 or tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(
+            f"scaled_rms_norm: expected float32 or float64 x [..., N] and weight [N] of its dtype, got x "
+            f"{x.dtype}{list(x.shape)} and weight {weight.dtype}{list(weight.shape)}"
+        )
+    if not eps >= 0:
+        raise ValueError(f"scaled_rms_norm: eps must be >= 0, got {eps}")
+    backend = backend_for(x, weight)
+    if not _needs_autograd(x, weight):
+        return backend.rms_norm(x, weight, float(eps))[0]
+    if not hasattr(backend, "rms_norm_scaled_backward") or torch.compiler.is_compiling():
+        return weight * rms_norm(x, None, eps)
+    return _ScaledRMSNorm.apply(x, weight, float(eps))
+
+
 # ---------------------------------------------------------------- fused inference ops (forward only)
 
 

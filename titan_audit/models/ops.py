@@ -52,6 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp_group=None) -
     `tp_group`: x [B, T, H/t, d] holds this tensor-parallel rank's heads of a per-head norm
     (q/k-norm), so the weight's gradient, a sum over every head, is taken over all ranks' heads
     (`tensor_parallel.scale_heads`)."""
+    if tp_group is None and _fused_scaled_norm(x, weight):
+        return batch_invariant.scaled_rms_norm(x, weight, eps)  # the bits of the lines below
     x32 = x.float()
     if bi_mode():
         normed = batch_invariant.rms_norm(x32, None, eps)
@@ -60,6 +62,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp_group=None) -
     if tp_group is not None:
         return tensor_parallel.scale_heads(weight, normed.to(x.dtype), tp_group)
     return weight * normed.to(x.dtype)
+
+
+def _fused_scaled_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `batch_invariant.scaled_rms_norm` may replace rms_norm's norm-then-multiply: BI
+    mode, eager, x and a [N] weight both float32 (or both float64: then no cast rounds between
+    the two ops), plain tensors."""
+    return (
+        bi_mode()
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.float64)
+        and weight.dim() == 1
+        and not torch.compiler.is_compiling()
+        and not isinstance(x, DTensor)
+        and not isinstance(weight, DTensor)
+    )
 
 
 def _fused_inference(*tensors: torch.Tensor) -> bool:

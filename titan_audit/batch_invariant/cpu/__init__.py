@@ -40,9 +40,11 @@ from titan_audit.batch_invariant.cpu.reductions import (
     rms_norm,
     rms_norm_backward,
     rms_norm_rope,
+    rms_norm_scaled_backward,
     softmax,
     softmax_backward,
     sum_dims,
+    sum_squares_dims,
     tree_sum,
 )
 
@@ -71,6 +73,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_rope",
+    "rms_norm_scaled_backward",
     "sigmoid",
     "sigmoid_backward",
     "silu",
@@ -80,5 +83,6 @@ __all__ = [
     "softmax_backward",
     "sqrt",
     "sum_dims",
+    "sum_squares_dims",
     "tree_sum",
 ]

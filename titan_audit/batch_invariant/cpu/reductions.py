@@ -1,5 +1,6 @@
-"""CPU row reductions (sum, softmax, log_softmax, rms_norm and their backward) on our own compiled
-kernels (`kernels/rowops.cpp`), with a reduction order fixed by the row length alone.
+"""CPU row reductions (sum, sum of squares, softmax, log_softmax, rms_norm and their backward) on
+our own compiled kernels (`kernels/rowops.cpp`), with a reduction order fixed by the row length
+alone.
 
 Guarantee: a row's result is a fixed sequence of IEEE operations on that row (and the shared
 weight), the same bits whatever the number of rows, the thread count or the ISA variant
@@ -10,7 +11,12 @@ weight), the same bits whatever the number of rows, the thread count or the ISA 
 - exp / log: `ta::exp_f32` / `ta::log_f32` (ta_math.h, float64: `exp_f64` / `log_f64`);
 - threads split rows; rms_norm's weight gradient (a sum over rows) is split by columns, each
   column adding its rows in ascending order: deterministic, but it depends on which rows are in
-  the batch, as every weight gradient must.
+  the batch, as every weight gradient must;
+- `sum_dims` over leading dims (a weight's gradient summed over batch and tokens) runs down the
+  columns (`col_sum`: column c's values in the lane order above, vector lanes across columns),
+  the bits of moving the dims last and summing rows, without that transposed copy;
+  `sum_squares_dims` adds each element's rounded square (the bits of `sum_dims(x * x)` without
+  the temporary, for `linalg.vector_norm`).
 
 Dtypes: float32 compute; bfloat16/float16 are upcast (exactly) to float32; float64 runs the
 float64 kernels of the same order. Results are in the compute dtype; callers round them once.
@@ -35,13 +41,15 @@ PARALLEL_MIN_ELEMENTS = 1 << 15  # below this one thread does the call (threads 
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 for _sfx in ("f32", "f64"):
-    _lib.declare(f"row_sum_{_sfx}", None, [_P, _P, _I64, _I64, _INT])
+    for _sum in ("row_sum", "row_sum_sq", "col_sum", "col_sum_sq"):
+        _lib.declare(f"{_sum}_{_sfx}", None, [_P, _P, _I64, _I64, _INT])
     _lib.declare(f"softmax_{_sfx}", None, [_P, _P, _I64, _I64, _INT])
     _lib.declare(f"log_softmax_{_sfx}", None, [_P, _P, _I64, _I64, _INT])
     _lib.declare(f"softmax_backward_{_sfx}", None, [_P, _P, _P, _I64, _I64, _INT])
     _lib.declare(f"log_softmax_backward_{_sfx}", None, [_P, _P, _P, _I64, _I64, _INT])
     _lib.declare(f"rms_norm_{_sfx}", None, [_P, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT])
     _lib.declare(f"rms_norm_backward_{_sfx}", None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _INT])
+    _lib.declare(f"rms_norm_scaled_backward_{_sfx}", None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _INT])
     _lib.declare(f"add_rms_norm_{_sfx}", None, [_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_double, _INT])
     _lib.declare(f"rms_norm_rope_{_sfx}", None, [_P] * 5 + [_I64] * 5 + [ctypes.c_double, _INT])
 
@@ -71,13 +79,13 @@ def _shape_mn(x: torch.Tensor) -> tuple[int, int]:
 # ---------------------------------------------------------------- kernels (eager)
 
 
-def _row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (dropped), lanes + tree16."""
+def _row_sum(x: torch.Tensor, kernel: str = "sum") -> torch.Tensor:
+    """Sum over the last dim (dropped), lanes + tree16, of x ("sum") or of its squares ("sum_sq")."""
     x = _rows(x, compute_dtype(x.dtype))
     m, n = _shape_mn(x)
     out = torch.zeros(x.shape[:-1], dtype=x.dtype)
     if m and n:
-        _lib.kernel(f"row_sum_{_suffix(x.dtype)}")(_lib.ptr(x), _lib.ptr(out), m, n, _threads(x.numel()))
+        _lib.kernel(f"row_{kernel}_{_suffix(x.dtype)}")(_lib.ptr(x), _lib.ptr(out), m, n, _threads(x.numel()))
     return out
 
 
@@ -202,6 +210,33 @@ def _rms_norm_backward(
     return grad_x, grad_w
 
 
+def rms_norm_scaled_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight) of y = weight * (x * rstd), the weight applied after the norm: the
+    bits of that multiply's backward (grad * weight into the norm's backward; grad * normed summed
+    over the rows in `sum_dims`'s order for the weight) in one kernel (rowops.cpp
+    rms_norm_scaled_backward). Eager only (the caller composes the ops while compiling)."""
+    dtype = rstd.dtype
+    grad, x, rstd, w = _rows(grad, dtype), _rows(x, dtype), _rows(rstd, dtype), _rows(weight, dtype)
+    m, n = _shape_mn(x)
+    grad_x = _lib.output(x.shape, dtype)
+    grad_w = torch.zeros(n, dtype=dtype)
+    if m and n:
+        _lib.kernel(f"rms_norm_scaled_backward_{_suffix(dtype)}")(
+            _lib.ptr(grad),
+            _lib.ptr(x),
+            _lib.ptr(w),
+            _lib.ptr(rstd),
+            _lib.ptr(grad_x),
+            _lib.ptr(grad_w),
+            m,
+            n,
+            _threads(x.numel()),
+        )
+    return grad_x, grad_w
+
+
 def _last_dim_first(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
     """Move `dims` to the end and flatten them into one last dim (row-major order of the dims)."""
     rest = [d for d in range(x.dim()) if d not in dims]
@@ -209,9 +244,24 @@ def _last_dim_first(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
     return x.reshape(*x.shape[: len(rest)], -1)
 
 
-def _sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+def _sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool, kernel: str = "sum") -> torch.Tensor:
+    """Sum of x (kernel "sum") or of its squares ("sum_sq") over `dims`, in the row order of
+    `_last_dim_first`. Leading dims with the rest kept are the columns of a [M, N] view: summed
+    down the columns in place (the same order per output), else the dims are moved last."""
     dims = sorted(dims)
-    out = _row_sum(_last_dim_first(x, dims) if x.dim() else x.reshape(1))
+    if x.dim() and len(dims) < x.dim() and dims == list(range(len(dims))):
+        x = _rows(x, compute_dtype(x.dtype))
+        kept = x.shape[len(dims) :]
+        out = torch.empty(kept, dtype=x.dtype)
+        n = out.numel()
+        m = x.numel() // n if n else 0
+        if n:
+            if m:
+                _lib.kernel(f"col_{kernel}_{_suffix(x.dtype)}")(_lib.ptr(x), _lib.ptr(out), m, n, _threads(x.numel()))
+            else:
+                out.zero_()
+    else:
+        out = _row_sum(_last_dim_first(x, dims) if x.dim() else x.reshape(1), kernel)
     if keepdim:
         for d in dims:
             out = out.unsqueeze(d)
@@ -324,6 +374,15 @@ def sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _sum_dims_op(x, sorted(dims), keepdim)
     return _sum_dims(x, dims, keepdim)
+
+
+def sum_squares_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    """`sum_dims(x * x, dims, keepdim)` bit for bit for float32 / float64 x (each square rounded
+    in x's dtype, then summed in the same order), without the x * x temporary."""
+    assert x.dtype in (torch.float32, torch.float64), x.dtype
+    if torch.compiler.is_compiling():
+        return _sum_dims_op(x * x, sorted(dims), keepdim)
+    return _sum_dims(x, dims, keepdim, "sum_sq")
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

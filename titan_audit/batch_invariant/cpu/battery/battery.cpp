@@ -84,6 +84,11 @@
 
 #define TA_DECLARE_ROWOPS(isa, T, sfx)                                                                           \
     void ta_row_sum_##sfx##__##isa(const T*, T*, int64_t, int64_t, int);                                         \
+    void ta_row_sum_sq_##sfx##__##isa(const T*, T*, int64_t, int64_t, int);                                      \
+    void ta_col_sum_##sfx##__##isa(const T*, T*, int64_t, int64_t, int);                                         \
+    void ta_col_sum_sq_##sfx##__##isa(const T*, T*, int64_t, int64_t, int);                                      \
+    void ta_rms_norm_scaled_backward_##sfx##__##isa(const T*, const T*, const T*, const T*, T*, T*, int64_t,       \
+                                                    int64_t, int);                                               \
     void ta_softmax_##sfx##__##isa(const T*, T*, int64_t, int64_t, int);                                         \
     void ta_log_softmax_##sfx##__##isa(const T*, T*, int64_t, int64_t, int);                                     \
     void ta_softmax_backward_##sfx##__##isa(const T*, const T*, T*, int64_t, int64_t, int);                      \
@@ -97,6 +102,10 @@
 template <typename T>
 struct RowOps {
     void (*row_sum)(const T*, T*, int64_t, int64_t, int);
+    void (*row_sum_sq)(const T*, T*, int64_t, int64_t, int);
+    void (*col_sum)(const T*, T*, int64_t, int64_t, int);
+    void (*col_sum_sq)(const T*, T*, int64_t, int64_t, int);
+    void (*rms_norm_scaled_backward)(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, int);
     void (*softmax)(const T*, T*, int64_t, int64_t, int);
     void (*log_softmax)(const T*, T*, int64_t, int64_t, int);
     void (*softmax_backward)(const T*, const T*, T*, int64_t, int64_t, int);
@@ -153,7 +162,8 @@ struct Variant {
 };
 
 #define TA_ROWOPS_OF(isa, sfx)                                                                                   \
-    {ta_row_sum_##sfx##__##isa, ta_softmax_##sfx##__##isa, ta_log_softmax_##sfx##__##isa,                        \
+    {ta_row_sum_##sfx##__##isa, ta_row_sum_sq_##sfx##__##isa, ta_col_sum_##sfx##__##isa,                          \
+     ta_col_sum_sq_##sfx##__##isa, ta_rms_norm_scaled_backward_##sfx##__##isa, ta_softmax_##sfx##__##isa, ta_log_softmax_##sfx##__##isa,                        \
      ta_softmax_backward_##sfx##__##isa, ta_log_softmax_backward_##sfx##__##isa, ta_rms_norm_##sfx##__##isa,      \
      ta_rms_norm_backward_##sfx##__##isa, ta_add_rms_norm_##sfx##__##isa,                  \
      ta_rms_norm_rope_##sfx##__##isa}
@@ -490,6 +500,18 @@ void rowops_case(const std::string& sfx, int64_t m, int64_t n, Kind kind, T lo, 
         row_of<T>(v).row_sum(in[0].data(), y.data(), m, n, t);
         sink.emit("", y);
     });
+    reg("row_sum_sq", [=](const Variant& v, int t, const Sink& sink, const std::vector<std::vector<T>>& in) {
+        std::vector<T> y(m, T(7));
+        row_of<T>(v).row_sum_sq(in[0].data(), y.data(), m, n, t);
+        sink.emit("", y);
+    });
+    reg("col_sum", [=](const Variant& v, int t, const Sink& sink, const std::vector<std::vector<T>>& in) {
+        std::vector<T> y(n, T(7)), y2(n, T(7));
+        row_of<T>(v).col_sum(in[0].data(), y.data(), m, n, t);
+        row_of<T>(v).col_sum_sq(in[0].data(), y2.data(), m, n, t);
+        sink.emit("sum", y);
+        sink.emit("sum_sq", y2);
+    });
     reg("softmax", [=](const Variant& v, int t, const Sink& sink, const std::vector<std::vector<T>>& in) {
         std::vector<T> y(m * n, T(7));
         row_of<T>(v).softmax(in[0].data(), y.data(), m, n, t);
@@ -547,6 +569,15 @@ void rowops_case(const std::string& sfx, int64_t m, int64_t n, Kind kind, T lo, 
         sink.emit("gx", gx);
         sink.emit("gw", gw);
         sink.emit("gx_noweight", gx0);
+    });
+    reg("rms_norm_scaled_backward", [=](const Variant& v, int t, const Sink& sink,
+                                        const std::vector<std::vector<T>>& in) {
+        std::vector<T> y(m * n), rstd(m), gx(m * n, T(7)), gw(n, T(7));
+        row_of<T>(*g_scalar).rms_norm(in[0].data(), in[2].data(), y.data(), rstd.data(), m, n, 1e-6, 1);
+        row_of<T>(v).rms_norm_scaled_backward(in[1].data(), in[0].data(), in[2].data(), rstd.data(), gx.data(),
+                                              gw.data(), m, n, t);
+        sink.emit("gx", gx);
+        sink.emit("gw", gw);
     });
 }
 

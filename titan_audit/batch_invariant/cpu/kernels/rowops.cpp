@@ -1,6 +1,6 @@
-// rowops.cpp: row reductions and the fused row ops (sum, softmax, log_softmax, rms_norm and
-// their backward, the forward-only residual add + rms_norm and q/k-norm + RoPE) over a contiguous
-// [M, N] matrix, float32 and float64.
+// rowops.cpp: row reductions and the fused row ops (sum, sum of squares, softmax, log_softmax,
+// rms_norm and their backward, the forward-only residual add + rms_norm and q/k-norm + RoPE) over
+// a contiguous [M, N] matrix, float32 and float64; and the same sums down the columns.
 //
 // Guarantee: every output element is a fixed sequence of IEEE operations on its own row (and the
 // shared weight), set by N alone: never by M, the thread count or the ISA variant. How:
@@ -16,8 +16,8 @@
 //     bits on every variant; sqrt and division are correctly rounded everywhere.
 //   * Every NaN result is stored as the one quiet NaN (ta::canon_nan_f32 / f64): a NaN's sign and
 //     payload otherwise depend on operand order, which the compiler picks per variant.
-//   * Threads split rows (ta::parallel_for); the one reduction over rows (rms_norm's weight
-//     gradient) is split by columns, each column summing its rows in ascending order.
+//   * Threads split rows (ta::parallel_for); the reductions over rows (col_sum, rms_norm's weight
+//     gradient) are split by columns, each column summing its rows in a fixed order.
 #include "ta_common.h"
 #include "ta_math.h"
 
@@ -44,15 +44,25 @@ inline T tree16_max(const T* l) {
     return s[1] > s[0] ? s[1] : s[0];
 }
 
-// Order: lane l = (((-0 + x[l]) + x[l+16]) + ...), then ta::tree16.
-template <typename T>
-inline T lane_sum(const T* x, int64_t n) {
+// The term a sum adds for element v: v itself, or its square (rounded, as a materialised x * x).
+struct Plain {
+    template <typename T>
+    T operator()(T v) const { return v; }
+};
+struct Square {
+    template <typename T>
+    T operator()(T v) const { return v * v; }
+};
+
+// Order: lane l = (((-0 + t(x[l])) + t(x[l+16])) + ...), then ta::tree16 (t: Plain or Square).
+template <typename T, typename Term = Plain>
+inline T lane_sum(const T* x, int64_t n, Term t = Term()) {
     T acc[L];
     for (int l = 0; l < L; ++l) acc[l] = T(-0.0);
     int64_t i = 0;
     for (; i + L <= n; i += L)
-        for (int l = 0; l < L; ++l) acc[l] = acc[l] + x[i + l];
-    for (int l = 0; i + l < n; ++l) acc[l] = acc[l] + x[i + l];
+        for (int l = 0; l < L; ++l) acc[l] = acc[l] + t(x[i + l]);
+    for (int l = 0; i + l < n; ++l) acc[l] = acc[l] + t(x[i + l]);
     return ta::tree16(acc);
 }
 
@@ -224,12 +234,47 @@ inline void exp_row<float>(const float* x, float* out, int64_t n) {
 }
 #endif
 
-// sum over the last dim: out[r] = lane_sum(x[r, :]).
-template <typename T>
+// sum over the last dim: out[r] = lane_sum(t(x[r, :])) (t = Square: the sum of squares, the bits
+// of row_sum over x * x without the [M, N] temporary).
+template <typename T, typename Term = Plain>
 void row_sum(const T* x, T* out, int64_t m, int64_t n, int threads) {
     ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) out[r] = canon(lane_sum(x + r * n, n));
+        for (int64_t r = r0; r < r1; ++r) out[r] = canon(lane_sum(x + r * n, n, Term()));
     });
+}
+
+// Column sums in the lane order: out[c] = 16 lanes over the rows (lane l adds term(l, c),
+// term(l + 16, c), ... ascending, from -0.0), then ta::tree16: for each column the order of
+// lane_sum over that column's terms. Vector lanes run along the columns (a block of CB columns
+// keeps its 16 lane sums in acc); blocks, and so threads, never split a column.
+template <typename T, typename Term>
+void col_lane_sum(int64_t m, int64_t n, int threads, T* out, Term term) {
+    constexpr int64_t CB = 128 / sizeof(T);  // columns per block: 32 float32 / 16 float64
+    ta::parallel_for((n + CB - 1) / CB, threads, [&](int64_t b0, int64_t b1) {
+        T acc[L][CB];
+        for (int64_t b = b0; b < b1; ++b) {
+            const int64_t c0 = b * CB, w = n - c0 < CB ? n - c0 : CB;
+            for (int l = 0; l < L; ++l)
+                for (int64_t j = 0; j < CB; ++j) acc[l][j] = T(-0.0);
+            for (int64_t r = 0; r < m; ++r) {
+                T* a = acc[r % L];
+                for (int64_t j = 0; j < w; ++j) a[j] = a[j] + term(r, c0 + j);
+            }
+            T lanes[L];
+            for (int64_t j = 0; j < w; ++j) {
+                for (int l = 0; l < L; ++l) lanes[l] = acc[l][j];
+                out[c0 + j] = canon(ta::tree16(lanes));
+            }
+        }
+    });
+}
+
+// sum over the rows of [M, N], per column: out[c] = lane_sum(t(x[:, c])): the bits of row_sum
+// over the transposed matrix, without the transpose.
+template <typename T, typename Term = Plain>
+void col_sum(const T* x, T* out, int64_t m, int64_t n, int threads) {
+    const Term t;
+    col_lane_sum<T>(m, n, threads, out, [&](int64_t r, int64_t c) { return t(x[r * n + c]); });
 }
 
 // softmax: mx = lane_max(x); s = lane_sum_exp(x, mx) (e_j = exp(x_j - mx)); y_j = e_j * (1 / s).
@@ -384,11 +429,32 @@ void rms_norm_backward(const T* g, const T* x, const T* w, const T* rstd, T* gx,
     });
 }
 
+// The backward of y = w * rms_norm(x) with the weight applied after the norm (the model's
+// composition: normed_ij = x_ij * rstd_i, then w_j * normed_ij). gx: rms_norm_backward's with w
+// (its gradient into normed is g_ij * w_j, rounded, as the multiply's backward gives it). gw_j:
+// the sum over rows of g_ij * normed_ij (normed rounded first, as the forward computed it) in
+// col_lane_sum's order: the bits of the multiply's gradient summed by sum_dims over the rows.
+template <typename T>
+void rms_norm_scaled_backward(const T* g, const T* x, const T* w, const T* rstd, T* gx, T* gw, int64_t m, int64_t n,
+                              int threads) {
+    rms_norm_backward<T>(g, x, w, rstd, gx, nullptr, m, n, threads);
+    col_lane_sum<T>(m, n, threads, gw, [&](int64_t r, int64_t c) { return g[r * n + c] * (x[r * n + c] * rstd[r]); });
+}
+
 }  // namespace
 
 #define TA_ROWOPS(T, sfx)                                                                                      \
     TA_EXPORT(void, row_sum_##sfx)(const T* x, T* out, int64_t m, int64_t n, int threads) {                    \
         row_sum<T>(x, out, m, n, threads);                                                                     \
+    }                                                                                                          \
+    TA_EXPORT(void, row_sum_sq_##sfx)(const T* x, T* out, int64_t m, int64_t n, int threads) {                 \
+        row_sum<T, Square>(x, out, m, n, threads);                                                             \
+    }                                                                                                          \
+    TA_EXPORT(void, col_sum_##sfx)(const T* x, T* out, int64_t m, int64_t n, int threads) {                    \
+        col_sum<T, Plain>(x, out, m, n, threads);                                                              \
+    }                                                                                                          \
+    TA_EXPORT(void, col_sum_sq_##sfx)(const T* x, T* out, int64_t m, int64_t n, int threads) {                 \
+        col_sum<T, Square>(x, out, m, n, threads);                                                             \
     }                                                                                                          \
     TA_EXPORT(void, softmax_##sfx)(const T* x, T* y, int64_t m, int64_t n, int threads) {                      \
         softmax<T>(x, y, m, n, threads);                                                                       \
@@ -419,6 +485,10 @@ void rms_norm_backward(const T* g, const T* x, const T* w, const T* rstd, T* gx,
     TA_EXPORT(void, rms_norm_backward_##sfx)(const T* g, const T* x, const T* w, const T* rstd, T* gx, T* gwt, \
                                              int64_t m, int64_t n, int threads) {                              \
         rms_norm_backward<T>(g, x, w, rstd, gx, gwt, m, n, threads);                                           \
+    } \
+    TA_EXPORT(void, rms_norm_scaled_backward_##sfx)(const T* g, const T* x, const T* w, const T* rstd, T* gx,   \
+                                                    T* gw, int64_t m, int64_t n, int threads) {                \
+        rms_norm_scaled_backward<T>(g, x, w, rstd, gx, gw, m, n, threads);                                     \
     }
 
 TA_ROWOPS(float, f32)
