@@ -3,19 +3,19 @@ in place of the aten ops (guarantee G2).
 
 Functional API: `matmul`, `mm`, `addmm`, `bmm`, `linear`, `sum`, `mean`, `softmax`, `log_softmax`,
 `rms_norm`, `scaled_rms_norm` (the weight applied after the norm, as HF's RMSNorm: one kernel each
-way on CPU, the bits of the two ops), `attention`; for inference (forward only) `add_rms_norm` (a residual add and the norm
-after it), `rms_norm_rope` (q/k-norm then RoPE) and `silu_mul` (SwiGLU's product), fused on CPU
-with the same bits. Mode: `enabled()` (context manager), `enable()`, `disable()`, `is_enabled()`
-(read by the numerics fingerprint; it reports the overrides actually installed). Gemm order
-(`order.py`, process-wide, v2 by default): `gemm_order("v1"|"v2")` (context manager),
-`set_gemm_order`, `current_gemm_order()`; config key `determinism.bi_kernels`. `census`: what else
-computed on a CPU tensor while the mode was on (record or strict; census.py), so "only our kernels
-and exact IEEE ops run" is checked, not assumed. Kernels come from a backend chosen by device
-(`backend.backend_for`): on CPU our own compiled kernels (`cpu/kernels`, built by `make`; scalar,
-AVX2 and AVX-512 variants with identical bits, so BI results are the same on every CPU); on CUDA
-the Triton kernels (`gpu/`: persistent matmul with fixed tiles and no split-K, row ops, split-KV
-attention over a paged KV cache, deterministic attention backward), imported only when a CUDA
-tensor arrives."""
+way on CPU, the bits of the two ops), `attention`; for inference (forward only) `add_rms_norm` (a
+residual add and the norm after it), `rms_norm_rope` (q/k-norm then RoPE) and `silu_mul` (SwiGLU's
+product), fused on CPU with the same bits. Mode: `enabled()` (context manager), `enable()`,
+`disable()`, `is_enabled()` (read by the numerics fingerprint; it reports the overrides actually
+installed). Gemm order (`order.py`, process-wide, v2 by default): `gemm_order("v1"|"v2")` (context
+manager), `set_gemm_order`, `current_gemm_order()`; config key `determinism.bi_kernels`. `census`:
+what else computed on a CPU tensor while the mode was on (record or strict; census.py), so "only
+our kernels and exact IEEE ops run" is checked, not assumed. Kernels come from a backend chosen by
+device (`backend.backend_for`): on CPU our own compiled kernels (`cpu/kernels`, built by `make`;
+scalar, AVX2 and AVX-512 variants with identical bits, so BI results are the same on every CPU);
+on CUDA the Triton kernels (`gpu/`: persistent matmul with fixed tiles and no split-K, row ops,
+split-KV attention over a paged KV cache, deterministic attention backward), imported only when a
+CUDA tensor arrives."""
 
 from titan_audit.batch_invariant import census
 from titan_audit.batch_invariant.backend import backend_for, register_backend
