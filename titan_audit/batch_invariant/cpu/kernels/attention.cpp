@@ -391,13 +391,14 @@ inline int chunk_keys(const Problem& pr, const Row& row, int64_t j0, uint8_t* vi
     } else {
         const int64_t* dk = pr.doc ? pr.doc + row.b * pr.Tk + j0 : nullptr;
         const uint8_t* mk = pr.mask ? pr.mask + row.b * pr.ms[0] + row.h * pr.ms[1] + row.i * pr.ms[2] + j0 * pr.ms[3] : nullptr;
-        for (int j = 0; j < KC; ++j) {
-            bool v = j < hi;
-            if (v && dk) v = dk[j] >= 0 && dk[j] == row.qdoc;
+        for (int j = 0; j < hi; ++j) {  // keys past `hi` are hidden whatever their document or mask
+            bool v = true;
+            if (dk) v = dk[j] >= 0 && dk[j] == row.qdoc;
             if (v && mk) v = mk[j * pr.ms[3]] != 0;
             vis[j] = v;
             if (v) idx[cnt++] = j;
         }
+        std::memset(vis + hi, 0, KC - hi);
     }
     *top = cnt ? ((idx[cnt - 1] + 1 + L - 1) / L) * L : 0;
     return cnt;
