@@ -347,6 +347,29 @@ def test_packed_cache_serves_fresh_packings_only(dtype: torch.dtype) -> None:
     assert len(small) == 3 and small.nbytes <= small.max_bytes  # least recently used evicted
 
 
+def test_packed_cache_packs_a_parameter_at_first_sight_and_repacks_it_in_place() -> None:
+    """A parameter (an nn.Parameter owns B's memory) is packed on its first product; after an
+    in-place update (an optimizer step) the next product repacks it into the same buffer. Every
+    result equals the uncached product of the weight as it is then."""
+    cache = cpu_matmul.PACKED_CACHE
+    cache.clear()
+    x = randn(4, 256, seed=34)
+    w = torch.nn.Parameter(randn(96, 256, seed=35))
+    with torch.no_grad():
+        first = bi.linear(x, w)
+        assert len(cache) == 1  # first sight of a parameter: kept
+        packed = cache.get(w.t(), torch.float32)
+        assert packed is not None
+        address = packed.data_ptr()
+        del packed
+        w.mul_(-0.5)  # in place: the version counter moves
+        updated = bi.linear(x, w)
+        assert_bitwise_equal(updated, bi.linear(x, w.detach().clone()), "after the update")
+        assert not bitwise_equal(updated, first)
+        assert cache.get(w.t(), torch.float32).data_ptr() == address  # repacked where it was
+    cache.clear()
+
+
 def test_packed_cache_key_is_identity_not_address() -> None:
     """Two tensors at the same address with the same version (a view and a new tensor over the
     same storage) never share an entry unless they are the same owner; clearing drops all."""

@@ -22,7 +22,8 @@ Guarantees:
 - bfloat16 / float16 inputs are upcast to float32 (their products are exact there) and the result
   is rounded once to the output dtype; float64 stays float64 (a float64 kernel with the same order).
 - Packed weights: packing B into the kernel's 32-column panels costs about two M=1 products, so a
-  B seen a second time unchanged is served from a bounded cache (`PackedCache`). An entry is keyed
+  B seen a second time unchanged (a parameter's: the first time) is served from a bounded cache
+  (`PackedCache`). An entry is keyed
   by the identity of the tensor owning B's memory (held by weakref, so a freed-and-reused address
   never matches), B's data pointer, shape, strides and dtype, and it is valid only while the
   owner's version counter (`_version`, bumped by every in-place op, e.g. an optimizer step) is
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -83,10 +85,12 @@ def packed_elems(k: int, n: int) -> int:
     return -(-n // PANEL) * PANEL * k
 
 
-def pack(b: torch.Tensor) -> torch.Tensor:
-    """B [K, N] (any strides, float32 or float64) packed into the kernel's panels (a copy)."""
+def pack(b: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """B [K, N] (any strides, float32 or float64) packed into the kernel's panels (a copy), into
+    `into` when given (a packing of a B of this shape and dtype, overwritten)."""
     k, n = b.shape
-    packed = _lib.output((packed_elems(k, n),), b.dtype)  # pack writes every panel, padding zeroed
+    packed = _lib.output((packed_elems(k, n),), b.dtype) if into is None else into  # every panel written
+    assert packed.shape == (packed_elems(k, n),) and packed.dtype == b.dtype, (packed.shape, b.shape)
     if packed.numel():
         _lib.kernel(f"gemm_pack_{_suffix(b.dtype)}")(
             b.data_ptr(), 1, k, n, 0, b.stride(0), b.stride(1), packed.data_ptr(), _lib.num_threads()
@@ -137,13 +141,17 @@ class PackedCache:
 
     def get(self, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """B packed in the compute `dtype` if b was seen before unchanged (a bfloat16 weight is
-        then not converted again either); None on a first sight (the kernel packs, same cost)."""
+        then not converted again either); None on a first sight (the kernel packs, same cost),
+        except for a parameter's memory (an `nn.Parameter` owns it), packed at once: every
+        microbatch and decode step reuses it, so after each optimizer step the first product
+        already runs on the new packing instead of the kernel packing it once more."""
         owner = b if b._base is None else b._base
         try:
             version = b._version
         except RuntimeError:  # an inference-mode tensor keeps no version counter: never cached
             return None
         key = (id(owner), b.data_ptr(), tuple(b.shape), tuple(b.stride()), b.dtype)
+        stale = None  # the packing of this B before an in-place update: repacked where it is
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.owner() is owner and entry.version == version:
@@ -151,9 +159,14 @@ class PackedCache:
                 if entry.packed is not None:
                     return entry.packed
             elif entry is not None:
+                if entry.owner() is owner:
+                    stale = entry.packed
                 self._drop(key)
                 entry = None
-        packed = pack(b if b.dtype == dtype else b.to(dtype)) if entry is not None else None
+        if stale is not None and sys.getrefcount(stale) > 2:  # a product elsewhere still reads it
+            stale = None
+        seen = entry is not None or stale is not None or isinstance(owner, torch.nn.Parameter)
+        packed = pack(b if b.dtype == dtype else b.to(dtype), stale) if seen else None
         with self._lock:
             if key in self._entries:
                 self._drop(key)
