@@ -1,12 +1,12 @@
-"""The fused inference ops (`batch_invariant.add_rms_norm`, `rms_norm_rope`, `silu_mul`) and
-`models.ops`' use of them.
+"""The fused inference ops (`batch_invariant.add_rms_norm`, `rms_norm_rope`, `silu_mul`; the last
+also has a backward, tested in test_training_fusions.py) and `models.ops`' use of them.
 
 Proves: each fused kernel gives, bitwise, the bits of the ops it replaces (h + delta then rms_norm
 with the weight; rms_norm, the weight and `apply_rope`; silu then one multiply) on every ISA
 variant and thread count, for strided views read in place (the halves of one fused gate/up
-matrix, q's and k's heads of one projection), row by row whatever the batch; both refuse
-autograd; `models.ops` takes the fused kernel only for float32 BI inference and the composition
-otherwise (so training keeps its graph). Negative control: the native composition (torch's
+matrix, q's and k's heads of one projection), row by row whatever the batch; add_rms_norm
+refuses autograd; `models.ops` takes the fused add + norm only for float32 BI inference and the
+composition otherwise (so training keeps its graph). Negative control: the native composition (torch's
 rms_norm and silu) differs from the fused kernel's bits, so the comparison can fail.
 """
 
@@ -104,8 +104,8 @@ def test_fused_ops_refuse_autograd_and_bad_shapes() -> None:
     with bi.enabled():
         with pytest.raises(ValueError, match="forward only"):
             bi.add_rms_norm(h, delta, weight.requires_grad_())
-        with pytest.raises(ValueError, match="forward only"):
-            bi.silu_mul(gate_up[:, :7].requires_grad_(), gate_up[:, 7:])
+        with pytest.raises(ValueError, match="backward for float32"):  # float32 has one (test_training_fusions)
+            bi.silu_mul(gate_up[:, :7].bfloat16().requires_grad_(), gate_up[:, 7:].bfloat16())
         with pytest.raises(ValueError, match="one shape"):
             bi.add_rms_norm(h, delta[:2], weight.detach())
         with pytest.raises(ValueError, match="one shape"):

@@ -1,6 +1,7 @@
 """The training-path kernels that replace a composition without changing a bit: column sums
-(`sum_dims` over leading dims), the sum of squares behind `linalg.vector_norm`, and
-`scaled_rms_norm` (the weight applied after the norm, forward and backward).
+(`sum_dims` over leading dims), the sum of squares behind `linalg.vector_norm`,
+`scaled_rms_norm` (the weight applied after the norm, forward and backward) and `silu_mul`'s
+backward (SwiGLU).
 
 Proves, on every ISA variant this CPU runs and at 1 and 2 threads, float32 and float64:
 - a sum over leading dims (a weight's gradient summed over batch and tokens), which now runs down
@@ -10,9 +11,13 @@ Proves, on every ISA variant this CPU runs and at 1 and 2 threads, float32 and f
 - `sum_squares_dims` is that reference over x * x, and BI `vector_norm` its square root;
 - `scaled_rms_norm` gives the bits of `weight * rms_norm(x)` (two ops, autograd) for the output,
   the input gradient and the weight gradient, and `models.ops.rms_norm` takes it only for float32
-  (or float64) BI runs (bfloat16 keeps its cast between the two ops).
-Negative controls: torch's native column sum and the rms_norm kernel's own weight gradient (an
-fma chain down the rows) give other bits on these inputs, so each comparison can fail.
+  (or float64) BI runs (bfloat16 keeps its cast between the two ops);
+- `silu_mul` with autograd gives the bits of `silu(gate) * up` (the autograd silu of
+  models/pointwise.py, then torch's multiply) for the output and both gradients, reading the two
+  halves of one gate/up matrix in place, and `models.ops.silu_mul` takes it in BI training.
+Negative controls: torch's native column sum, the rms_norm kernel's own weight gradient (an fma
+chain down the rows) and torch's native silu give other bits on these inputs, so each comparison
+can fail.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from tests.batch_invariant._helpers import num_threads, randn
 from titan_audit import batch_invariant as bi
 from titan_audit.audit.bitwise import assert_bitwise_equal, describe_difference
 from titan_audit.batch_invariant.cpu import _lib, reductions
-from titan_audit.models import ops
+from titan_audit.models import ops, pointwise
 
 LANES = 16
 
@@ -134,3 +139,31 @@ def test_models_rms_norm_takes_the_fused_op_for_float32_bi_only() -> None:
     assert "ScaledRMSNorm" in type(fused.grad_fn).__name__
     assert "Mul" in type(half.grad_fn).__name__
     assert "ScaledRMSNorm" not in type(ops.rms_norm(x, weight, 1e-6).grad_fn).__name__  # native ops outside BI
+
+
+@pytest.mark.parametrize(("m", "n"), [(1, 1), (3, 7), (64, 768), (5, 1023)])
+def test_silu_mul_backward_is_bitwise_the_two_ops_on_every_variant(m: int, n: int) -> None:
+    gate_up = randn(m, 2 * n, seed=m + n, scale=6.0).requires_grad_()
+    grad_out = randn(m, n, seed=m + n + 1)
+    with bi.enabled():
+        y_ref = pointwise.silu(gate_up[:, :n]) * gate_up[:, n:]
+        refs = (y_ref, *torch.autograd.grad(y_ref, gate_up, grad_out))
+        for isa, threads in _variants():
+            with _lib.forced_isa(isa), num_threads(threads):
+                y = bi.silu_mul(gate_up[:, :n], gate_up[:, n:])  # the halves, read in place
+                assert "SiluMul" in type(y.grad_fn).__name__
+                got = (y, *torch.autograd.grad(y, gate_up, grad_out))
+            for name, a, b in zip(("output", "grad of gate | up"), got, refs):
+                assert_bitwise_equal(a, b, f"silu_mul {name}, {isa}, {threads} threads, [{m}, {n}]")
+    # negative control: torch's own silu (vector body and scalar tail round differently)
+    native = torch.autograd.grad(torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:], gate_up, grad_out)[0]
+    if m * n >= 64:
+        assert describe_difference(native, refs[1]) is not None
+
+
+def test_models_silu_mul_takes_the_fused_op_in_bi_training() -> None:
+    gate, up = randn(4, 96, seed=11).requires_grad_(), randn(4, 96, seed=12).requires_grad_()
+    with bi.enabled():
+        assert "SiluMul" in type(ops.silu_mul(gate, up).grad_fn).__name__
+        assert "Mul" in type(ops.silu_mul(gate.bfloat16(), up.bfloat16()).grad_fn).__name__
+    assert "SiluMul" not in type(ops.silu_mul(gate, up).grad_fn).__name__  # native ops outside BI

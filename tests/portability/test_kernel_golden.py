@@ -65,6 +65,7 @@ def test_the_kernel_section_passes_exact_on_every_variant_and_thread_count(kerne
         "sigmoid_f32",
         "silu_backward_f32",
         "silu_mul_f32",
+        "silu_mul_backward_f32",
         "exp_f64",
         "log_f64",
         "sqrt_f64",

@@ -413,16 +413,38 @@ def rms_norm_rope(
     return backend.rms_norm_rope(x, weight_Hd, cos, sin, float(eps)).to(x.dtype)
 
 
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return backend_for(gate, up).silu_mul(gate, up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return backend_for(gate, up).silu_mul_backward(grad, gate, up)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (SwiGLU's product) in float32, for inference: one kernel where the backend
-    has it (CPU), else the backend's silu and one multiply; either way every non-NaN element is
-    bitwise `silu(gate) * up` (a NaN comes out as the canonical NaN on CPU). gate and up may be
-    strided views (the two halves of one fused gate/up projection). Forward only."""
+    """silu(gate) * up (SwiGLU's product) in float32: one kernel where the backend has it (CPU),
+    else the backend's silu and one multiply; either way every non-NaN element is bitwise
+    `silu(gate) * up` (a NaN comes out as the canonical NaN on CPU). gate and up may be strided
+    views (the two halves of one fused gate/up projection). With autograd (float32 gate and up,
+    a backend with `silu_mul_backward`: CPU) the backward is one kernel too, with the bits of the
+    multiply's backward followed by silu's (`grad * up` into silu_backward, `grad * silu(gate)`);
+    elsewhere forward only."""
     _check_float("gate", gate), _check_float("up", up)
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
-    _check_forward_only("silu_mul", gate, up)
     backend = backend_for(gate, up)
+    if _needs_autograd(gate, up):
+        if not hasattr(backend, "silu_mul_backward") or gate.dtype != torch.float32 or up.dtype != torch.float32:
+            raise ValueError(
+                f"silu_mul has a backward for float32 gate and up on the CPU backend only (got {gate.dtype}, "
+                f"{up.dtype} on {backend.NAME}); call it under torch.no_grad() or use the separate ops"
+            )
+        return _SiluMul.apply(gate, up)
     if not hasattr(backend, "silu_mul"):
         return backend.silu(gate) * up.float()
     return backend.silu_mul(gate, up)

@@ -82,9 +82,13 @@ def _fused_scaled_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _fused_inference(*tensors: torch.Tensor) -> bool:
     """Whether a fused inference op may replace its composition here: BI mode, float32, plain
     tensors, no autograd recording, eager (the fused ops are forward-only kernels)."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and _fusable(*tensors)
+
+
+def _fusable(*tensors: torch.Tensor) -> bool:
+    """BI mode, eager, float32 plain tensors: where a fused op with a backward may serve training."""
     return (
         bi_mode()
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))  # training: decided here
         and not torch.compiler.is_compiling()
         and all(t.dtype == torch.float32 and not isinstance(t, DTensor) for t in tensors)
     )
@@ -118,10 +122,12 @@ def rms_norm_rope(
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (SwiGLU). For float32 inference in BI mode one fused kernel
-    (`batch_invariant.silu_mul`: the same bits for every non-NaN element); otherwise the two ops."""
-    if _fused_inference(gate, up) and gate.shape == up.shape:
-        return batch_invariant.silu_mul(gate, up)
+    """silu(gate) * up (SwiGLU). For float32 in BI mode one fused kernel (`batch_invariant.silu_mul`:
+    the same bits for every non-NaN element, forward and, where the backend has it, backward);
+    otherwise the two ops."""
+    if gate.shape == up.shape and _fusable(gate, up):
+        if _fused_inference(gate, up) or hasattr(batch_invariant.backend_for(gate, up), "silu_mul_backward"):
+            return batch_invariant.silu_mul(gate, up)
     return silu(gate) * up
 
 

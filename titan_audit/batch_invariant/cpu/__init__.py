@@ -31,6 +31,7 @@ from titan_audit.batch_invariant.cpu.pointwise import (
     silu,
     silu_backward,
     silu_mul,
+    silu_mul_backward,
     sqrt,
 )
 from titan_audit.batch_invariant.cpu.reductions import (
@@ -79,6 +80,7 @@ __all__ = [
     "silu",
     "silu_backward",
     "silu_mul",
+    "silu_mul_backward",
     "softmax",
     "softmax_backward",
     "sqrt",

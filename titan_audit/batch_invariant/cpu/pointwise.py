@@ -10,13 +10,15 @@ the negative controls). The sequences, written next to each kernel:
     e = exp(-|x|), num = (1 if x >= 0 else e)     (no overflow; tiny results stay accurate)
     sigmoid(x) = num / (1 + e)                  silu(x) = (x * num) / (1 + e)
     sigmoid'(g, y) = g * (y * (1 - y))         silu'(g, x) = g * (s * fma(x, 1 - s, 1)), s = sigmoid(x)
+    silu_mul(g, u) = silu(g) * u               its backward: silu'(dy * u, g) and dy * silu(g)
 
 Dtypes: `exp`, `log` and `sqrt` of a float64 tensor run the float64 kernels (`exp_f64`, `log_f64`,
 correctly rounded sqrt; float64 result; same guarantee; accuracy in ta_math.h: 0.90 / 2.93 /
 0.5 ulp). Everything else computes in float32: inputs of other floating dtypes are converted to
-float32 and the result is float32 (callers round it). Forward-only; `titan_audit.models.pointwise` adds autograd. Each
-function is also a `torch.library` custom op (`titan_audit::silu`, ...) with a fake
-implementation, used while `torch.compile` traces; eager calls go to the kernel directly.
+float32 and the result is float32 (callers round it). Forward-only; `titan_audit.models.pointwise`
+and `batch_invariant.silu_mul` add autograd. Each function is also a `torch.library` custom op
+(`titan_audit::silu`, ...) with a fake implementation, used while `torch.compile` traces; eager
+calls go to the kernel directly.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ for _name in FLOAT64:
 for _name in BINARY:
     _lib.declare(f"{_name}_f32", None, [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int])
 _lib.declare("silu_mul_f32", None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int])
+_lib.declare("silu_mul_backward_f32", None, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int])
 
 
 def _check(x: torch.Tensor) -> None:
@@ -110,6 +113,36 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def silu_mul_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_gate, grad_up) of y = silu(gate) * up for grad [..., N], float32: the bits of the
+    multiply's backward (grad * up, grad * silu(gate)) followed by `silu_backward`, in one pass
+    (pointwise.cpp's silu_mul_backward; NaNs canonical). gate and up as in `silu_mul`."""
+    _check(grad), _check(gate), _check(up)
+    if not grad.shape == gate.shape == up.shape:
+        raise ValueError(
+            f"silu_mul_backward: grad {tuple(grad.shape)}, gate {tuple(gate.shape)} and up {tuple(up.shape)} "
+            "must have one shape"
+        )
+    n = gate.shape[-1] if gate.dim() else 1
+    d2, g2, u2 = _f32(grad).reshape(-1, n), _row_view(gate, n), _row_view(up, n)
+    m = g2.shape[0]
+    grad_gate, grad_up = _lib.output(gate.shape, torch.float32), _lib.output(gate.shape, torch.float32)
+    if m and n:
+        _lib.kernel("silu_mul_backward_f32")(
+            _lib.ptr(d2),
+            _lib.ptr(g2),
+            _lib.ptr(u2),
+            _lib.ptr(grad_gate),
+            _lib.ptr(grad_up),
+            m,
+            n,
+            g2.stride(0),
+            u2.stride(0),
+            _threads(m * n),
+        )
+    return grad_gate, grad_up
+
+
 def _fake(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
@@ -167,6 +200,7 @@ __all__ = [
     "silu",
     "silu_backward",
     "silu_mul",
+    "silu_mul_backward",
     "result_dtype",
     "sqrt",
 ]

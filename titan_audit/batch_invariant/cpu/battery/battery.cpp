@@ -67,6 +67,8 @@
     void ta_sigmoid_backward_f32__##isa(const float*, const float*, float*, int64_t, int);                       \
     void ta_silu_backward_f32__##isa(const float*, const float*, float*, int64_t, int);                          \
     void ta_silu_mul_f32__##isa(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int);    \
+    void ta_silu_mul_backward_f32__##isa(const float*, const float*, const float*, float*, float*, int64_t,     \
+                                         int64_t, int64_t, int64_t, int);                                    \
     void ta_exp_f64__##isa(const double*, double*, int64_t, int);                                                \
     void ta_log_f64__##isa(const double*, double*, int64_t, int);                                                \
     void ta_sqrt_f64__##isa(const double*, double*, int64_t, int);                                               \
@@ -159,6 +161,8 @@ struct Variant {
     void (*absmax_sum_bf16)(const uint16_t*, int64_t, double*);
     void (*absmax_sum_f64)(const double*, int64_t, double*);
     void (*silu_mul32)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int);
+    void (*silu_mul_backward32)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, int64_t,
+                                int64_t, int);
 };
 
 #define TA_ROWOPS_OF(isa, sfx)                                                                                   \
@@ -178,7 +182,7 @@ struct Variant {
             ta_exp_f64__##isa, ta_log_f64__##isa, ta_sqrt_f64__##isa, ta_normal_from_bits__##isa,                \
             ta_cos_sin_f32__##isa, ta_rope_inv_freq_f32__##isa, ta_embedding_backward_f32__##isa,                \
             ta_adamw_step_f32__##isa, ta_absmax_sum_f32__##isa, ta_absmax_sum_bf16__##isa,                        \
-            ta_absmax_sum_f64__##isa, ta_silu_mul_f32__##isa}
+            ta_absmax_sum_f64__##isa, ta_silu_mul_f32__##isa, ta_silu_mul_backward_f32__##isa}
 
 TA_DECLARE(scalar)
 #if defined(TA_BATTERY_X86)
@@ -686,7 +690,7 @@ void binary32_case(const std::string& fn, Binary32 Variant::*f) {
     }
 }
 
-// silu_mul: m rows of n gate values then n up values (one fused gate/up matrix, ld 2n), gate in
+// silu_mul and its backward: m rows of n gate values then n up values (one fused gate/up matrix, ld 2n), gate in
 // silu's range or (special) silu's special inputs, up in [-2, 2].
 void silu_mul_case(int64_t m, int64_t n, bool special) {
     const std::string kase = "m" + std::to_string(m) + "_n" + std::to_string(n) + (special ? "_special" : "");
@@ -699,6 +703,18 @@ void silu_mul_case(int64_t m, int64_t n, bool special) {
             for (int64_t j = 0; j < n; ++j) a[i * 2 * n + j] = g[i * n + j], a[i * 2 * n + n + j] = u[i * n + j];
         v.silu_mul32(a.data(), a.data() + n, y.data(), m, n, 2 * n, 2 * n, t);
         sink.emit("", y);
+    });
+    add("silu_mul_backward_f32", kase, true, [=](const Variant& v, int t, const Sink& sink) {
+        Rng r = rng_for("silu_mul_backward_f32", kase);
+        const std::vector<float> g = unary_inputs<float>("silu", special ? "special" : "range", r, m * n),
+                                 u = values<float>(r, m * n, kUniform, -2.0f, 2.0f),
+                                 dy = values<float>(r, m * n, kUniform, -1.0f, 1.0f);
+        std::vector<float> a(2 * m * n), dg(m * n, 7.0f), du(m * n, 7.0f);
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) a[i * 2 * n + j] = g[i * n + j], a[i * 2 * n + n + j] = u[i * n + j];
+        v.silu_mul_backward32(dy.data(), a.data(), a.data() + n, dg.data(), du.data(), m, n, 2 * n, 2 * n, t);
+        sink.emit("grad_gate", dg);
+        sink.emit("grad_up", du);
     });
 }
 

@@ -1,5 +1,6 @@
 // pointwise.cpp: element-wise exp, exp2, log, sqrt, sigmoid, silu, silu(gate) * up and the backward
-// of sigmoid and silu in float32, and exp, log, sqrt in float64, over contiguous buffers.
+// of sigmoid, silu and silu(gate) * up in float32, and exp, log, sqrt in float64, over contiguous
+// buffers.
 //
 // Guarantee: an element's bits are a function of its value alone (and its gradient's), the
 // same on every ISA variant and wherever the element sits in its buffer: each element runs the
@@ -80,6 +81,16 @@ inline __m512 silu16(__m512 x) {
     const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
     return _mm512_div_ps(_mm512_mul_ps(x, _mm512_mask_blend_ps(nonneg, e, one)), _mm512_add_ps(one, e));
 }
+
+// silu16 and sigmoid16 of one x from one exp: *s = (x * num) / (1 + e), *sg = num / (1 + e).
+inline void silu_sigmoid16(__m512 x, __m512* s, __m512* sg) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = ta::exp_f32_v16(neg_abs16(x));
+    const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 num = _mm512_mask_blend_ps(nonneg, e, one), den = _mm512_add_ps(one, e);
+    *s = _mm512_div_ps(_mm512_mul_ps(x, num), den);
+    *sg = _mm512_div_ps(num, den);
+}
 #endif
 
 #if defined(TA_ISA_AVX2)
@@ -114,6 +125,15 @@ inline __m256 silu8(__m256 x) {
     const __m256 e = ta::exp_f32_v8(neg_abs8(x));
     const __m256 nonneg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
     return _mm256_div_ps(_mm256_mul_ps(x, _mm256_blendv_ps(e, one, nonneg)), _mm256_add_ps(one, e));
+}
+
+inline void silu_sigmoid8(__m256 x, __m256* s, __m256* sg) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = ta::exp_f32_v8(neg_abs8(x));
+    const __m256 nonneg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256 num = _mm256_blendv_ps(e, one, nonneg), den = _mm256_add_ps(one, e);
+    *s = _mm256_div_ps(_mm256_mul_ps(x, num), den);
+    *sg = _mm256_div_ps(num, den);
 }
 #endif
 
@@ -215,6 +235,58 @@ TA_EXPORT(void, silu_mul_f32)(const float* g, const float* u, float* y, int64_t 
             }
 #endif
             for (; j < n; ++j) yr[j] = ta::canon_nan_f32(ta::canon_nan_f32(silu_one(gr[j])) * ur[j]);
+        }
+    });
+}
+
+// silu_mul backward (SwiGLU's y = silu(g) * u, the gradient of that product as autograd takes it
+// through the two ops): per element, with s = silu(g) (silu_f32's bits, canonical),
+//   du = dy * s;  dg = (dy * u) * (sg * fma(g, 1 - sg, 1)), sg = sigmoid(g)
+// (the multiply's backward, then silu_backward_f32 op for op); NaNs canonical. g's rows are ld_g
+// elements apart, u's ld_u; dy, dg and du are contiguous [m, n]. Threads split rows.
+TA_EXPORT(void, silu_mul_backward_f32)(const float* dy, const float* g, const float* u, float* dg, float* du,
+                                       int64_t m, int64_t n, int64_t ld_g, int64_t ld_u, int threads) {
+    ta::parallel_for(m, threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *gr = g + r * ld_g, *ur = u + r * ld_u, *dyr = dy + r * n;
+            float *dgr = dg + r * n, *dur = du + r * n;
+            int64_t j = 0;
+#if defined(TA_ISA_AVX2)
+            const __m256 one = _mm256_set1_ps(1.0f);
+            for (; j < n; j += 8) {
+                const __m256i k = j + 8 <= n ? _mm256_set1_epi32(-1)
+                                             : _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
+                                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                const __m256 x = _mm256_maskload_ps(gr + j, k), d = _mm256_maskload_ps(dyr + j, k);
+                __m256 s, sg;
+                silu_sigmoid8(x, &s, &sg);
+                s = canon8(s);
+                _mm256_maskstore_ps(dur + j, k, canon8(_mm256_mul_ps(d, s)));
+                const __m256 t = _mm256_fmadd_ps(x, _mm256_sub_ps(one, sg), one);
+                const __m256 gs = _mm256_mul_ps(d, _mm256_maskload_ps(ur + j, k));
+                _mm256_maskstore_ps(dgr + j, k, canon8(_mm256_mul_ps(gs, _mm256_mul_ps(sg, t))));
+            }
+#endif
+#if defined(TA_ISA_AVX512)
+            const __m512 one = _mm512_set1_ps(1.0f);
+            for (; j < n; j += 16) {
+                const __mmask16 k = j + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+                const __m512 x = _mm512_maskz_loadu_ps(k, gr + j), d = _mm512_maskz_loadu_ps(k, dyr + j);
+                __m512 s, sg;
+                silu_sigmoid16(x, &s, &sg);
+                s = canon16(s);
+                _mm512_mask_storeu_ps(dur + j, k, canon16(_mm512_mul_ps(d, s)));
+                const __m512 t = _mm512_fmadd_ps(x, _mm512_sub_ps(one, sg), one);
+                const __m512 gs = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(k, ur + j));
+                _mm512_mask_storeu_ps(dgr + j, k, canon16(_mm512_mul_ps(gs, _mm512_mul_ps(sg, t))));
+            }
+#endif
+            for (; j < n; ++j) {
+                const float x = gr[j], e = exp_neg_abs(x), num = ta::select_f32(x >= 0.0f, 1.0f, e);
+                const float s = ta::canon_nan_f32((x * num) / (1.0f + e)), sg = num / (1.0f + e);  // one exp
+                dur[j] = ta::canon_nan_f32(dyr[j] * s);
+                dgr[j] = ta::canon_nan_f32((dyr[j] * ur[j]) * (sg * std::fma(x, 1.0f - sg, 1.0f)));
+            }
         }
     });
 }
