@@ -113,7 +113,7 @@ def sample_rows(scaled_BV: torch.Tensor, uniforms: Sequence[float], params: Samp
         keep_B = keep_B.clamp(1, vocab)
         kept_mass_B1 = cum_BV.gather(1, (keep_B - 1)[:, None])
     else:  # every token kept: the kept mass is the last cumulative sum (the same value, no gather)
-        kept_mass_B1 = cum_BV[:, -1:]
+        kept_mass_B1 = cum_BV[:, -1:].contiguous()  # searchsorted warns about a strided value tensor
     u_B1 = torch.tensor(list(uniforms), dtype=torch.float64, device=device)[:, None]
     rank_B = _first_greater(cum_BV, u_B1 * kept_mass_B1, right=True)
     last_positive_B = _first_greater(cum_BV, kept_mass_B1, right=False)  # last token adding mass
