@@ -11,7 +11,7 @@ Proves, on every ISA variant this CPU runs and at 1 and 2 threads, float32 and f
 - `sum_squares_dims` is that reference over x * x, and BI `vector_norm` its square root;
 - `scaled_rms_norm` gives the bits of `weight * rms_norm(x)` (two ops, autograd) for the output,
   the input gradient and the weight gradient, and `models.ops.rms_norm` takes it only for float32
-  (or float64) BI runs (bfloat16 keeps its cast between the two ops);
+  BI runs (it normalises in float32 whatever x's dtype: bfloat16 and float64 keep their casts);
 - `silu_mul` with autograd gives the bits of `silu(gate) * up` (the autograd silu of
   models/pointwise.py, then torch's multiply) for the output and both gradients, reading the two
   halves of one gate/up matrix in place, and `models.ops.silu_mul` takes it in BI training.
@@ -136,8 +136,9 @@ def test_models_rms_norm_takes_the_fused_op_for_float32_bi_only() -> None:
     with bi.enabled():
         fused = ops.rms_norm(x, weight, 1e-6)
         half = ops.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)  # the cast sits between norm and weight
+        double = ops.rms_norm(x.double(), weight.double(), 1e-6)  # the norm in float32, then cast back
     assert "ScaledRMSNorm" in type(fused.grad_fn).__name__
-    assert "Mul" in type(half.grad_fn).__name__
+    assert "Mul" in type(half.grad_fn).__name__ and "Mul" in type(double.grad_fn).__name__
     assert "ScaledRMSNorm" not in type(ops.rms_norm(x, weight, 1e-6).grad_fn).__name__  # native ops outside BI
 
 

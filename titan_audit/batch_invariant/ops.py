@@ -326,9 +326,9 @@ def scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     """`weight * rms_norm(x, None, eps)` for float32 or float64 x and weight [N] of x's dtype
     (the weight applied after the norm, as HF's RMSNorm and the model compose it), forward and
     backward bitwise those two ops': the forward is `rms_norm`'s kernel with the weight (x * rstd,
-    then times the weight: the same two roundings); the backward one kernel where the backend has
-    it (CPU: the multiply's gradient into the norm's backward, and the weight's gradient, a sum
-    over rows of grad * normed, in `sum`'s order), else the two ops with autograd. Saves the
+    then times the weight: the same two roundings) and the backward one kernel where the backend
+    has it (CPU: the multiply's gradient into the norm's backward, and the weight's gradient, a sum
+    over rows of grad * normed, in `sum`'s order); on other backends the two ops. Saves the
     multiply's launch and its saved tensor, and for training the sum over rows' transposed copy."""
     _check_float("x", x), _check_float("weight", weight), _check_same_dtype(x=x, weight=weight)
     if x.dtype not in (torch.float32, torch.float64) or x.dim() == 0 or tuple(weight.shape) != (x.shape[-1],):
@@ -339,10 +339,10 @@ def scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) ->
     if not eps >= 0:
         raise ValueError(f"scaled_rms_norm: eps must be >= 0, got {eps}")
     backend = backend_for(x, weight)
+    if not hasattr(backend, "rms_norm_scaled_backward") or torch.compiler.is_compiling():
+        return weight * rms_norm(x, None, eps)  # a backend without the kernel: its own two ops
     if not _needs_autograd(x, weight):
         return backend.rms_norm(x, weight, float(eps))[0]
-    if not hasattr(backend, "rms_norm_scaled_backward") or torch.compiler.is_compiling():
-        return weight * rms_norm(x, None, eps)
     return _ScaledRMSNorm.apply(x, weight, float(eps))
 
 

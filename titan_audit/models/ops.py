@@ -66,12 +66,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tp_group=None) -
 
 def _fused_scaled_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `batch_invariant.scaled_rms_norm` may replace rms_norm's norm-then-multiply: BI
-    mode, eager, x and a [N] weight both float32 (or both float64: then no cast rounds between
-    the two ops), plain tensors."""
+    mode, eager, x and a [N] weight both float32 (the norm runs in float32 whatever x's dtype, so
+    only then does no cast sit between the two ops), plain tensors."""
     return (
         bi_mode()
-        and x.dtype == weight.dtype
-        and x.dtype in (torch.float32, torch.float64)
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
         and weight.dim() == 1
         and not torch.compiler.is_compiling()
         and not isinstance(x, DTensor)
