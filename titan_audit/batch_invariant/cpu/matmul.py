@@ -23,12 +23,13 @@ Guarantees:
   is rounded once to the output dtype; float64 stays float64 (a float64 kernel with the same order).
 - Packed weights: packing B into the kernel's 32-column panels costs about two M=1 products, so a
   B seen a second time unchanged (a parameter's: the first time) is served from a bounded cache
-  (`PackedCache`). An entry is keyed
-  by the identity of the tensor owning B's memory (held by weakref, so a freed-and-reused address
-  never matches), B's data pointer, shape, strides and dtype, and it is valid only while the
-  owner's version counter (`_version`, bumped by every in-place op, e.g. an optimizer step) is
-  unchanged. Writes that bypass the version counter (through `.data`, numpy or DLPack) are not
-  seen: call `clear_packed_cache()` after such a write. The cache changes no bit (packing is a copy).
+  (`PackedCache`). After an in-place update the entry's buffer is repacked where it is (unless a
+  product elsewhere still holds it). An entry is keyed by the identity of the tensor owning B's
+  memory (held by weakref, so a freed-and-reused address never matches), B's data pointer, shape,
+  strides and dtype, and it is valid only while the owner's version counter (`_version`, bumped by
+  every in-place op, e.g. an optimizer step) is unchanged. Writes that bypass the version counter
+  (through `.data`, numpy or DLPack) are not seen: call `clear_packed_cache()` after such a write.
+  The cache changes no bit (packing is a copy).
 - Under `torch.compile` the product runs as the custom op `titan_audit::mm` / `titan_audit::bmm`
   (opaque to the compiler, a fake kernel gives its shape), in eager the kernel is called directly;
   both run the same kernel, so compiled and eager bits are equal.
