@@ -316,6 +316,10 @@ class _Original:
         self.positions = tuple(i for i, a in enumerate(schema.arguments) if a in tensor and not a.kwarg_only)
         self.keywords = tuple(a.name for a in tensor if a.kwarg_only)
 
+    def tensors_only(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        """The call when no Tensor parameter holds a Python number (nothing to convert)."""
+        return self.kernel.call_boxed(keyset, *args, **kwargs)
+
     def __call__(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
         numbers = [i for i in self.positions if i < len(args) and isinstance(args[i], (int, float, complex))]
         if numbers:

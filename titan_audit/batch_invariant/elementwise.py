@@ -169,6 +169,9 @@ def _alpha_routes(name: str) -> dict[str, Callable[..., Any]]:
             _out_form: bool = out_form,
         ) -> torch.Tensor:
             kernel = census.original(_op)
+            if alpha == 1 and isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
+                # the common case (a residual add, autograd accumulating a gradient): as it came
+                return kernel.tensors_only(keyset, a, b, **({"out": out} if _out_form else {}))
             if alpha != 1 and (census.floating(a) or census.floating(b)):
                 b = torch.mul(b, alpha)  # exact op; then the add/sub with alpha 1
             elif alpha != 1:
