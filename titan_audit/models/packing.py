@@ -19,10 +19,14 @@ import torch
 from titan_audit.models import ops
 
 
+_ZERO = torch.zeros(())  # a 0-dim tensor: `grad + _ZERO` is `grad + 0.0` in grad's dtype, bit for bit,
+# without a Python number (which the BI add route would first turn into a tensor)
+
+
 class _GatherDistinct(torch.autograd.Function):
     """x[indices] for indices that name distinct elements. The backward puts each gradient row in
     its one place (`index_put_` without accumulate: exact, and cheap for the BI op census) where
-    autograd's own would accumulate into zeros; `grad + 0.0` keeps its bits (0 + g: -0.0 -> +0.0)."""
+    autograd's own would accumulate into zeros; `grad + 0` keeps its bits (0 + g: -0.0 -> +0.0)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
@@ -34,7 +38,7 @@ class _GatherDistinct(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         indices = ctx.saved_tensors
         out = grad.new_zeros(ctx.shape)
-        out[indices] = grad + 0.0
+        out[indices] = grad + _ZERO
         return (out, *(None for _ in indices))
 
 
