@@ -18,9 +18,9 @@ import torch
 
 from titan_audit.models import ops
 
-
-_ZERO = torch.zeros(())  # a 0-dim tensor: `grad + _ZERO` is `grad + 0.0` in grad's dtype, bit for bit,
-# without a Python number (which the BI add route would first turn into a tensor)
+# A 0-dim tensor: `grad + _ZERO` is `grad + 0.0` in grad's dtype, bit for bit, without a Python
+# number (which the BI add route would first turn into a tensor).
+_ZERO = torch.zeros(())
 
 
 class _GatherDistinct(torch.autograd.Function):
