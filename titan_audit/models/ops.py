@@ -126,7 +126,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     the same bits for every non-NaN element, forward and, where the backend has it, backward);
     otherwise the two ops."""
     if gate.shape == up.shape and _fusable(gate, up):
-        if _fused_inference(gate, up) or hasattr(batch_invariant.backend_for(gate, up), "silu_mul_backward"):
+        training = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+        if not training or hasattr(batch_invariant.backend_for(gate, up), "silu_mul_backward"):
             return batch_invariant.silu_mul(gate, up)
     return silu(gate) * up
 

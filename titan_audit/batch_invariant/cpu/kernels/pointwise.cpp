@@ -81,16 +81,6 @@ inline __m512 silu16(__m512 x) {
     const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
     return _mm512_div_ps(_mm512_mul_ps(x, _mm512_mask_blend_ps(nonneg, e, one)), _mm512_add_ps(one, e));
 }
-
-// silu16 and sigmoid16 of one x from one exp: *s = (x * num) / (1 + e), *sg = num / (1 + e).
-inline void silu_sigmoid16(__m512 x, __m512* s, __m512* sg) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 e = ta::exp_f32_v16(neg_abs16(x));
-    const __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-    const __m512 num = _mm512_mask_blend_ps(nonneg, e, one), den = _mm512_add_ps(one, e);
-    *s = _mm512_div_ps(_mm512_mul_ps(x, num), den);
-    *sg = _mm512_div_ps(num, den);
-}
 #endif
 
 #if defined(TA_ISA_AVX2)
@@ -125,15 +115,6 @@ inline __m256 silu8(__m256 x) {
     const __m256 e = ta::exp_f32_v8(neg_abs8(x));
     const __m256 nonneg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
     return _mm256_div_ps(_mm256_mul_ps(x, _mm256_blendv_ps(e, one, nonneg)), _mm256_add_ps(one, e));
-}
-
-inline void silu_sigmoid8(__m256 x, __m256* s, __m256* sg) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 e = ta::exp_f32_v8(neg_abs8(x));
-    const __m256 nonneg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
-    const __m256 num = _mm256_blendv_ps(e, one, nonneg), den = _mm256_add_ps(one, e);
-    *s = _mm256_div_ps(_mm256_mul_ps(x, num), den);
-    *sg = _mm256_div_ps(num, den);
 }
 #endif
 
@@ -258,9 +239,7 @@ TA_EXPORT(void, silu_mul_backward_f32)(const float* dy, const float* g, const fl
                                              : _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
                                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
                 const __m256 x = _mm256_maskload_ps(gr + j, k), d = _mm256_maskload_ps(dyr + j, k);
-                __m256 s, sg;
-                silu_sigmoid8(x, &s, &sg);
-                s = canon8(s);
+                const __m256 s = canon8(silu8(x)), sg = sigmoid8(x);  // the compiler shares their exp
                 _mm256_maskstore_ps(dur + j, k, canon8(_mm256_mul_ps(d, s)));
                 const __m256 t = _mm256_fmadd_ps(x, _mm256_sub_ps(one, sg), one);
                 const __m256 gs = _mm256_mul_ps(d, _mm256_maskload_ps(ur + j, k));
@@ -272,9 +251,7 @@ TA_EXPORT(void, silu_mul_backward_f32)(const float* dy, const float* g, const fl
             for (; j < n; j += 16) {
                 const __mmask16 k = j + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
                 const __m512 x = _mm512_maskz_loadu_ps(k, gr + j), d = _mm512_maskz_loadu_ps(k, dyr + j);
-                __m512 s, sg;
-                silu_sigmoid16(x, &s, &sg);
-                s = canon16(s);
+                const __m512 s = canon16(silu16(x)), sg = sigmoid16(x);  // the compiler shares their exp
                 _mm512_mask_storeu_ps(dur + j, k, canon16(_mm512_mul_ps(d, s)));
                 const __m512 t = _mm512_fmadd_ps(x, _mm512_sub_ps(one, sg), one);
                 const __m512 gs = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(k, ur + j));
@@ -282,8 +259,7 @@ TA_EXPORT(void, silu_mul_backward_f32)(const float* dy, const float* g, const fl
             }
 #endif
             for (; j < n; ++j) {
-                const float x = gr[j], e = exp_neg_abs(x), num = ta::select_f32(x >= 0.0f, 1.0f, e);
-                const float s = ta::canon_nan_f32((x * num) / (1.0f + e)), sg = num / (1.0f + e);  // one exp
+                const float x = gr[j], s = ta::canon_nan_f32(silu_one(x)), sg = sigmoid_f32(x);
                 dur[j] = ta::canon_nan_f32(dyr[j] * s);
                 dgr[j] = ta::canon_nan_f32((dyr[j] * ur[j]) * (sg * std::fma(x, 1.0f - sg, 1.0f)));
             }
