@@ -56,6 +56,18 @@ battery-aarch64:
 clean-kernels:
 	rm -rf build/kernels titan_audit/batch_invariant/cpu/_titan_bi.so build/battery build/aarch64
 
+# A measuring aid, not part of any run: with LD_PRELOAD=$PWD/build/mkl_intel_path.so the MKL inside
+# torch takes its Intel code paths on an AMD CPU too (scripts/mkl_intel_path.c), so `bench` can show
+# the native baseline as an Intel CPU's MKL runs it (`machine.mkl_code_path` in the JSON says which).
+CC ?= cc
+
+.PHONY: mkl-intel-path
+mkl-intel-path: build/mkl_intel_path.so
+
+build/mkl_intel_path.so: scripts/mkl_intel_path.c
+	@mkdir -p build
+	$(CC) -shared -fPIC -O2 -o $@.tmp $< && mv $@.tmp $@
+
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"

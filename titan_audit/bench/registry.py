@@ -9,6 +9,7 @@ from titan_audit.bench.core import BenchOptions, Case, SuiteResult
 from titan_audit.bench.data_suite import data_suite
 from titan_audit.bench.generate_suite import generate_suite
 from titan_audit.bench.hash_suite import hash_suite
+from titan_audit.bench.mkl_path import mkl_code_path
 from titan_audit.bench.ops_suite import ops_suite
 from titan_audit.bench.reduce_suite import reduce_suite
 from titan_audit.bench.rl_suite import rl_suite
@@ -41,6 +42,7 @@ def run_suite(name: str, options: BenchOptions, progress: Callable[[str], None] 
         torch.set_num_threads(options.threads)
     try:
         machine = fingerprint().to_dict()  # records the thread count the suite runs with
+        machine["mkl_code_path"] = mkl_code_path()  # the native side's gemm path (vendor-dependent)
         cases = SUITES[name](options, progress or (lambda _case: None))
     finally:
         torch.set_num_threads(threads)

@@ -79,6 +79,7 @@ INFO_ENV_VARS = (
     "OPENBLAS_NUM_THREADS",
     "TRITON_INTERPRET",
     "TITAN_AUDIT_CPU_ISA",
+    "LD_PRELOAD",  # e.g. scripts/mkl_intel_path.c, which moves MKL (native ops) onto its Intel paths
 )
 
 # CPU flags that select SIMD kernels (Linux /proc/cpuinfo names).
