@@ -1,5 +1,7 @@
 """Deterministic tree reduction: the reduced gradient has the same bits for every W dividing V."""
 
+import os
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.trainer import reduce as reduce_module
+from titan_audit.trainer import shared_exchange
 from titan_audit.trainer.reduce import (
     TreeReducer,
     block_subtrees,
@@ -130,9 +133,11 @@ def test_reduction_is_bitwise_identical_for_every_world_size(num_microbatches, w
     assert not all(bitwise_equal(naive_results[0], other) for other in naive_results[1:])
 
 
-def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes, collective_max_bytes):
-    """Several reductions through one reducer (its scratch buffers are reused or regrown)."""
+def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes, collective_max_bytes, shared):
+    """Several reductions through one reducer (its scratch buffers are reused or regrown), over
+    gloo (`collective_max_bytes` picks its path) or the same-host shared file."""
     reduce_module.COLLECTIVE_MAX_BYTES = collective_max_bytes  # this spawned process only
+    os.environ[shared_exchange.ENV_SWITCH] = "1" if shared else "0"
     reducer = TreeReducer(num_microbatches)
     start, stop = reducer.block
     out = []
@@ -141,25 +146,30 @@ def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes, collectiv
         for i in range(start, stop):
             reducer.add(i, leaves[i].clone())
         if round_ % 2:
-            out.append(("chunk", *reducer.reduce_scatter()))
+            out.append(("chunk", *reducer.reduce_scatter(), reducer._shared is not None))
         else:
-            out.append(("full", reducer.all_reduce().clone(), 0, numel))
+            out.append(("full", reducer.all_reduce().clone(), 0, numel, reducer._shared is not None))
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path, collective_max_bytes", [("point to point", 0), ("all_to_all", 1 << 40)])
+@pytest.mark.parametrize(
+    "path, collective_max_bytes, shared",
+    [("point to point", 0, False), ("all_to_all", 1 << 40, False), ("shared memory", 0, True)],
+)
 @pytest.mark.parametrize("num_microbatches, world_size", [(8, 2), (8, 4), (6, 2), (6, 3)])
-def test_reductions_of_any_size_repeat_bitwise(num_microbatches, world_size, path, collective_max_bytes):
+def test_reductions_of_any_size_repeat_bitwise(num_microbatches, world_size, path, collective_max_bytes, shared):
     # sizes below W (empty chunks), not divisible by W, growing and shrinking between calls
     sizes = [1, 3, 7, 1001, 5, 4096 + 3]
-    results = run_ranks(_reduce_rounds_on_ranks, world_size, args=(num_microbatches, sizes, collective_max_bytes))
+    args = (num_microbatches, sizes, collective_max_bytes, shared)
+    results = run_ranks(_reduce_rounds_on_ranks, world_size, args=args)
     for round_, numel in enumerate(sizes):
         expected = _reference_tree_sum(_leaves(num_microbatches, numel, seed=round_), 0, num_microbatches)
         covered = 0
         for rank, rounds in enumerate(results):
-            _, value, start, stop = rounds[round_]
+            _, value, start, stop, used_shared = rounds[round_]
             assert_bitwise_equal(value, expected[start:stop], f"{path} W={world_size} rank {rank} numel {numel}")
+            assert used_shared == shared, f"{path}: rank {rank} took the other transport"
             covered += stop - start
         assert covered == (numel if round_ % 2 else numel * world_size)
 
@@ -187,3 +197,30 @@ def test_partials_reduce_in_the_tree_over_the_rank_index():
     leaves = _leaves(4, 40000, seed=40000)
     sequential = ((leaves[0] + leaves[1]) + leaves[2]) + leaves[3]
     assert not bitwise_equal(sequential.view(-1, 1), results[0]["all-gather", 40000])
+
+
+def _shared_file_on_ranks(rank, world_size, shm_dir):
+    shared_exchange.SHM_DIR = shm_dir  # this spawned process only
+    os.environ[shared_exchange.ENV_SWITCH] = "1"
+    reducer = TreeReducer(4)
+    leaves = _leaves(4, 1001, seed=7)
+    for i in range(*reducer.block):
+        reducer.add(i, leaves[i].clone())
+    return reducer.all_reduce(), reducer._shared is not None
+
+
+@pytest.mark.parametrize("usable", [True, False], ids=["shared file", "no shared file"])
+def test_the_shared_file_is_gone_once_mapped_and_without_one_gloo_gives_the_same_bits(tmp_path, usable):
+    """With a usable SHM_DIR both ranks map one file, which is unlinked at once; where none can be
+    made (a plain file stands where the directory should be) both ranks take gloo. The same bits
+    either way; negative control: the sequential sum has other bits."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir() if usable else shm_dir.write_text("")
+    expected = _reference_tree_sum(_leaves(4, 1001, seed=7), 0, 4)
+    for rank, (full, used_shared) in enumerate(run_ranks(_shared_file_on_ranks, 2, args=(str(shm_dir),))):
+        assert_bitwise_equal(full, expected, f"usable={usable} rank {rank}")
+        assert used_shared == usable, f"rank {rank} took the other transport"
+    if usable:
+        assert list(shm_dir.iterdir()) == []
+    leaves = _leaves(4, 1001, seed=7)
+    assert not bitwise_equal(((leaves[0] + leaves[1]) + leaves[2]) + leaves[3], expected)

@@ -21,7 +21,12 @@ the chunks travel (below) moves bytes only and never changes an addition.
 Cost. For W a power of two dividing V every block is one subtree: each rank sends one partial
 (N/W elements to each peer), then its reduced chunk to each peer: the volume of a ring
 reduce-scatter + all-gather, and the additions of a reduction ((V/W - 1) N locally, (W - 1) N/W
-for the tree top). Transport, on gloo (CPU):
+for the tree top). Transport, with every rank of a gloo group on one host (the usual case on
+CPU): a shared-memory file mapped by all of them (trainer/shared_exchange.py); each rank copies
+the chunks the others need into its slots, a barrier, the tree top reads them where they lie, the
+reduced chunk goes into a shared vector, a barrier, the other chunks are copied out (10 MB at W =
+2: ~14 ms over gloo's loopback TCP -> a few ms). Otherwise (ranks on several hosts, or the file
+cannot be made; `TITAN_AUDIT_SHARED_EXCHANGE=0`), on gloo:
 - up to COLLECTIVE_MAX_BYTES (4 MB), both steps are one all_to_all_single each (gloo runs a
   collective in one call on its own thread; point-to-point messages pay a handshake each). Copies:
   the gather sends W copies of the chunk (N elements, into a scratch buffer), and with several
@@ -49,6 +54,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from titan_audit.trainer.shared_exchange import SharedExchange
 
 Node = tuple[int, int]  # [lo, hi) over microbatch indices
 
@@ -220,6 +227,8 @@ class TreeReducer:
         self._stack: list[tuple[int, int, torch.Tensor]] = []
         self._next = self.block[0]
         self._buffers: dict[str, torch.Tensor] = {}
+        self._shared: SharedExchange | None = None
+        self._shared_shape: tuple | None = None  # the shape `_shared` was opened (or refused) for
 
     def add(self, index: int, flat_grad: torch.Tensor) -> None:
         """Add microbatch `index`'s gradient (1-D). Indices must come in order through the block."""
@@ -267,15 +276,65 @@ class TreeReducer:
         out = partials[0]
         bounds = chunk_bounds(out.numel(), self.world_size)
         start, stop = bounds[self.rank]
+        shared = self._shared_exchange(out)
         collective = out.numel() * out.element_size() <= COLLECTIVE_MAX_BYTES
-        exchange = self._exchange_collective if collective else self._exchange_p2p
-        values = exchange(partials, bounds)
+        if shared is not None:
+            values = self._exchange_shared(shared, partials, bounds)
+        else:
+            values = (self._exchange_collective if collective else self._exchange_p2p)(partials, bounds)
         mid = split_point(0, self.num_microbatches)
         # The root's operands are views disjoint from out[start:stop], or that very view.
         torch.add(tree_top(values, 0, mid), tree_top(values, mid, self.num_microbatches), out=out[start:stop])
-        if gather:
+        if shared is not None:
+            self._gather_shared(shared, out, bounds, gather)
+        elif gather:
             (self._gather_collective if collective else self._gather_p2p)(out, bounds)
         return out, bounds
+
+    def _shared_exchange(self, like: torch.Tensor) -> SharedExchange | None:
+        """The same-host region for gradients like `like`, opened (collectively) at the first
+        reduce of this shape; None where the ranks cannot share one (gloo then)."""
+        if like.device.type != "cpu":
+            return None
+        shape = (like.numel(), like.dtype, max(len(nodes) for nodes in self.layout))
+        if self._shared_shape != shape:
+            self._shared, self._shared_shape = None, shape  # drop the old mapping first
+            self._shared = SharedExchange.open(*shape, self.group)
+        return self._shared
+
+    def _exchange_shared(
+        self, shared: SharedExchange, partials: list[torch.Tensor], bounds: list[tuple[int, int]]
+    ) -> dict[Node, torch.Tensor]:
+        """Each partial's chunks for the other ranks into this rank's slots, a barrier, and every
+        block subtree's value on this rank's chunk, read where it lies."""
+        for i, partial in enumerate(partials):
+            slot = shared.slot(self.rank, i)
+            for q, (lo, hi) in enumerate(bounds):
+                if q != self.rank and hi > lo:
+                    slot[lo:hi].copy_(partial[lo:hi])
+        dist.barrier(group=self.group)  # every rank's slots are written
+        start, stop = bounds[self.rank]
+        values = {node: p[start:stop] for node, p in zip(self.layout[self.rank], partials)}
+        for q, nodes in enumerate(self.layout):
+            if q != self.rank:
+                values.update({node: shared.slot(q, i)[start:stop] for i, node in enumerate(nodes)})
+        return values
+
+    def _gather_shared(
+        self, shared: SharedExchange, out: torch.Tensor, bounds: list[tuple[int, int]], gather: bool
+    ) -> None:
+        """This rank's reduced chunk into the shared vector, a barrier, the other chunks out of it.
+        The barrier also ends every read of the slots, so the next reduce's writes cannot overtake
+        a slower rank's reads; and a rank writes the shared vector again only after the next
+        reduce's first barrier, which every rank reaches after its copies here."""
+        start, stop = bounds[self.rank]
+        if gather:
+            shared.gathered[start:stop].copy_(out[start:stop])
+        dist.barrier(group=self.group)
+        if gather:
+            for q, (lo, hi) in enumerate(bounds):
+                if q != self.rank and hi > lo:
+                    out[lo:hi].copy_(shared.gathered[lo:hi])
 
     def _exchange_p2p(self, partials: list[torch.Tensor], bounds: list[tuple[int, int]]) -> dict[Node, torch.Tensor]:
         """Chunk q of every partial goes to rank q, point to point in ring order, straight from and
