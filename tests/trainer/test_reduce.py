@@ -146,9 +146,9 @@ def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes, collectiv
         for i in range(start, stop):
             reducer.add(i, leaves[i].clone())
         if round_ % 2:
-            out.append(("chunk", *reducer.reduce_scatter(), reducer._shared is not None))
+            out.append(("chunk", *reducer.reduce_scatter(), reducer.transport == "shared file"))
         else:
-            out.append(("full", reducer.all_reduce().clone(), 0, numel, reducer._shared is not None))
+            out.append(("full", reducer.all_reduce().clone(), 0, numel, reducer.transport == "shared file"))
     return out
 
 
@@ -206,7 +206,7 @@ def _shared_file_on_ranks(rank, world_size, shm_dir):
     leaves = _leaves(4, 1001, seed=7)
     for i in range(*reducer.block):
         reducer.add(i, leaves[i].clone())
-    return reducer.all_reduce(), reducer._shared is not None
+    return reducer.all_reduce(), reducer.transport == "shared file"
 
 
 @pytest.mark.parametrize("usable", [True, False], ids=["shared file", "no shared file"])
@@ -224,3 +224,17 @@ def test_the_shared_file_is_gone_once_mapped_and_without_one_gloo_gives_the_same
         assert list(shm_dir.iterdir()) == []
     leaves = _leaves(4, 1001, seed=7)
     assert not bitwise_equal(((leaves[0] + leaves[1]) + leaves[2]) + leaves[3], expected)
+
+
+def test_a_rank_maps_only_rank_zeros_file(tmp_path, monkeypatch):
+    """A rank maps the broadcast path only when it finds rank 0's nonce there: a missing file (two
+    hosts with one identity, each its own /dev/shm) or another file's bytes make it refuse, so
+    the group falls back to gloo instead of summing an empty file's zeros."""
+    monkeypatch.setattr(shared_exchange, "SHM_DIR", str(tmp_path))
+    path, nonce = shared_exchange._create(1024)
+    assert os.path.getsize(path) == 1024 and shared_exchange._holds(path, nonce)
+    assert not shared_exchange._holds(path, bytes(len(nonce)))  # control: other bytes
+    assert not shared_exchange._holds(str(tmp_path / "elsewhere"), nonce)
+    monkeypatch.setattr(shared_exchange, "SHM_DIR", str(tmp_path / "not-a-directory"))
+    (tmp_path / "not-a-directory").write_text("")
+    assert shared_exchange._create(1024) is None

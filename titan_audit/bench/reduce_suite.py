@@ -4,7 +4,9 @@ Both sides start by refilling the same V/W per-microbatch gradient buffers on ea
 allocated once as the trainer's are (a fresh 64 MB tensor per call would cost page faults that
 dwarf the communication and hide its difference), and end with the summed gradient on every rank.
 Baseline: sequential local sum, then `dist.all_reduce`. Candidate: `TreeReducer` (local tree
-merge, point-to-point exchange of partial-sum chunks, finish the tree per chunk, all-gather).
+merge, exchange of partial-sum chunks, finish the tree per chunk, all-gather; the chunks travel
+through a shared-memory file when every rank is on this host, as here, else over gloo: the
+candidate's name says which).
 Times are rank 0's, per reduction, min over repeats, baseline and candidate interleaved; iteration
 counts are fixed on rank 0 and broadcast so every rank runs the same collectives.
 Target: <= 1.25x.
@@ -79,7 +81,7 @@ def _rank_main(rank: int, world_size: int, sizes_mb: list[int], repeats: int) ->
         for _ in range(repeats):  # interleave so noise hits both alike
             base_s = min(base_s, _time_collective(baseline, int(calls), 1))
             cand_s = min(cand_s, _time_collective(candidate, int(calls), 1))
-        out.append({"size_mb": size_mb, "baseline_s": base_s, "candidate_s": cand_s})
+        out.append({"size_mb": size_mb, "baseline_s": base_s, "candidate_s": cand_s, "transport": reducer.transport})
     return out
 
 
@@ -133,13 +135,14 @@ def reduce_suite(options: BenchOptions, progress: Callable[[str], None]) -> list
     for world_size, (reduce_rows, _) in rows.items():  # one set of ranks per W ran both groups
         for row in reduce_rows:
             name = f"reduce W={world_size} V={NUM_MICROBATCHES} {row['size_mb']}MB"
-            cases.append(_case(name, "local sum + dist.all_reduce (gloo)", "TreeReducer.all_reduce (gloo)", row))
+            candidate = f"TreeReducer.all_reduce ({row['transport']})"
+            cases.append(_case(name, "local sum + dist.all_reduce (gloo)", candidate, row))
             progress(name)
     for world_size, (_, partial_rows) in rows.items():
         for row in partial_rows:
             tokens, dim = row["shape"]
             name = f"TP partials W={world_size} {tokens}x{dim} f32"
-            candidate = "all_reduce_partials: all-gather + fixed tree (gloo)"
+            candidate = "all_reduce_partials: all-gather + fixed tree up to 1 MB, else the tree reducer"
             cases.append(_case(name, "dist.all_reduce (gloo)", candidate, row))
             progress(name)
     return cases

@@ -228,7 +228,7 @@ class TreeReducer:
         self._next = self.block[0]
         self._buffers: dict[str, torch.Tensor] = {}
         self._shared: SharedExchange | None = None
-        self._shared_shape: tuple | None = None  # the shape `_shared` was opened (or refused) for
+        self._shared_refused = False  # the ranks could not share a region: gloo from then on
 
     def add(self, index: int, flat_grad: torch.Tensor) -> None:
         """Add microbatch `index`'s gradient (1-D). Indices must come in order through the block."""
@@ -291,15 +291,24 @@ class TreeReducer:
             (self._gather_collective if collective else self._gather_p2p)(out, bounds)
         return out, bounds
 
+    @property
+    def transport(self) -> str:
+        """How the last reduce moved the chunks: "shared file" (one host) or "gloo"."""
+        return "shared file" if self._shared is not None else "gloo"
+
     def _shared_exchange(self, like: torch.Tensor) -> SharedExchange | None:
-        """The same-host region for gradients like `like`, opened (collectively) at the first
-        reduce of this shape; None where the ranks cannot share one (gloo then)."""
-        if like.device.type != "cpu":
+        """The same-host region for gradients like `like`: opened (collectively: every rank reduces
+        the same shapes in the same order, so they decide alike) at the first reduce, regrown for a
+        larger one; once the ranks cannot share one, gloo for good (no collective per call)."""
+        if like.device.type != "cpu" or self._shared_refused:
             return None
-        shape = (like.numel(), like.dtype, max(len(nodes) for nodes in self.layout))
-        if self._shared_shape != shape:
-            self._shared, self._shared_shape = None, shape  # drop the old mapping first
-            self._shared = SharedExchange.open(*shape, self.group)
+        numel, slots = like.numel(), max(len(nodes) for nodes in self.layout)
+        if self._shared is not None and self._shared.fits(numel, like.dtype, slots):
+            return self._shared
+        capacity = max(numel, self._shared.capacity if self._shared is not None else 0)
+        self._shared = None  # drop the old mapping first
+        self._shared = SharedExchange.open(capacity, like.dtype, slots, self.group)
+        self._shared_refused = self._shared is None
         return self._shared
 
     def _exchange_shared(
@@ -307,8 +316,9 @@ class TreeReducer:
     ) -> dict[Node, torch.Tensor]:
         """Each partial's chunks for the other ranks into this rank's slots, a barrier, and every
         block subtree's value on this rank's chunk, read where it lies."""
+        numel = partials[0].numel()
         for i, partial in enumerate(partials):
-            slot = shared.slot(self.rank, i)
+            slot = shared.slot(self.rank, i, numel)
             for q, (lo, hi) in enumerate(bounds):
                 if q != self.rank and hi > lo:
                     slot[lo:hi].copy_(partial[lo:hi])
@@ -317,7 +327,7 @@ class TreeReducer:
         values = {node: p[start:stop] for node, p in zip(self.layout[self.rank], partials)}
         for q, nodes in enumerate(self.layout):
             if q != self.rank:
-                values.update({node: shared.slot(q, i)[start:stop] for i, node in enumerate(nodes)})
+                values.update({node: shared.slot(q, i, numel)[start:stop] for i, node in enumerate(nodes)})
         return values
 
     def _gather_shared(
@@ -328,13 +338,14 @@ class TreeReducer:
         a slower rank's reads; and a rank writes the shared vector again only after the next
         reduce's first barrier, which every rank reaches after its copies here."""
         start, stop = bounds[self.rank]
+        gathered = shared.gathered(out.numel())
         if gather:
-            shared.gathered[start:stop].copy_(out[start:stop])
+            gathered[start:stop].copy_(out[start:stop])
         dist.barrier(group=self.group)
         if gather:
             for q, (lo, hi) in enumerate(bounds):
                 if q != self.rank and hi > lo:
-                    out[lo:hi].copy_(shared.gathered[lo:hi])
+                    out[lo:hi].copy_(gathered[lo:hi])
 
     def _exchange_p2p(self, partials: list[torch.Tensor], bounds: list[tuple[int, int]]) -> dict[Node, torch.Tensor]:
         """Chunk q of every partial goes to rank q, point to point in ring order, straight from and

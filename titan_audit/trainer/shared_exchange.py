@@ -3,24 +3,27 @@
 Guarantee: it moves bytes only. A rank writes its partial sums into its slots, a barrier makes them
 visible, every rank reads the others' slots where they lie, and the reduced chunks are gathered
 through one shared vector the same way; the additions are the reducer's (trainer/reduce.py), so
-every result has the bits the gloo path gives (tests/trainer/test_shared_exchange.py).
+every result has the bits the gloo path gives (tests/trainer/test_reduce.py).
 
 Why: with every rank on one machine, gloo still sends the chunks through TCP on the loopback (a
 10 MB gradient at W = 2: ~14 ms a step on a 2-core VM, more than the optimizer step), where a
 shared mapping costs two copies at memory speed and two barriers.
 
 When: CPU tensors, a gloo group whose ranks all report this host (hostname and kernel boot id),
-and a file in SHM_DIR (tmpfs) whose pages `posix_fallocate` could reserve on rank 0, mapped by
-every rank (`torch.from_file(..., shared=True)`). Any rank that cannot makes every rank fall
-back to gloo, decided together (the opening is a collective of the group). The file is unlinked
-as soon as every rank maps it, so nothing is left behind once the ranks exit; only a crash
-between its creation and that moment leaves a `titan-audit-reduce-*` file in SHM_DIR.
+and a file in SHM_DIR (tmpfs) whose pages `posix_fallocate` could reserve on rank 0, which every
+rank finds with rank 0's random nonce in it and maps (`torch.from_file(..., shared=True)`). Any
+rank that cannot makes every rank fall back to gloo, decided together (the opening is a collective
+of the group), and the reducer stays on gloo from then on. The file is unlinked as soon as every
+rank maps it, so nothing is left behind once the ranks exit; only a crash between its creation
+and that moment leaves a `titan-audit-reduce-*` file in SHM_DIR.
 `TITAN_AUDIT_SHARED_EXCHANGE=0` turns the transport off (every reduce goes over gloo).
 
-Layout (elements of the gradient dtype): W * slots_per_rank slots of `numel`, then the gathered
-vector of `numel`. Slot (r, i) holds rank r's i-th partial at its own offsets (only the chunks of
-other ranks are written). The barriers that keep a step's writes from overtaking another rank's
-reads are the reducer's to place (see TreeReducer._reduce).
+Layout (elements of the gradient dtype): W * slots_per_rank slots of `capacity` elements, then
+the gathered vector. Slot (r, i) holds rank r's i-th partial at its own offsets (only the chunks of
+other ranks are written). Any vector of up to `capacity` elements uses the same region, so
+reductions of several sizes (the tensor-parallel partials) do not open one each. The barriers that
+keep a step's writes from overtaking another rank's reads are the reducer's to place (see
+TreeReducer._reduce).
 """
 
 from __future__ import annotations
@@ -47,31 +50,31 @@ def _host_identity() -> str:
 
 
 class SharedExchange:
-    """The mapped region of one (numel, dtype, slots_per_rank) shape; see the module doc."""
+    """The mapped region of one (capacity, dtype, slots_per_rank) shape; see the module doc."""
 
-    def __init__(self, region: torch.Tensor, numel: int, world_size: int, slots_per_rank: int) -> None:
-        self.numel, self.world_size, self.slots_per_rank = numel, world_size, slots_per_rank
+    def __init__(self, region: torch.Tensor, capacity: int, world_size: int, slots_per_rank: int) -> None:
+        self.capacity, self.world_size, self.slots_per_rank = capacity, world_size, slots_per_rank
         self._region = region
 
-    @property
-    def shape(self) -> tuple[int, torch.dtype, int]:
-        return self.numel, self._region.dtype, self.slots_per_rank
+    def fits(self, numel: int, dtype: torch.dtype, slots_per_rank: int) -> bool:
+        """Whether reductions of this shape can use this region."""
+        return numel <= self.capacity and dtype == self._region.dtype and slots_per_rank <= self.slots_per_rank
 
-    def slot(self, rank: int, index: int) -> torch.Tensor:
-        """Rank `rank`'s `index`-th partial (numel elements, shared)."""
-        assert 0 <= rank < self.world_size and 0 <= index < self.slots_per_rank, (rank, index)
-        offset = (rank * self.slots_per_rank + index) * self.numel
-        return self._region[offset : offset + self.numel]
+    def slot(self, rank: int, index: int, numel: int) -> torch.Tensor:
+        """The first `numel` elements of rank `rank`'s `index`-th partial slot (shared)."""
+        assert 0 <= rank < self.world_size and 0 <= index < self.slots_per_rank and numel <= self.capacity
+        offset = (rank * self.slots_per_rank + index) * self.capacity
+        return self._region[offset : offset + numel]
 
-    @property
-    def gathered(self) -> torch.Tensor:
-        """The vector the reduced chunks are gathered in (numel elements, shared)."""
-        offset = self.world_size * self.slots_per_rank * self.numel
-        return self._region[offset : offset + self.numel]
+    def gathered(self, numel: int) -> torch.Tensor:
+        """The first `numel` elements of the vector the reduced chunks are gathered in (shared)."""
+        assert numel <= self.capacity
+        offset = self.world_size * self.slots_per_rank * self.capacity
+        return self._region[offset : offset + numel]
 
     @classmethod
     def open(
-        cls, numel: int, dtype: torch.dtype, slots_per_rank: int, group: dist.ProcessGroup | None
+        cls, capacity: int, dtype: torch.dtype, slots_per_rank: int, group: dist.ProcessGroup | None
     ) -> SharedExchange | None:
         """Map a region on every rank of `group`, or None on every rank (gloo then). Collective."""
         if os.environ.get(ENV_SWITCH, "1") == "0" or dist.get_backend(group) != dist.Backend.GLOO:
@@ -81,16 +84,14 @@ class SharedExchange:
         dist.all_gather_object(hosts, _host_identity(), group=group)
         if len(set(hosts)) != 1:
             return None
-        elements = (world_size * slots_per_rank + 1) * numel
+        elements = (world_size * slots_per_rank + 1) * capacity
         nbytes = elements * dtype.itemsize
-        path = None
-        if rank == 0:
-            path = _create(nbytes)
-        box = [path]
+        created = _create(nbytes) if rank == 0 else None
+        box = [created]
         dist.broadcast_object_list(box, group=group, group_src=0)
-        path = box[0]
+        path, nonce = box[0] if box[0] is not None else (None, None)
         region = None
-        if path is not None:
+        if path is not None and (rank == 0 or _holds(path, nonce)):
             try:
                 region = torch.from_file(path, shared=True, size=elements, dtype=dtype)
             except (OSError, RuntimeError):
@@ -102,22 +103,39 @@ class SharedExchange:
         if not mapped.item():
             return None
         assert region is not None
-        return cls(region, numel, world_size, slots_per_rank)
+        return cls(region, capacity, world_size, slots_per_rank)
 
 
-def _create(nbytes: int) -> str | None:
+def _create(nbytes: int) -> tuple[str, bytes] | None:
     """A new file of `nbytes` in SHM_DIR with its pages reserved (a full tmpfs fails here, cleanly,
-    instead of killing a rank with SIGBUS at its first write); None when that cannot be done."""
+    instead of killing a rank with SIGBUS at its first write) and a random nonce in its first
+    bytes; (path, nonce), or None when that cannot be done."""
     path = os.path.join(SHM_DIR, f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+    nonce = secrets.token_bytes(16)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, 0, max(nbytes, len(nonce)))
+        os.pwrite(fd, nonce, 0)
     except OSError:
         os.close(fd)
         os.unlink(path)
         return None
     os.close(fd)
-    return path
+    return path, nonce
+
+
+def _holds(path: str, nonce: bytes) -> bool:
+    """Whether `path` is rank 0's file: it exists here (never created by this rank: `from_file`
+    would make an empty one) and starts with rank 0's nonce. Two hosts that report one identity
+    (containers with one hostname, each its own /dev/shm) fail here instead of reading zeros."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, len(nonce), 0) == nonce
+    finally:
+        os.close(fd)
