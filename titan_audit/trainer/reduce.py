@@ -315,7 +315,8 @@ class TreeReducer:
         self, shared: SharedExchange, partials: list[torch.Tensor], bounds: list[tuple[int, int]]
     ) -> dict[Node, torch.Tensor]:
         """Each partial's chunks for the other ranks into this rank's slots, a barrier, and every
-        block subtree's value on this rank's chunk, read where it lies."""
+        block subtree's value on this rank's chunk, read where it lies (`tree_top` then adds in
+        place into some of them: chunk r of every slot is rank r's alone until the next reduce)."""
         numel = partials[0].numel()
         for i, partial in enumerate(partials):
             slot = shared.slot(self.rank, i, numel)
