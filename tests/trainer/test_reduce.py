@@ -238,3 +238,21 @@ def test_a_rank_maps_only_rank_zeros_file(tmp_path, monkeypatch):
     monkeypatch.setattr(shared_exchange, "SHM_DIR", str(tmp_path / "not-a-directory"))
     (tmp_path / "not-a-directory").write_text("")
     assert shared_exchange._create(1024) is None
+
+
+def _switch_on_rank_zero_only(rank, world_size):
+    os.environ[shared_exchange.ENV_SWITCH] = "0" if rank == 0 else "1"
+    reducer = TreeReducer(4)
+    leaves = _leaves(4, 1001, seed=3)
+    for i in range(*reducer.block):
+        reducer.add(i, leaves[i].clone())
+    return reducer.all_reduce(), reducer.transport
+
+
+def test_ranks_with_different_switches_agree_on_gloo():
+    """TITAN_AUDIT_SHARED_EXCHANGE=0 on one rank only: both ranks take gloo (deciding apart would
+    leave one rank waiting in a collective the other never joins), with the reference bits."""
+    expected = _reference_tree_sum(_leaves(4, 1001, seed=3), 0, 4)
+    for rank, (full, transport) in enumerate(run_ranks(_switch_on_rank_zero_only, 2)):
+        assert_bitwise_equal(full, expected, f"rank {rank}")
+        assert transport == "gloo", f"rank {rank}: {transport}"

@@ -77,12 +77,14 @@ class SharedExchange:
         cls, capacity: int, dtype: torch.dtype, slots_per_rank: int, group: dist.ProcessGroup | None
     ) -> SharedExchange | None:
         """Map a region on every rank of `group`, or None on every rank (gloo then). Collective."""
-        if os.environ.get(ENV_SWITCH, "1") == "0" or dist.get_backend(group) != dist.Backend.GLOO:
-            return None  # the same answer on every rank: no collective needed to agree
+        if dist.get_backend(group) != dist.Backend.GLOO:
+            return None  # the group's backend: the same answer on every rank
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        hosts: list[str | None] = [None] * world_size
-        dist.all_gather_object(hosts, _host_identity(), group=group)
-        if len(set(hosts)) != 1:
+        # The switch is gathered with the host: ranks launched with different environments must
+        # still decide together (one rank skipping the collectives below would hang the others).
+        hosts: list[tuple[str, bool] | None] = [None] * world_size
+        dist.all_gather_object(hosts, (_host_identity(), os.environ.get(ENV_SWITCH, "1") != "0"), group=group)
+        if len({host for host, _ in hosts}) != 1 or not all(enabled for _, enabled in hosts):
             return None
         elements = (world_size * slots_per_rank + 1) * capacity
         nbytes = elements * dtype.itemsize
