@@ -5,7 +5,7 @@ Tiny cases: the real train loop (trainer/train.py) on tiny-dense at W = 2 on glo
 - baseline `determinism off`: no deterministic switches, gradients accumulated in .grad by
   autograd and one plain `dist.all_reduce` of the flattened gradient per step;
 - candidate `deterministic`: deterministic switches, per-microbatch gradients into the fixed-tree
-  TreeReducer (all_to_all of partial sums + all_gather), native ops (fixed microbatch shapes need
+  TreeReducer (partial sums through a same-host shared file, else gloo), native ops (fixed microbatch shapes need
   no batch-invariant ops for G3). Target: >= 0.85x the baseline's tokens/s (ratio <=
   TARGET_DETERMINISTIC_RATIO = 1/0.85);
 - second case `deterministic + BI ops` against `deterministic`: the same with the batch-invariant
