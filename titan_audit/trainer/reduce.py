@@ -227,6 +227,7 @@ class TreeReducer:
         self._stack: list[tuple[int, int, torch.Tensor]] = []
         self._next = self.block[0]
         self._buffers: dict[str, torch.Tensor] = {}
+        self._slots_per_rank = max(len(nodes) for nodes in self.layout)  # partials a rank can hold
         self._shared: SharedExchange | None = None
         self._shared_refused = False  # the ranks could not share a region: gloo from then on
 
@@ -302,12 +303,11 @@ class TreeReducer:
         larger one; once the ranks cannot share one, gloo for good (no collective per call)."""
         if like.device.type != "cpu" or self._shared_refused:
             return None
-        numel, slots = like.numel(), max(len(nodes) for nodes in self.layout)
-        if self._shared is not None and self._shared.fits(numel, like.dtype, slots):
+        if self._shared is not None and self._shared.fits(like.numel(), like.dtype, self._slots_per_rank):
             return self._shared
-        capacity = max(numel, self._shared.capacity if self._shared is not None else 0)
+        capacity = max(like.numel(), self._shared.capacity if self._shared is not None else 0)
         self._shared = None  # drop the old mapping first
-        self._shared = SharedExchange.open(capacity, like.dtype, slots, self.group)
+        self._shared = SharedExchange.open(capacity, like.dtype, self._slots_per_rank, self.group)
         self._shared_refused = self._shared is None
         return self._shared
 
