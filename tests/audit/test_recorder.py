@@ -273,3 +273,64 @@ def test_second_backward_through_the_same_graph_gets_its_own_name(tmp_path):
     assert set(rows) == {"<root>", "<root>#1"}
     assert rows["<root>"]["hash"] == fingerprint(torch.ones(1, 2))
     assert rows["<root>#1"]["hash"] == fingerprint(torch.full((1, 2), 2.0))
+
+
+class _Head(nn.Module):
+    """The root returns its head's output object: two hooks meet one tensor; `scale_in_place`
+    doubles it in place between them (the version counter moves)."""
+
+    def __init__(self, scale_in_place: bool):
+        super().__init__()
+        self.head = nn.Linear(3, 4)
+        self.scale_in_place = scale_in_place
+
+    def forward(self, x):
+        y = self.head(x)
+        if self.scale_in_place:
+            y.mul_(2.0)
+        return y
+
+
+def test_a_tensor_met_twice_in_one_pass_is_hashed_once_unless_changed_in_place(tmp_path, monkeypatch):
+    import titan_audit.audit.recorder as recorder_module
+
+    summarized = []
+    real_summarize = recorder_module.summarize
+
+    def counting(tensor, *, with_stats=True):
+        summarized.append(tensor.clone())
+        return real_summarize(tensor, with_stats=with_stats)
+
+    monkeypatch.setattr(recorder_module, "summarize", counting)
+    x = torch.randn(2, 3)
+    for scale_in_place in (False, True):
+        torch.manual_seed(0)
+        model = _Head(scale_in_place)
+        run = tmp_path / f"in_place_{scale_in_place}"
+        summarized.clear()
+        with Recorder(run, model, level="full") as recorder:
+            recorder.start_step(0)
+            recorder.set_microbatch(0)
+            model(x)
+        rows = {r["name"]: r for r in _rows(run)}
+        head_before = model.head(x).detach()  # the head's output, before any in-place change
+        assert rows["head"]["hash"] == fingerprint(head_before)
+        if not scale_in_place:  # one object, one version: one summary serves both records
+            assert len(summarized) == 1
+            assert rows["<root>"]["hash"] == rows["head"]["hash"]
+            assert (rows["<root>"]["absmax"], rows["<root>"]["mean"]) == (rows["head"]["absmax"], rows["head"]["mean"])
+        else:  # control: the same object changed in place between the hooks is hashed again
+            assert len(summarized) == 2
+            assert rows["<root>"]["hash"] == fingerprint(2.0 * head_before) != rows["head"]["hash"]
+
+
+def test_explicit_records_are_always_hashed_afresh(tmp_path):
+    """A write through `.data` moves no version counter: explicit records never reuse a summary."""
+    weight = nn.Parameter(torch.ones(3))
+    with Recorder(tmp_path, level="params") as recorder:
+        recorder.start_step(0)
+        recorder.record("param", "before", weight)
+        weight.data.mul_(3.0)
+        recorder.record("param", "after", weight)
+    rows = {r["name"]: r["hash"] for r in _rows(tmp_path)}
+    assert rows["before"] == fingerprint(torch.ones(3)) != rows["after"] == fingerprint(torch.full((3,), 3.0))

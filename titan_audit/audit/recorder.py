@@ -51,6 +51,11 @@ Guarantees:
 - Per record, the Python cost is a few microseconds: the row is one tuple (columns are built at
   flush), plain tensors skip the DTensor check, and the summary's per-(dtype, shape) text is
   cached (audit.summary).
+- A hook record of a tensor object another hook recorded in the same (step, microbatch), with
+  its version counter unchanged, reuses that summary instead of reading the bytes again (a
+  model returning its head's output; one gradient reaching a block's output and its residual
+  branch). Any in-place op moves the counter and the tensor is hashed again; explicit records
+  are always hashed afresh. tests/audit/test_recorder.py checks both.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +93,7 @@ def _dist_rank() -> int:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_RECENT_SUMMARIES = 8  # hook records whose summary a second record of the same tensor can reuse
 # A record is one tuple: step, phase, microbatch, name, the Summary's fields, rank, seq.
 assert SCHEMA.names[4:9] == list(Summary._fields), "Summary's fields must be SCHEMA's columns 4-8"
 
@@ -139,6 +146,7 @@ class Recorder:
         self.step: int | None = None
         self.microbatch = STEP_LEVEL
         self._paused = False
+        self._recent: dict[int, tuple[weakref.ref, int, Summary]] = {}
         self._rows: list[tuple] = []  # one tuple per record, in SCHEMA's column order
         self._seq: dict[int, int] = {}
         self._calls: dict[tuple[int, str], int] = {}
@@ -163,12 +171,14 @@ class Recorder:
         self.microbatch = STEP_LEVEL
         self._seq.clear()
         self._calls.clear()
+        self._recent.clear()
 
     def set_microbatch(self, microbatch: int) -> None:
         """The global virtual-microbatch index the following records belong to (-1: step level)."""
         if microbatch < STEP_LEVEL:
             raise ValueError(f"microbatch must be >= -1, got {microbatch}")
         self.microbatch = int(microbatch)
+        self._recent.clear()
 
     def end_step(self) -> Path | None:
         """End the step; flush when `flush_every_steps` steps have passed since the last flush."""
@@ -317,7 +327,7 @@ class Recorder:
             return
         elif microbatch != STEP_LEVEL and not self.writes_microbatches:
             return
-        summary = summarize(tensor, with_stats=phase in self.stats_phases)
+        summary = self._summarize(phase, tensor)
         seq = self._seq.get(microbatch, 0)
         self._seq[microbatch] = seq + 1
         # SCHEMA's order: step, phase, microbatch, name, dtype, shape, hash, absmax, mean, rank, seq
@@ -327,6 +337,32 @@ class Recorder:
                 if self._dumps is None:
                     self._dumps = DumpWriter(self.run_dir)
                 self._dumps.write(step, phase, microbatch, name, tensor)
+
+    def _summarize(self, phase: str, tensor: torch.Tensor) -> Summary:
+        with_stats = phase in self.stats_phases
+        if phase not in _HOOK_PHASES:
+            return summarize(tensor, with_stats=with_stats)
+        # Inside one forward or backward pass the hooks often meet one tensor object twice (a
+        # model returning its head's output; one gradient reaching a residual branch and the
+        # block's output). While the object is alive and its version counter unchanged (every
+        # in-place op bumps it; autograd's saved-tensor check relies on the same counter) its
+        # bytes are those just hashed, so the summary is reused. Only hook phases, and only
+        # within one (step, microbatch): explicit records (a parameter after an optimizer that
+        # writes through `.data`, which bumps no counter) are always hashed afresh.
+        key = id(tensor)
+        seen = self._recent.get(key)
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+            summary = seen[2]
+            if not with_stats:
+                return summary._replace(absmax=None, mean=None)
+            if summary.absmax is not None:
+                return summary
+        summary = summarize(tensor, with_stats=with_stats)
+        if type(tensor) in _PLAIN_TYPES:
+            if len(self._recent) >= _RECENT_SUMMARIES:
+                del self._recent[next(iter(self._recent))]  # the oldest
+            self._recent[key] = (weakref.ref(tensor), tensor._version, summary)
+        return summary
 
     # hooks ------------------------------------------------------------------
     def selected_modules(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

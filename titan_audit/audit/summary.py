@@ -12,9 +12,14 @@ Guarantees:
   one pass of our compiled kernel (batch_invariant/cpu/stats.py, kernels/stats.cpp): absmax is
   exact; mean = the sum in the kernel's fixed order (float32 lanes per 1024-element block, then
   float64 lanes and a fixed tree; float64 input: float64 lanes) / numel, the same bits on every
-  CPU, ISA and thread count. A tensor larger than `CHUNK_BYTES` goes to the kernel and then to
-  the hasher piece by piece, so the hasher reads each piece from cache (for a tensor that is not
-  in cache, one trip through memory instead of two). float16 and the float8 types are widened to
+  CPU, ISA and thread count. A tensor goes to the hasher and then to the kernel, piece by piece
+  when larger than `CHUNK_BYTES`, so the kernel reads each piece from cache (for a tensor that is
+  not in cache, one trip through memory instead of two). The hasher goes first because it streams
+  from memory faster than the kernel does, and the kernel reads from cache faster than the
+  hasher: measured on the Zen 4 AMD EPYC, one core, tensors just written and then pushed out of
+  cache, the statistics added 12 us to a 512 KB tensor (29 us in all) instead of 20 us (41 us)
+  with the kernel first, 80 us to 4 MB instead of 93 us (`bench audit`'s small-transformer at
+  level full: ~1.5% of the step). float16 and the float8 types are widened to
   float32 first (exact); integer and bool tensors take numpy's min/max and an int64 torch sum;
   complex: NaN.
   Measured on one core of the 2-core AMD EPYC (Zen 3, AVX2), warm buffers, while other jobs
@@ -41,7 +46,7 @@ import xxhash
 from titan_audit.audit.fingerprint import _header, fingerprint
 from titan_audit.batch_invariant.cpu import stats as _stats
 
-# Bytes fed to the stats kernel and then to the hasher at a time (whole kernel blocks of every
+# Bytes fed to the hasher and then to the stats kernel at a time (whole kernel blocks of every
 # dtype): small enough for the second read to hit L2, large enough that the per-piece Python
 # cost (~2 us) stays near 1% of the piece's time. For a 64 MB tensor out of cache it took the
 # pair from 11.4 ms (two trips through memory) to 8.1-9.2 ms (hash alone: 5.9-6.7 ms).
@@ -177,16 +182,16 @@ def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
         state = _stats.new_state()
         kernel = _stats.kernel_for(dtype)
         if nbytes <= CHUNK_BYTES:
-            kernel(address, meta.numel, state)
             hasher.update(memory)
-        else:  # piece by piece: the hasher reads what the kernel just read, from cache
+            kernel(address, meta.numel, state)
+        else:  # piece by piece: the kernel reads what the hasher just read, from cache
             view = memoryview(memory)
             itemsize = dtype.itemsize
             step = CHUNK_BYTES // itemsize
             for start in range(0, meta.numel, step):
                 count = min(step, meta.numel - start)
-                kernel(address + start * itemsize, count, state)
                 hasher.update(view[start * itemsize : (start + count) * itemsize])
+                kernel(address + start * itemsize, count, state)
         absmax, mean = state[_STATE_LANES], state[_STATE_LANES + 1] / meta.numel
     else:
         hasher.update(meta.buffer.from_address(tensor.data_ptr()))
