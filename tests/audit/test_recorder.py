@@ -324,6 +324,20 @@ def test_a_tensor_met_twice_in_one_pass_is_hashed_once_unless_changed_in_place(t
             assert rows["<root>"]["hash"] == fingerprint(2.0 * head_before) != rows["head"]["hash"]
 
 
+def test_hooks_record_inference_mode_tensors(tmp_path):
+    """Inference tensors keep no version counter: recorded, never reused."""
+    torch.manual_seed(0)
+    model = _Head(scale_in_place=False)
+    x = torch.randn(2, 3)
+    with Recorder(tmp_path, model, level="full") as recorder:
+        recorder.start_step(0)
+        recorder.set_microbatch(0)
+        with torch.inference_mode():
+            out = model(x)
+    rows = {r["name"]: r["hash"] for r in _rows(tmp_path)}
+    assert rows == {"head": fingerprint(out), "<root>": fingerprint(out)}
+
+
 def test_explicit_records_are_always_hashed_afresh(tmp_path):
     """A write through `.data` moves no version counter: explicit records never reuse a summary."""
     weight = nn.Parameter(torch.ones(3))

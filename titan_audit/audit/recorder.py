@@ -55,7 +55,8 @@ Guarantees:
   its version counter unchanged, reuses that summary instead of reading the bytes again (a
   model returning its head's output; one gradient reaching a block's output and its residual
   branch). Any in-place op moves the counter and the tensor is hashed again; explicit records
-  are always hashed afresh. tests/audit/test_recorder.py checks both.
+  and inference tensors (no counter) are always hashed afresh. tests/audit/test_recorder.py
+  checks each.
 """
 
 from __future__ import annotations
@@ -339,16 +340,17 @@ class Recorder:
                 self._dumps.write(step, phase, microbatch, name, tensor)
 
     def _summarize(self, phase: str, tensor: torch.Tensor) -> Summary:
+        """The record's Summary. Inside one forward or backward pass the hooks often meet one
+        tensor object twice (a model returning its head's output; one gradient reaching a
+        residual branch and the block's output). While the object is alive and its version
+        counter unchanged (every in-place op bumps it; autograd's saved-tensor check relies on
+        the same counter) its bytes are those just hashed, so the summary is reused."""
         with_stats = phase in self.stats_phases
-        if phase not in _HOOK_PHASES:
+        # Never reused: explicit records (a parameter after an optimizer that writes through
+        # `.data`, which bumps no counter), a gathered DTensor (a fresh copy each time), an
+        # inference tensor (it keeps no version counter).
+        if phase not in _HOOK_PHASES or type(tensor) not in _PLAIN_TYPES or tensor.is_inference():
             return summarize(tensor, with_stats=with_stats)
-        # Inside one forward or backward pass the hooks often meet one tensor object twice (a
-        # model returning its head's output; one gradient reaching a residual branch and the
-        # block's output). While the object is alive and its version counter unchanged (every
-        # in-place op bumps it; autograd's saved-tensor check relies on the same counter) its
-        # bytes are those just hashed, so the summary is reused. Only hook phases, and only
-        # within one (step, microbatch): explicit records (a parameter after an optimizer that
-        # writes through `.data`, which bumps no counter) are always hashed afresh.
         key = id(tensor)
         seen = self._recent.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
@@ -358,10 +360,9 @@ class Recorder:
             if summary.absmax is not None:
                 return summary
         summary = summarize(tensor, with_stats=with_stats)
-        if type(tensor) in _PLAIN_TYPES:
-            if len(self._recent) >= _RECENT_SUMMARIES:
-                del self._recent[next(iter(self._recent))]  # the oldest
-            self._recent[key] = (weakref.ref(tensor), tensor._version, summary)
+        if len(self._recent) >= _RECENT_SUMMARIES:
+            del self._recent[next(iter(self._recent))]  # the oldest
+        self._recent[key] = (weakref.ref(tensor), tensor._version, summary)
         return summary
 
     # hooks ------------------------------------------------------------------
