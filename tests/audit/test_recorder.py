@@ -298,7 +298,7 @@ def test_a_tensor_met_twice_in_one_pass_is_hashed_once_unless_changed_in_place(t
     real_summarize = recorder_module.summarize
 
     def counting(tensor, *, with_stats=True):
-        summarized.append(tensor.clone())
+        summarized.append(tuple(tensor.shape))
         return real_summarize(tensor, with_stats=with_stats)
 
     monkeypatch.setattr(recorder_module, "summarize", counting)
