@@ -147,7 +147,7 @@ class Recorder:
         self.step: int | None = None
         self.microbatch = STEP_LEVEL
         self._paused = False
-        self._recent: dict[int, tuple[weakref.ref, int, Summary]] = {}
+        self._recent: dict[tuple[int, bool], tuple[weakref.ref, int, Summary]] = {}  # (id, with_stats)
         self._rows: list[tuple] = []  # one tuple per record, in SCHEMA's column order
         self._seq: dict[int, int] = {}
         self._calls: dict[tuple[int, str], int] = {}
@@ -351,14 +351,10 @@ class Recorder:
         # inference tensor (it keeps no version counter).
         if phase not in _HOOK_PHASES or type(tensor) not in _PLAIN_TYPES or tensor.is_inference():
             return summarize(tensor, with_stats=with_stats)
-        key = id(tensor)
+        key = (id(tensor), with_stats)
         seen = self._recent.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
-            summary = seen[2]
-            if not with_stats:
-                return summary._replace(absmax=None, mean=None)
-            if summary.absmax is not None:
-                return summary
+            return seen[2]
         summary = summarize(tensor, with_stats=with_stats)
         if len(self._recent) >= _RECENT_SUMMARIES:
             del self._recent[next(iter(self._recent))]  # the oldest
