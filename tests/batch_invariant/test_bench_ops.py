@@ -47,4 +47,7 @@ def test_bench_ops_quick_json() -> None:
     assert targets["attention prefill B=1 Hq=4 Hkv=2 Tq=128 Tk=128 D=32"] is None
     for op in ("softmax", "log_softmax", "rms_norm"):
         assert targets[f"{op} M=8 N=512"] == 1.5
+    # bfloat16 gemm: a figure without a target, its dtype named
+    bf16 = cases["linear bf16 M=4 K=256 N=256"]
+    assert bf16["target"] is None and bf16["dtype"] == "bfloat16" and bf16["candidate"] == "bi.linear"
     assert {"geomean_ratio", "max_ratio"} <= set(data["summary"])

@@ -4,10 +4,12 @@ Cases: `linear` (F.linear vs bi.linear, no bias) and `matmul` (x @ w vs bi.matmu
 M in {1, 2, 4, 8, 16, 64, 256, 1024} and LLM-like (K, N); attention prefill (causal, Tq == Tk)
 and decode (Tq == 1 from a KV cache) against `F.scaled_dot_product_attention`; the row ops
 (softmax, log_softmax, rms_norm) at LLM widths. Each case is named `<op> <shape>`, e.g.
-`linear M=64 K=1024 N=4096`. Float32 is the CPU compute dtype (bf16 gemm is much slower on CPUs
-without AMX; bf16 is covered by the correctness tests, not timed here). The same weight is used
-in every repetition, so bi.linear runs from its packed-weight cache (a decode step's situation;
-a training step repacks each weight once per step).
+`linear M=64 K=1024 N=4096`. Float32 is the CPU compute dtype. The bfloat16 cases (`linear bf16
+...`, no target) say what bf16 costs: our kernel widens bf16 to float32 and sums in the fixed
+order, where MKL/oneDNN on a CPU with AMX (Sapphire Rapids and later) multiply bf16 on AMX tiles,
+an order no portable fixed-order kernel matches. The same weight is used in every repetition, so
+bi.linear runs from its packed-weight cache (a decode step's situation; a training step repacks
+each weight once per step).
 
 Targets (issue 14, our own kernels; ratios are same-run times, ours / native):
 - gemm: two aggregate cases, `matmul+linear geomean M>=16` <= 1.1x and `matmul+linear geomean
@@ -48,6 +50,9 @@ MS = [1, 2, 4, 8, 16, 64, 256, 1024]
 KN = [(1024, 1024), (1024, 4096), (4096, 1024)]
 QUICK_MS = [1, 4, 16]
 QUICK_KN = [(256, 256)]
+BF16_MS = [1, 16, 256]  # at BF16_KN
+BF16_KN = (1024, 1024)
+QUICK_BF16_MS = [4]  # at QUICK_KN
 TARGET_GEOMEAN_MATMUL_LARGE_M = 1.1  # M >= 16
 TARGET_GEOMEAN_MATMUL_SMALL_M = 1.25  # M <= 4
 TARGET_GEMM_V2_V1 = 1.05  # the tree order (v2) within 5% of one chain (v1), geomean over every gemm case
@@ -77,6 +82,23 @@ def _aggregate(name: str, cases: list[Case], target: float) -> Case:
         target,
         extra={"aggregate": True, "cases_in_group": len(cases)},
     )
+
+
+def _bf16_gemm_cases(options: BenchOptions, g: torch.Generator, progress: Callable[[str], None]) -> list[Case]:
+    """F.linear against bi.linear in bfloat16 (no target: a figure to know, not a goal)."""
+    k, n = QUICK_KN[0] if options.quick else BF16_KN
+    w = torch.randn(n, k, generator=g).bfloat16()
+    cases = []
+    for m in QUICK_BF16_MS if options.quick else BF16_MS:
+        x = torch.randn(m, k, generator=g).bfloat16()
+        name = f"linear bf16 M={m} K={k} N={n}"
+        case = compare(
+            name, ("F.linear", lambda x=x: F.linear(x, w)), ("bi.linear", lambda x=x: bi.linear(x, w)), options
+        )
+        case.extra["dtype"] = "bfloat16"
+        cases.append(case)
+        progress(name)
+    return cases
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable[[], object]:
@@ -124,6 +146,7 @@ def ops_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Ca
                 (big_m_v2 if m >= 16 else small_m_v2 if m <= 4 else []).append(v2)
                 v2_v1.append(ratio)
                 progress(name)
+    cases += _bf16_gemm_cases(options, g, progress)
     attention: list[Case] = []
     for kind, shapes in (
         ("prefill", QUICK_PREFILL if options.quick else PREFILL),
