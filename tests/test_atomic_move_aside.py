@@ -36,6 +36,7 @@ def test_two_replacements_in_one_second_keep_both_old_runs(tmp_path, frozen):
     assert not run.exists()
 
 
+@pytest.mark.control
 def test_an_existing_empty_directory_under_the_name_is_not_taken_over(tmp_path, frozen):
     """The negative control: a plain rename would silently land on an empty directory of that name."""
     squatter = tmp_path / "r.replaced-20261202T160908Z"

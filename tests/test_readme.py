@@ -117,6 +117,7 @@ def test_small_sizes_all_apply():
         assert old in bodies, f"SMALL entry {old!r} matches no shell block of the README any more"
 
 
+@pytest.mark.control
 def test_the_block_parser_sees_markers_and_unlabelled_fences():
     """Negative control for the checks above: an unlabelled fence and a reasonless marker are caught."""
     text = "x\n<!-- illustrative -->\n```bash\nrm -rf /\n```\n\n```\nplain\n```\n"

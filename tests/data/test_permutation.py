@@ -3,6 +3,7 @@
 import time
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,6 +28,7 @@ def test_huge_domains_stay_in_range_and_invert(n, seed, raw):
     assert np.array_equal(perm.inverse(y), x)
 
 
+@pytest.mark.control
 def test_same_key_same_order_and_controls():
     n = 10_000
     a = FeistelPermutation.for_epoch(n, 3, 5)(np.arange(n))

@@ -1,9 +1,14 @@
-"""Shared small models for tests/models (module-scope fixtures; a few hundred K parameters)."""
+"""Shared small models for tests/models (module-scope fixtures; a few hundred K parameters), and
+`linears_in_another_order`, the constructed difference of the negative controls."""
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from titan_audit import models
+from titan_audit import batch_invariant, models
+from titan_audit.models import ops
 
 SMALL_DENSE = models.ModelConfig(
     vocab_size=256,
@@ -59,3 +64,24 @@ def _random_tokens(seed: int, *shape: int, vocab: int = 256) -> torch.Tensor:
 def make_tokens():
     """make_tokens(seed, *shape, vocab=256): reproducible random token ids."""
     return _random_tokens
+
+
+@contextlib.contextmanager
+def linears_in_another_order(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For the block, every linear of the model (`models.ops.linear`, BI mode only) as two
+    batch-invariant gemms over K cut at K // 2 + 1, added: the same kernel and the same
+    mathematics in another order of the sum. A negative control runs one side of an invariance
+    check in it, a difference the project constructs (the same on every CPU), so the comparison
+    is shown able to fail. The cut is off every v2 block boundary (a power-of-two split of K)."""
+
+    def split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        assert ops.bi_mode(), "linears_in_another_order is a BI-mode control"
+        cut = weight.shape[-1] // 2 + 1
+        out = batch_invariant.linear(x[..., :cut], weight[:, :cut]) + batch_invariant.linear(
+            x[..., cut:], weight[:, cut:]
+        )
+        return out if bias is None else out + bias
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "linear", split)
+        yield

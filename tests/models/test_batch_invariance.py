@@ -11,9 +11,13 @@
 - the G4 flow at model level: log-probs reported during paged greedy decode equal the trainer's
   recomputation from a packed batch.
 
-Each property has a negative control showing the same comparison differs here without BI mode
-(or, for packing, with attention over absolute packed positions), so the checks can fail.
+Each property has a negative control: the same comparison, in BI mode, with one side's linears
+in another order of the sum (`linears_in_another_order`: two BI gemms over a K cut in two, added)
+or, for packing, with attention over absolute packed positions. The difference is one the test
+constructs, so the controls differ on every CPU.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -24,6 +28,8 @@ from titan_audit import models
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.batch_invariant import enabled
 from titan_audit.models import ops
+
+from .conftest import linears_in_another_order
 
 MODELS = ["dense_model", "moe_model", "moe_shared_model"]
 
@@ -159,33 +165,39 @@ def test_token_logprobs_row_invariant(dense_model, make_tokens):
             assert_bitwise_equal(single, batched[row], f"log-probs of row {row}")
 
 
-# --- negative controls: the same comparisons differ without batch-invariant mode ---------------
+# --- negative controls: the same comparisons, one side's linears in another order of the sum -----
 
 
+@pytest.mark.control
 @pytest.mark.parametrize("name", MODELS)
 @torch.no_grad()
-def test_negative_control_decode_differs_without_bi(request, make_tokens, name):
+def test_negative_control_decode_in_another_order_differs(request, make_tokens, monkeypatch, name):
     model = request.getfixturevalue(name)
     tokens = make_tokens(3, 3, 70)
-    with enabled(False):
+    with enabled():
         full = model(tokens)
         cache = models.ContiguousKVCache(model.config, 3, 70)
-        decoded = _chunked_decode(model, tokens, [33] + [1] * 37, cache)
+        with linears_in_another_order(monkeypatch):
+            decoded = _chunked_decode(model, tokens, [33] + [1] * 37, cache)
     assert not bitwise_equal(decoded, full)
     torch.testing.assert_close(decoded, full, atol=1e-5, rtol=0)  # same math, other bits
 
 
+@pytest.mark.control
 @pytest.mark.parametrize("name", MODELS)
 @torch.no_grad()
-def test_negative_control_batch_differs_without_bi(request, make_tokens, name):
+def test_negative_control_alone_in_another_order_differs(request, make_tokens, monkeypatch, name):
     model = request.getfixturevalue(name)
     tokens = make_tokens(3, 3, 70)
-    with enabled(False):
+    with enabled():
         batched = model(tokens)
-        alone = model(tokens[1:2, :50])[0]
+        with linears_in_another_order(monkeypatch):
+            alone = model(tokens[1:2, :50])[0]
     assert not bitwise_equal(alone, batched[1, :50])
+    torch.testing.assert_close(alone, batched[1, :50], atol=1e-5, rtol=0)
 
 
+@pytest.mark.control
 @torch.no_grad()
 def test_negative_control_packing_needs_per_document_attention(make_tokens):
     """Attention over the packed row at absolute positions (a doc mask instead of per-document
@@ -204,14 +216,14 @@ def test_negative_control_packing_needs_per_document_attention(make_tokens):
     assert not bitwise_equal(masked, alone)
 
 
-@pytest.mark.parametrize("bi", [True, False], ids=["bi", "negative-control-default"])
+@pytest.mark.parametrize(
+    "control", [False, pytest.param(True, marks=pytest.mark.control)], ids=["bi", "negative-control-another-order"]
+)
 @torch.no_grad()
-def test_bfloat16_moe_paged_decode(make_tokens, bi):
-    """bfloat16 weights and cache (MoE, expert width 36: pointwise tails occur): bitwise in BI
-    mode. Negative control: the native full forward is not those bits. (Whether native decode
-    differs from the native full forward depends on the CPU's library paths: on an AVX2 AMD EPYC
-    they agree for these shapes, on an AVX-512 Xeon they do not; so the control compares with
-    the BI bits, which differ from native ones on every CPU.)"""
+def test_bfloat16_moe_paged_decode(make_tokens, monkeypatch, control):
+    """bfloat16 weights and cache (MoE, expert width 36: pointwise tails occur): paged decode is
+    bitwise the full forward in BI mode. Negative control: the same comparison with the decode's
+    linears in another order of the sum differs."""
     config = models.ModelConfig(
         vocab_size=256,
         hidden_size=64,
@@ -230,31 +242,30 @@ def test_bfloat16_moe_paged_decode(make_tokens, bi):
     with enabled():
         full = model(tokens)
         cache = models.PagedKVCache(config, num_blocks=32, block_size=8, dtype=torch.bfloat16)
-        pieces = []
-        for s in range(3):
-            cache.add(s)
-            pieces.append(model(tokens[s : s + 1, :15], cache=cache.batch([s])))
-        prefill = torch.cat(pieces)
-        steps = [model(tokens[:, t : t + 1], cache=cache.batch([0, 1, 2])) for t in range(15, 40)]
-        decoded = torch.cat([prefill, *steps], 1)
-    assert full.dtype == torch.bfloat16
-    if bi:
-        assert bitwise_equal(decoded, full)
-    else:
-        with enabled(False):
-            native_full = model(tokens)
-        assert not bitwise_equal(native_full, full)
+        with linears_in_another_order(monkeypatch) if control else contextlib.nullcontext():
+            pieces = []
+            for s in range(3):
+                cache.add(s)
+                pieces.append(model(tokens[s : s + 1, :15], cache=cache.batch([s])))
+            prefill = torch.cat(pieces)
+            steps = [model(tokens[:, t : t + 1], cache=cache.batch([0, 1, 2])) for t in range(15, 40)]
+            decoded = torch.cat([prefill, *steps], 1)
+    assert full.dtype == decoded.dtype == torch.bfloat16
+    assert bitwise_equal(decoded, full) != control
 
 
-@pytest.mark.parametrize("bi", [True, False], ids=["bi", "negative-control-default"])
+@pytest.mark.parametrize(
+    "control", [False, pytest.param(True, marks=pytest.mark.control)], ids=["bi", "negative-control-another-order"]
+)
 @torch.no_grad()
-def test_generator_logprobs_equal_packed_trainer_recomputation(moe_model, make_tokens, bi):
+def test_generator_logprobs_equal_packed_trainer_recomputation(moe_model, make_tokens, monkeypatch, control):
     """The G4 flow at model level: greedy continuous-batching decode from a paged cache records
     the log-prob of each chosen token; the trainer recomputes them from a packed batch of the
-    full sequences. Bitwise equal in BI mode; not without it."""
+    full sequences. Bitwise equal in BI mode; negative control: not when the generator's linears
+    sum in another order."""
     prompts = [make_tokens(30 + i, n) for i, n in enumerate([5, 11, 8])]
     new_tokens = 6
-    with enabled(bi):
+    with enabled(), linears_in_another_order(monkeypatch) if control else contextlib.nullcontext():
         cache = models.PagedKVCache(moe_model.config, num_blocks=32, block_size=4)
         last_logits, sequences, reported = [], [], [[] for _ in prompts]
         for s, prompt in enumerate(prompts):
@@ -270,6 +281,7 @@ def test_generator_logprobs_equal_packed_trainer_recomputation(moe_model, make_t
                 reported[s].append(logprobs[s])
             step = moe_model(chosen[:, None], cache=cache.batch(range(len(prompts))))
             last_logits = list(step[:, -1])
+    with enabled():
         # trainer: one packed row with all sequences, log-probs of the generated tokens
         row = torch.tensor([t for seq in sequences for t in seq])
         doc_ids = torch.cat([torch.full((len(seq),), s) for s, seq in enumerate(sequences)])
@@ -281,7 +293,7 @@ def test_generator_logprobs_equal_packed_trainer_recomputation(moe_model, make_t
             recomputed = models.token_logprobs(logits[positions], row[positions + 1])
             matches.append(bitwise_equal(recomputed, torch.stack(reported[s])))
             start += len(seq)
-    assert all(matches) if bi else not all(matches)
+    assert all(matches) != control
 
 
 @torch.no_grad()
@@ -305,32 +317,34 @@ def test_forked_sequences_decode_bitwise_as_alone(moe_model, make_tokens):
     assert len({tuple(cache.block_tables[s]) for s in range(3)}) == 3
 
 
-@pytest.mark.parametrize("bi", [True, False], ids=["bi", "negative-control-default"])
+@pytest.mark.parametrize(
+    "control", [False, pytest.param(True, marks=pytest.mark.control)], ids=["bi", "negative-control-another-order"]
+)
 @torch.no_grad()
-def test_head_dim_128_paged_decode_token_by_token_is_bitwise_full_forward(make_tokens, bi):
+def test_head_dim_128_paged_decode_token_by_token_is_bitwise_full_forward(make_tokens, monkeypatch, control):
     """tiny-dense with head_dim=128 (the head_dim of every real Qwen3 model; issue 14: the
     MKL-based attention broke G2 at this shape on AVX-512 CPUs): two prompts prefilled into a
     paged cache, then decoded together token by token past the 128-key chunk boundary; every
     step's logits equal one full forward over the same tokens, bitwise, in BI mode. Negative
-    control: the same comparison differs without it."""
+    control: the same comparison with the decode's linears in another order of the sum differs."""
     config = models.get_preset("tiny-dense").replace(head_dim=128, num_hidden_layers=2)
     model = models.build(config, seed=6).eval()
     lengths, total = [3, 70], 140
     tokens = make_tokens(10, 2, total, vocab=config.vocab_size)
-    with enabled(bi):
+    with enabled():
         full = model(tokens)
         cache = models.PagedKVCache(config, num_blocks=40, block_size=8)
         pieces: list[list[torch.Tensor]] = [[], []]
-        for s, n in enumerate(lengths):
-            cache.add(s)
-            pieces[s].append(model(tokens[s : s + 1, :n], cache=cache.batch([s]))[0])
-        for step in range(total - lengths[1]):  # both rows decode one token per step
-            new = torch.stack([tokens[s, lengths[s] + step] for s in (0, 1)])[:, None]
-            logits = model(new, cache=cache.batch([0, 1]))
-            for s in (0, 1):
-                pieces[s].append(logits[s])
+        with linears_in_another_order(monkeypatch) if control else contextlib.nullcontext():
+            for s, n in enumerate(lengths):
+                cache.add(s)
+                pieces[s].append(model(tokens[s : s + 1, :n], cache=cache.batch([s]))[0])
+            for step in range(total - lengths[1]):  # both rows decode one token per step
+                new = torch.stack([tokens[s, lengths[s] + step] for s in (0, 1)])[:, None]
+                logits = model(new, cache=cache.batch([0, 1]))
+                for s in (0, 1):
+                    pieces[s].append(logits[s])
         decoded = [torch.cat(p)[: total - lengths[1] + lengths[s]] for s, p in enumerate(pieces)]
     same = all(bitwise_equal(decoded[s], full[s, : decoded[s].shape[0]]) for s in (0, 1))
-    assert same == bi
-    if not bi:
-        torch.testing.assert_close(decoded[1], full[1], atol=1e-4, rtol=0)  # same math, other bits
+    assert same != control
+    torch.testing.assert_close(decoded[1], full[1], atol=1e-4, rtol=0)  # same math either way

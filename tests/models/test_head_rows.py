@@ -51,6 +51,7 @@ def test_chosen_rows_have_the_full_heads_bits_and_gradients(model):
         assert_bitwise_equal(grads[name], full_grads[name])
 
 
+@pytest.mark.control
 def test_a_head_gradient_over_the_chosen_rows_alone_has_other_bits(model):
     # negative control: mm over K = 100 rows instead of the zero-filled K = 256 changes the bits
     _, full_grads = _run(model, chosen=False)

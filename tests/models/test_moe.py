@@ -1,7 +1,9 @@
 """MoE routing and expert compute: top-k ties go to the lower expert index, routing is dropless,
 grouping tokens by expert matches per-token compute, and in BI mode a token's MoE output is
-bitwise independent of the other tokens (negative controls: without BI mode it is not, and with
-the native SiLU instead of the position-independent one it is not either)."""
+bitwise independent of the other tokens. Negative controls, in BI mode, each a difference the test
+constructs: a token alone with the linears in another order of the sum (two BI gemms over a K cut
+in two) has other bits than in the batch, and so does a token under a SiLU that depends on the
+row's position (the last row's inputs moved one ulp), the property pointwise.silu exists for."""
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.batch_invariant import enabled
 from titan_audit.models import init, pointwise
 from titan_audit.models.moe import MoE, route
+
+from .conftest import linears_in_another_order
 
 
 def _moe(hidden=36, shared=0, norm=True, seed=0):
@@ -90,27 +94,36 @@ def test_token_output_independent_of_other_tokens_in_bi_mode(moe, num_tokens, pi
     assert_bitwise_equal(some, everything[subset], "MoE rows for a token subset")
 
 
-@torch.no_grad()
-def test_negative_control_token_output_depends_on_batch_without_bi(moe):
-    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(0))
-    with enabled(False):
-        everything = moe(x)[0]
-        differing = sum(not bitwise_equal(moe(x[:, i : i + 1])[0, 0], everything[i]) for i in range(40))
-    assert differing > 0
-
-
-@torch.no_grad()
-def test_negative_control_native_silu_breaks_bi_mode(moe, monkeypatch):
-    """Why pointwise.silu exists: with the native SiLU kernel (which BI mode's routes would
-    otherwise replace, so it is called directly), BI mode is not enough."""
-    from titan_audit.batch_invariant import census
-
-    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(pointwise, "silu", lambda t: census.call_native("aten::silu", t))
+def _tokens_alone_differing(moe, x):
+    """How many of x's tokens have other bits alone than in the batch of all (BI mode)."""
     with enabled():
         everything = moe(x)[0]
-        differing = sum(not bitwise_equal(moe(x[:, i : i + 1])[0, 0], everything[i]) for i in range(40))
-    assert differing > 0
+        return sum(not bitwise_equal(moe(x[:, i : i + 1])[0, 0], everything[i]) for i in range(x.shape[1]))
+
+
+@pytest.mark.control
+@torch.no_grad()
+def test_negative_control_token_alone_in_another_order_differs(moe, monkeypatch):
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(0))
+    with enabled():
+        everything = moe(x)[0]
+        with linears_in_another_order(monkeypatch):
+            alone = [moe(x[:, i : i + 1])[0, 0] for i in range(40)]
+    assert sum(not bitwise_equal(a, everything[i]) for i, a in enumerate(alone)) > 0
+
+
+@pytest.mark.control
+@torch.no_grad()
+def test_negative_control_a_position_dependent_silu_breaks_bi_mode(moe, monkeypatch):
+    """Why pointwise.silu is position independent: with a SiLU whose last row's inputs are moved
+    one ulp (as a vectorised kernel with a scalar tail computes the tail another way), a token
+    alone (the last row of each expert it reaches) has other bits than in the batch."""
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(0))
+    assert _tokens_alone_differing(moe, x) == 0
+    silu = pointwise.silu
+    up = torch.tensor(torch.inf)
+    monkeypatch.setattr(pointwise, "silu", lambda t: silu(torch.cat([t[:-1], torch.nextafter(t[-1:], up)])))
+    assert _tokens_alone_differing(moe, x) > 0
 
 
 def test_moe_backward_flows_to_router_and_experts():

@@ -6,9 +6,10 @@ same tests but the census one run compiled on a GPU (marker `gpu`, scripts/gpu_c
   splits) runs no compiled CPU kernel of ours (every one is forbidden in the block) and no native
   aten op (strict census: only our Triton kernels and the exact allowlist). Control: in the same
   block a native op and a CPU kernel are refused.
-- A sequence's logits are the same alone as in a batch, bitwise (control: natively they are not).
+- A sequence's logits are the same alone as in a batch, bitwise (control: alone in gemm order v1,
+  in the batch in v2, they are not).
 - The full forward == chunked prefill == token-by-token decode through the paged KV cache
-  (control: natively they differ).
+  (control: the cached path in gemm order v1, the full forward in v2, differ).
 - G4 for a few RL steps: the built-in generator's log-probs == the trainer's recomputation,
   bitwise, after each policy update. Control: the trainer on the CPU backend gives a gap.
 The bits are the Triton backend's, not the CPU backend's (another order inside each kernel);
@@ -35,7 +36,7 @@ from titan_audit.rl.generator import GenerationRequest, SampleKey, SamplingParam
 from titan_audit.rl.logprobs import sequence_logprobs
 
 # One layer, small enough for the interpreter; intermediate 128 makes the down projection's K split
-# into P(128) = 2 blocks of gemm order v2.
+# into P(128) = 2 blocks of gemm order v2, so gemm order v1 sums it in another order (the controls).
 CONFIG = ModelConfig(
     vocab_size=96,
     hidden_size=64,
@@ -80,12 +81,12 @@ def model(cpu_model: models.Transformer, where: str) -> models.Transformer:
     return m.to("cuda")
 
 
-def on_triton(where: str) -> contextlib.AbstractContextManager:
-    """The Triton backend in gemm order v2: forced onto CPU tensors, or CUDA tensors' own backend."""
+def on_triton(where: str, order: str = "v2") -> contextlib.AbstractContextManager:
+    """The Triton backend in gemm order `order`: forced onto CPU tensors, or CUDA tensors' own backend."""
     if where == "interpreter":
-        return triton_on_cpu()
+        return triton_on_cpu(order)
     pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
-    return bi.gemm_order("v2")
+    return bi.gemm_order(order)
 
 
 def _tokens(seed: int, batch: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -137,43 +138,54 @@ def test_forward_backward_run_only_our_triton_kernels_and_exact_ops(cpu_model, m
         torch.testing.assert_close(grad, cpu_grads[name], atol=1e-5, rtol=1e-4)
 
 
-def _alone_and_batched(model: models.Transformer, tokens: torch.Tensor) -> tuple[list, list]:
-    """Each sequence's first 7 positions (causal: the same logits) alone, and in the batch of all."""
-    batched = model(tokens)
-    return [model(tokens[i : i + 1, :7])[0] for i in range(len(tokens))], [batched[i, :7] for i in range(len(tokens))]
-
-
-def test_a_sequence_alone_equals_it_in_a_batch(model, where):
+@pytest.fixture(scope="module")
+@torch.no_grad()
+def alone_and_batched(model: models.Transformer, where: str) -> dict[str, list[torch.Tensor]]:
+    """Each sequence's first 7 positions (causal: the same logits) in the batch of all ("batched",
+    gemm order v2) and alone, in gemm order v2 and v1 (BI mode, the Triton backend)."""
     tokens = _tokens(2, 3, 11, model.output_weight.device)
-    with on_triton(where), bi.enabled(), torch.no_grad():
-        alone, batched = _alone_and_batched(model, tokens)
-    assert all(bitwise_equal(a, b) for a, b in zip(alone, batched))
-    if where != "interpreter":
-        return  # the GPU's controls: tests/batch_invariant/test_gpu_ops.py (another K tile, other bits)
-    with torch.no_grad():  # control: natively the rows' bits depend on the batch
-        assert not all(bitwise_equal(a, b) for a, b in zip(*_alone_and_batched(model, tokens)))
+    with on_triton(where), bi.enabled():
+        out = {"batched": [row[:7] for row in model(tokens)]}
+    for order in ("v2", "v1"):
+        with on_triton(where, order), bi.enabled():
+            out[order] = [model(tokens[i : i + 1, :7])[0] for i in range(len(tokens))]
+    return out
 
 
-def _full_and_cached(model: models.Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full forward, and the same logits from a 5-token prefill, a 4-token chunk and decode steps."""
-    full = model(tokens)
-    cache = models.PagedKVCache(model.config, num_blocks=16, block_size=4)
-    for seq in (0, 1):
-        cache.add(seq)
-    pieces = [model(tokens[:, :5], cache=cache.batch([0, 1])), model(tokens[:, 5:9], cache=cache.batch([0, 1]))]
-    pieces += [model(tokens[:, t : t + 1], cache=cache.batch([0, 1])) for t in range(9, tokens.shape[1])]
-    return full, torch.cat(pieces, 1)
+def test_a_sequence_alone_equals_it_in_a_batch(alone_and_batched):
+    assert all(bitwise_equal(a, b) for a, b in zip(alone_and_batched["v2"], alone_and_batched["batched"]))
 
 
-def test_full_forward_equals_chunked_prefill_equals_decode_through_the_paged_cache(model, where):
+def test_negative_control_a_sequence_alone_in_another_gemm_order_differs(alone_and_batched):
+    assert not all(bitwise_equal(a, b) for a, b in zip(alone_and_batched["v1"], alone_and_batched["batched"]))
+
+
+@pytest.fixture(scope="module")
+@torch.no_grad()
+def full_and_cached(model: models.Transformer, where: str) -> dict[str, torch.Tensor]:
+    """The full forward ("full", gemm order v2), and the same logits from a 5-token prefill, a
+    4-token chunk and decode steps through the paged cache, in gemm order v2 and v1 (BI mode, the
+    Triton backend)."""
     tokens = _tokens(3, 2, 14, model.output_weight.device)
-    with on_triton(where), bi.enabled(), torch.no_grad():
-        full, cached = _full_and_cached(model, tokens)
-    assert bitwise_equal(cached, full)
-    if where != "interpreter":
-        return  # the GPU's controls: tests/batch_invariant/test_gpu_ops.py
-    with torch.no_grad():  # control: natively the cached path gives other bits
-        assert not bitwise_equal(*_full_and_cached(model, tokens))
+    with on_triton(where), bi.enabled():
+        out = {"full": model(tokens)}
+    for order in ("v2", "v1"):
+        with on_triton(where, order), bi.enabled():
+            cache = models.PagedKVCache(model.config, num_blocks=16, block_size=4)
+            for seq in (0, 1):
+                cache.add(seq)
+            pieces = [model(tokens[:, :5], cache=cache.batch([0, 1])), model(tokens[:, 5:9], cache=cache.batch([0, 1]))]
+            pieces += [model(tokens[:, t : t + 1], cache=cache.batch([0, 1])) for t in range(9, tokens.shape[1])]
+            out[order] = torch.cat(pieces, 1)
+    return out
+
+
+def test_full_forward_equals_chunked_prefill_equals_decode_through_the_paged_cache(full_and_cached):
+    assert bitwise_equal(full_and_cached["v2"], full_and_cached["full"])
+
+
+def test_negative_control_the_cached_path_in_another_gemm_order_differs(full_and_cached):
+    assert not bitwise_equal(full_and_cached["v1"], full_and_cached["full"])
 
 
 def _requests(step: int) -> list[GenerationRequest]:

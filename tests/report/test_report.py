@@ -105,6 +105,7 @@ def test_rl_report_has_the_zero_gap_table_and_plot(runs):
     assert "batch-invariant op census (record): native ops seen: none" in md  # the RL run is in BI mode
 
 
+@pytest.mark.control
 def test_census_section_lists_the_native_ops_a_bi_run_saw():
     """Negative control of the line above: a manifest whose census saw native ops gets them listed."""
     from titan_audit.report.render import Doc, _census

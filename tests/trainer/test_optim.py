@@ -34,6 +34,7 @@ def test_sharded_update_equals_full_update_bitwise(numel, data):
     assert_bitwise_equal(_run(shards, grads, config), _run([value], grads, config), "sharded AdamW")
 
 
+@pytest.mark.control
 def test_negative_control_other_gradients_change_the_update():
     value = torch.randn(100)
     grads = [torch.randn(100)]

@@ -155,6 +155,7 @@ def _update_decay_last(p, grad, exp_avg, exp_avg_sq, *, lr, weight_decay, **kw):
     p.mul_(1 - lr * weight_decay)
 
 
+@pytest.mark.control
 @pytest.mark.parametrize("variant", [_update_eps_ulp, _update_decay_last], ids=["eps_plus_1ulp", "decay_reordered"])
 def test_negative_control_a_changed_reference_differs(monkeypatch, variant):
     def near_eps(step: int, grad: torch.Tensor) -> torch.Tensor:  # sqrt(v) about eps: eps counts
