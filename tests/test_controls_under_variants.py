@@ -4,8 +4,9 @@ A negative control's difference is one the project constructs (tests/README.md),
 on any CPU. As a help to that rule (not a proof of it), every test marked `control` is run again
 in a fresh process under each variant the project can force here; the variables are read when
 ATen, MKL, oneDNN and our kernel library load, hence one process per variant:
-- our kernel variants: `TITAN_AUDIT_CPU_ISA` = scalar, avx2, avx512 (those this CPU runs);
-- ATen's dispatch: `ATEN_CPU_CAPABILITY` = default, avx2, avx512 (those this CPU runs);
+- our kernel variants: `TITAN_AUDIT_CPU_ISA` = scalar, avx2, avx512 (those this CPU runs, less
+  the one it runs unforced);
+- ATen's dispatch: `ATEN_CPU_CAPABILITY` = default, avx2, avx512 (likewise);
 - MKL: `MKL_CBWR=COMPATIBLE`, `MKL_ENABLE_INSTRUCTIONS=AVX2`; oneDNN: `ONEDNN_MAX_CPU_ISA=AVX2`;
 - on an AMD CPU, MKL's Intel code path (`LD_PRELOAD` of scripts/mkl_intel_path.c, built here).
 A marked test that fails under any of them fails this test, named with its variant. No forcing on
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_audit.batch_invariant.cpu import _lib
 
@@ -46,9 +48,13 @@ def _is_amd() -> bool:
 
 
 def _variants() -> list[tuple[str, dict[str, str]]]:
+    """The forced variants, less the two that equal what this process runs unforced (the widest
+    kernel variant, ATen's own choice): the suite itself runs those."""
     isas = _lib.available_isas()
-    out = [(f"TITAN_AUDIT_CPU_ISA={isa}", {"TITAN_AUDIT_CPU_ISA": isa}) for isa in isas]
-    capabilities = ["default"] + [c for c in ("avx2", "avx512") if c in isas]
+    widest = isas[-1]
+    out = [(f"TITAN_AUDIT_CPU_ISA={isa}", {"TITAN_AUDIT_CPU_ISA": isa}) for isa in isas if isa != widest]
+    unforced = torch.backends.cpu.get_cpu_capability().lower()
+    capabilities = [c for c in ("default", "avx2", "avx512") if (c == "default" or c in isas) and c != unforced]
     out += [(f"ATEN_CPU_CAPABILITY={c}", {"ATEN_CPU_CAPABILITY": c}) for c in capabilities]
     if platform.machine() == "x86_64":
         out += [
