@@ -34,7 +34,7 @@ def _first(result) -> tuple:
 
 
 def test_identical_runs_compare_equal(baseline, tmp_path):
-    train(tmp_path, steps=STEPS, microbatches=MICROBATCHES)  # negative control: a second, independent run
+    train(tmp_path, steps=STEPS, microbatches=MICROBATCHES)  # a second, independent run of the same recipe
     result = compare_runs(baseline, tmp_path)
     assert result.identical and result.first_divergence is None
     assert result.differing == result.only_in_a == result.only_in_b == 0

@@ -2,8 +2,8 @@
 the documented fixed order, bitwise, on every ISA variant this CPU runs; fed in pieces of whole
 blocks it gives the bits of one call; the battery golden pins it on every CPU.
 
-Negative controls: another summation order (a plain float64 sum, float32 lanes without blocks, a
-piece that is not a whole block) gives other bits on the same data, and a golden with one
+Negative controls: another summation order (a sequential float64 sum, float64 lanes without float32
+blocks, another block size, a piece that is not a whole block) gives other bits on the same data, and a golden with one
 absmax_sum hash flipped fails, naming the case.
 """
 
@@ -87,12 +87,16 @@ def test_pieces_of_whole_blocks_give_the_bits_of_one_call(dtype: torch.dtype) ->
     assert _bits(K.result(state)) == _bits(K.absmax_sum(t))
 
 
+@pytest.mark.control
 def test_negative_controls_other_orders_give_other_bits() -> None:
     t = _data(torch.float32, 5 * K.BLOCK + 17, seed=1)
     got = _bits(K.absmax_sum(t))
     assert _bits(reference(t, float32_lanes=False)) != got, "float64 lanes without float32 blocks"
     assert _bits(reference(t, block=K.BLOCK * 2)) != got, "another block size"
-    assert _bits((float(t.abs().max()), float(t.double().sum()))) != got, "numpy/torch's own sum order"
+    sequential = -0.0
+    for v in t.double().tolist():  # one float64 add after another, ascending
+        sequential += v
+    assert _bits((float(t.abs().max()), sequential)) != got, "a sequential float64 sum"
     # a first piece that is not a whole block moves every later element to another block
     state = K.new_state()
     K.update(state, torch.float32, t.data_ptr(), 1000)

@@ -1,7 +1,9 @@
 """Run in a subprocess by test_knobs.py: hash BI results under the environment it was started
 with (TITAN_AUDIT_CPU_ISA, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_CBWR are read at process
-start). Prints one JSON object: name -> audit fingerprint, plus "native" hashes of torch ops
-that do depend on the knobs (the negative control that the knob took effect).
+start). Prints one JSON object: name -> audit fingerprint, the ISA and capability the process
+runs, plus "native" hashes of torch ops that may depend on the knobs (reported by the tests, never
+asserted: what a native library does under a knob depends on the CPU). `--gemm-order v1` computes
+the BI results in gemm order v1 (the negative control: another order the comparison must see).
 
 Inputs come from numpy's Philox (integer arithmetic), never from torch's RNG, whose normal
 sampler itself depends on ATEN_CPU_CAPABILITY.
@@ -83,11 +85,14 @@ def native_results() -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    order = sys.argv[sys.argv.index("--gemm-order") + 1] if "--gemm-order" in sys.argv else "v2"
+    with bi.gemm_order(order):
+        results = bi_results()
     json.dump(
         {
             "isa": _lib.isa(),
             "capability": torch.backends.cpu.get_cpu_capability(),
-            "bi": bi_results(),
+            "bi": results,
             "native": native_results(),
         },
         sys.stdout,

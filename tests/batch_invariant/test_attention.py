@@ -7,10 +7,10 @@ row the same bits; a sample alone gives the same bits as in a batch; packed docu
 with NaN padding give each document the bits it gets alone; explicit q_positions agree with the
 default; the scalar, avx2 and avx512 kernels (every variant this CPU has) give identical bits;
 1 to 4 threads give identical bits; torch.compile runs the same kernel (same bits). Accuracy
-against a float64 masked reference (float32, bfloat16, float64). Negative controls: native SDPA
-gives a decode step other bits than the same row of its prefill; the same attention summed in
-another order (head_dim reversed, keys reversed) gives other bits, so the bitwise checks tell
-orders apart.
+against a float64 masked reference (float32, bfloat16, float64). Negative controls: a decode
+step whose scores sum head_dim in reverse gives other bits than the same row of the prefill; the
+same attention summed in another order (head_dim reversed, keys reversed) gives other bits, so
+the bitwise checks tell orders apart.
 """
 
 from __future__ import annotations
@@ -231,20 +231,32 @@ def test_float64_inputs_compute_in_float64() -> None:
         assert_bitwise_equal(step, bi.attention(q, k, v)[:, :, i : i + 1], f"float64 decode step {i}")
 
 
-def test_negative_control_native_sdpa_decode_differs() -> None:
+@pytest.mark.control
+def test_negative_control_a_decode_step_in_another_order_differs() -> None:
+    """The decode check can fail: each decode step computed with head_dim reversed (every score's
+    fma chain runs d descending) gives other bits than the prefill's row, under the comparison
+    our decode steps pass. Native SDPA's decode steps are reported, not asserted: whether they
+    keep the prefill's bits depends on the CPU."""
     q, k, v = _qkv(1, 4, 4, 300, 64, seed=4)
-    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     ours = bi.attention(q, k, v)
-    differs = 0
-    for i in range(200, 300):
-        native_step = F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1])
-        differs += not bitwise_equal(native_step, full[:, :, i : i + 1])
-        assert_bitwise_equal(
-            bi.attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1]), ours[:, :, i : i + 1]
+    steps = range(200, 300, 9)
+    for i in steps:
+        qi, ki, vi = q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1]
+        assert not bitwise_equal(bi.attention(qi.flip(-1), ki.flip(-1), vi), ours[:, :, i : i + 1]), f"step {i}"
+        assert_bitwise_equal(bi.attention(qi, ki, vi), ours[:, :, i : i + 1], f"step {i}")
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    native = [
+        i
+        for i in steps
+        if not bitwise_equal(
+            F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1]),
+            full[:, :, i : i + 1],
         )
-    assert differs > 0, "native SDPA decode matched prefill at every step"
+    ]
+    print(f"native SDPA: decode steps differing from the prefill: {len(native)} of {len(steps)}")
 
 
+@pytest.mark.control
 def test_negative_control_another_order_gives_other_bits() -> None:
     """The same attention, mathematically, summed in another order: head_dim reversed (each score's
     fma chain runs d descending) and keys reversed without a causal mask (other chunks, the value

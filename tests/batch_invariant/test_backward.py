@@ -5,8 +5,9 @@ is the same bits whether the row was alone or in a batch (random shapes and batc
 examples); for attention dq of a query row is the same from a prefill and a decode step; two
 identical backward passes give identical bits for every gradient, including the weight/key
 gradients (sums over rows); the row ops' gradients (rms_norm's weight gradient included) are the
-same bits at 1 and 2 threads and under every ISA variant. Accuracy against float64 autograd. Negative control: native
-autograd through torch.mm gives a row's input gradient different bits alone and in a batch.
+same bits at 1 and 2 threads and under every ISA variant. Accuracy against float64 autograd. Negative control: a
+row alone through the product with its output columns in two parts (so its input gradient adds
+two partial products over N) gets other input-gradient bits than in the batch.
 """
 
 from __future__ import annotations
@@ -188,19 +189,31 @@ def test_rms_norm_and_softmax_grads_same_bits_at_any_thread_count_and_isa(weight
             assert_bitwise_equal(a, b, f"grad {name} at {key}")
 
 
-def test_negative_control_native_input_grad_differs() -> None:
-    x = randn(64, 1024, seed=8)
+@pytest.mark.control
+def test_negative_control_a_row_alone_with_another_split_gets_other_grad_bits() -> None:
+    """The input-gradient row check can fail: a row alone through x @ w computed as two column
+    blocks (N = 0..299 and 300..1023, off v2's tree of 16 blocks of 64) gets an input gradient
+    that adds two partial products over N, other bits than the batch's row under the same
+    comparison the plain product passes. Native autograd through torch.mm is reported, not
+    asserted: whether it keeps a row's bits alone depends on the CPU."""
+    x = randn(16, 1024, seed=8)
     w = randn(1024, 1024, seed=9)
+    g = randn(16, 1024, seed=10)
     with num_threads(1):
-        full = _grads(lambda x, w: x @ w, x, w, seed=10)[0]
-        g = randn(64, 1024, seed=10)
+        full = _grads(lambda x, w: bi.matmul(x, w), x, w, seed=10)[0]
+        for i in (0, 7, 15):
+            leaf = x[i : i + 1].clone().requires_grad_()
+            (torch.cat([bi.matmul(leaf, w[:, :300]), bi.matmul(leaf, w[:, 300:])], -1) * g[i : i + 1]).sum().backward()
+            assert not bitwise_equal(leaf.grad, full[i : i + 1]), f"row {i}"
+            leaf = x[i : i + 1].clone().requires_grad_()
+            (bi.matmul(leaf, w) * g[i : i + 1]).sum().backward()
+            assert_bitwise_equal(leaf.grad, full[i : i + 1], f"row {i}")
+        native = _grads(lambda x, w: x @ w, x, w, seed=10)[0]
         leaf = x[:1].clone().requires_grad_()
         ((leaf @ w) * g[:1]).sum().backward()
-        assert not bitwise_equal(leaf.grad, full[:1])
-        full_bi = _grads(lambda x, w: bi.matmul(x, w), x, w, seed=10)[0]
-        leaf = x[:1].clone().requires_grad_()
-        (bi.matmul(leaf, w) * g[:1]).sum().backward()
-        assert_bitwise_equal(leaf.grad, full_bi[:1])
+        print(
+            f"native autograd: a row's input gradient alone equals the batch's {bitwise_equal(leaf.grad, native[:1])}"
+        )
 
 
 def test_grads_accurate_against_float64() -> None:

@@ -48,6 +48,7 @@ def test_rows_are_added_in_ascending_position(padding_idx):
     assert torch.equal(bits(embedding_backward(grad, tokens, V, padding_idx)), bits(want))
 
 
+@pytest.mark.control
 def test_negative_control_another_order_gives_other_bits():
     grad, tokens = _inputs()
     assert not torch.equal(

@@ -6,8 +6,9 @@ with the weight; rms_norm, the weight and `apply_rope`; silu then one multiply) 
 variant and thread count, for strided views read in place (the halves of one fused gate/up
 matrix, q's and k's heads of one projection), row by row whatever the batch; add_rms_norm
 refuses autograd; `models.ops` takes the fused add + norm only for float32 BI inference and the
-composition otherwise (so training keeps its graph). Negative control: the native composition (torch's
-rms_norm and silu) differs from the fused kernel's bits, so the comparison can fail.
+composition otherwise (so training keeps its graph). Negative control: the composition in another
+order or rounding (the norm's sum of squares over each row reversed; silu as gate * sigmoid(gate))
+differs from the fused kernel's bits, so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -88,15 +89,28 @@ def test_a_rows_bits_do_not_depend_on_the_batch() -> None:
             assert_bitwise_equal(bi.silu_mul(gate_up[i : i + 1, :256], gate_up[i : i + 1, 256:])[0], swiglu[i])
 
 
-def test_negative_control_the_native_compositions_differ() -> None:
+@pytest.mark.control
+def test_negative_control_compositions_in_another_order_differ() -> None:
+    """The fused-vs-composed comparison can fail: the norm with each row's sum of squares taken
+    in reverse (the row flipped) and silu as gate * sigmoid(gate) (one rounding more) give other
+    bits than the fused kernels. torch's own rms_norm and silu are reported, not asserted: their
+    bits depend on the CPU."""
     h, delta, weight, gate_up = _inputs(40, 1000, seed=11)
+    gate, up = gate_up[:, :1000], gate_up[:, 1000:]
     with torch.no_grad(), bi.enabled():
         _, y = bi.add_rms_norm(h, delta, weight, 1e-6)
-        swiglu = bi.silu_mul(gate_up[:, :1000], gate_up[:, 1000:])
+        swiglu = bi.silu_mul(gate, up)
+        s = h + delta
+        y_reversed = weight * bi.rms_norm(s.flip(-1), None, 1e-6).flip(-1)
+        swiglu_other = gate * ops.sigmoid(gate) * up
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(y, y_reversed, "add_rms_norm norm")
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(swiglu, swiglu_other, "silu_mul")
     y_native = F.rms_norm(h + delta, (1000,), weight, 1e-6)
-    swiglu_native = F.silu(gate_up[:, :1000]) * gate_up[:, 1000:]
-    assert (y.view(torch.int32) != y_native.view(torch.int32)).any()
-    assert (swiglu.view(torch.int32) != swiglu_native.view(torch.int32)).any()
+    swiglu_native = F.silu(gate) * up
+    for name, a, b in (("rms_norm", y, y_native), ("silu", swiglu, swiglu_native)):
+        print(f"torch's own {name} has the fused bits: {torch.equal(a.view(torch.int32), b.view(torch.int32))}")
 
 
 def test_fused_ops_refuse_autograd_and_bad_shapes() -> None:

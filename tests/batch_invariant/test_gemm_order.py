@@ -73,6 +73,7 @@ def test_linear_forward_and_both_grads_follow_the_order(name):
         assert bitwise_equal(a, b), f"{name}: {part} is not the kernel's {name} result"
 
 
+@pytest.mark.control
 def test_v1_and_v2_differ_in_bits_forward_and_both_grads():
     """Negative control: the order is not a no-op where the tree splits K (768 = 8 x 96)."""
     x, w, dy = _inputs(1)

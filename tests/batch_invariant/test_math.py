@@ -7,9 +7,10 @@ exp(+inf) == inf, log(0) == -inf, log(-1) and log(NaN) NaN, log(+inf) == inf, Na
 subnormal inputs and results); accuracy against float64, measured here: exp and exp2 within
 1 ulp (0.91 / 0.87 measured), log within 3 ulp (2.81), sigmoid and silu within 3 ulp for
 |x| <= 87 (2.4 / 2.9; exp(-|x|) a normal float) and within 1e-42 absolute beyond.
-Negative controls: torch.exp2 depends on an element's position (F.silu and torch.sigmoid likewise:
-tests/models/test_pointwise.py; vector body and scalar tail round differently), and an exp with one more
-rounding (2**(x * log2 e)) differs from ours, so each comparison here can fail.
+Negative controls: elements computed alone by an exp2 with one more rounding (exp(x * ln 2), as a
+scalar tail that rounded otherwise than the vector body would) differ from the same elements of the
+whole buffer, and an exp with one more rounding (2**(x * log2 e)) differs from ours, so each
+comparison here can fail.
 """
 
 from __future__ import annotations
@@ -170,17 +171,23 @@ def test_accuracy_against_float64() -> None:
         assert (f(xs)[~accurate].double() - r[~accurate]).abs().max() <= 1e-42, f.__name__
 
 
-def test_negative_control_torch_exp2_depends_on_position() -> None:
-    """torch.exp2's vector body and scalar tail disagree for some inputs on this CPU, so a
-    comparison element-by-element against a whole buffer can fail; ours passes the same check."""
+@pytest.mark.control
+def test_negative_control_an_element_alone_with_another_rounding_differs() -> None:
+    """The position check can fail: the elements computed alone by an exp2 with one more rounding
+    (exp(x * ln 2): what a scalar tail rounding otherwise than the vector body gives) differ from
+    the same elements of the whole buffer; ours passes the same check. torch.exp2's own position
+    dependence is reported, not asserted: it depends on the CPU's vector width."""
     x = _values(4099, seed=9, lo=-20, hi=20)
-    whole = torch.exp2(x)
-    alone = torch.cat([torch.exp2(x[i : i + 1]) for i in range(0, 4099, 7)])
-    assert not bitwise_equal(alone, whole[::7])
+    whole = P.exp2(x)
+    other = torch.cat([P.exp(x[i : i + 1] * math.log(2.0)) for i in range(0, 4099, 7)])
+    assert not bitwise_equal(other, whole[::7])
     ours = torch.cat([P.exp2(x[i : i + 1]) for i in range(0, 4099, 7)])
-    assert_bitwise_equal(ours, P.exp2(x)[::7])
+    assert_bitwise_equal(ours, whole[::7])
+    native = torch.cat([torch.exp2(x[i : i + 1]) for i in range(0, 4099, 7)])
+    print(f"torch.exp2 alone vs in the buffer: same bits {bitwise_equal(native, torch.exp2(x)[::7])}")
 
 
+@pytest.mark.control
 def test_negative_control_an_exp_with_another_rounding_differs() -> None:
     """exp as exp2(x * log2 e) (one rounding more) differs from exp_f32 for some inputs: the
     cross-variant comparison would see a variant that computed exp another way."""

@@ -58,6 +58,7 @@ def test_mm_bias_and_bmm() -> None:
     close(out, a.double() @ b.double(), torch.float32)
 
 
+@pytest.mark.control
 def test_negative_control_tile_picked_by_m_changes_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel whose K tile depended on M (as autotuned / heuristic gemms do) would break the row
     check: BK 16 vs 32 gives other bits for some row."""
@@ -138,6 +139,7 @@ def test_row_gradients_invariant_and_deterministic() -> None:
     close(grads[0][1], w64.grad, torch.float32)
 
 
+@pytest.mark.control
 def test_negative_control_row_block_picked_by_batch_changes_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A row kernel whose lane count followed the batch would break the row check."""
     from titan_audit.batch_invariant.gpu import sum as gsum

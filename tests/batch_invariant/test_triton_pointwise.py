@@ -5,11 +5,14 @@ scripts/gpu_check.sh): every function's bits equal the CPU kernel's, element for
 special values (zeros of both signs, infinities, NaN, subnormals, the clamp edges) and values
 spread over the float32 range; an element's bits are the same alone and at any place in a long
 tensor (block boundaries); the model's BI silu / sigmoid (forward and backward, autograd) on the
-Triton backend equal the CPU backend's; float64 is refused. Negative control: torch's own
-kernels on the same inputs give other bits (the comparison can fail).
+Triton backend equal the CPU backend's; float64 is refused. Negative control: the CPU kernels
+composed with one more rounding (exp as 2**(x * log2 e), silu as x * sigmoid(x)) give other bits
+than the Triton kernels on the same inputs (the comparison can fail).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -118,12 +121,17 @@ def test_the_models_bi_silu_and_sigmoid_on_triton_equal_the_cpu_backend() -> Non
         assert bitwise_equal(y, y_cpu) and bitwise_equal(g, g_cpu)
 
 
+@pytest.mark.control
 @pytest.mark.triton
-def test_control_torchs_own_kernels_give_other_bits() -> None:
-    """The comparison above can fail: torch's exp / sigmoid / silu differ from ours somewhere."""
+def test_control_a_function_with_one_more_rounding_gives_other_bits() -> None:
+    """The comparison above can fail: exp as 2**(x * log2 e) and silu as x * sigmoid(x) (the CPU
+    kernels, one rounding more) differ from the Triton exp and silu somewhere. torch's own exp and
+    silu are reported, not asserted: their bits depend on the CPU."""
     x = _inputs()
     x = x[x.isfinite()]
     with triton_on_cpu() as backend:
-        ours = {name: backend_fn(x) for name, backend_fn in (("exp", backend.exp), ("silu", backend.silu))}
-    assert not bitwise_equal(ours["exp"], torch.exp(x))
-    assert not bitwise_equal(ours["silu"], torch.nn.functional.silu(x))
+        ours = {"exp": backend.exp(x), "silu": backend.silu(x)}
+    assert not bitwise_equal(ours["exp"], cpu.exp2(x * math.log2(math.e)))
+    assert not bitwise_equal(ours["silu"], x * cpu.sigmoid(x))
+    native = {"exp": torch.exp(x), "silu": torch.nn.functional.silu(x)}
+    print({name: f"torch's own {name} equals ours: {bitwise_equal(ours[name], t)}" for name, t in native.items()})

@@ -4,10 +4,11 @@ Proves: every kernel of every ISA variant this CPU can run, at 1 and 2 threads, 
 golden's hash for every battery case (inputs made from integers, so the golden is the same test on
 every CPU), and so do the BI-mode torch ops; the golden's sqrt hash is the hash of the correctly
 rounded float32 sqrt (float32(sqrt(float64 x))), so it pins IEEE's result, not one CPU's.
-Negative controls that hold on Intel and AMD: (a) torch's native torch.sqrt (outside BI mode, MKL
-VML: its code path depends on the CPU vendor) is not correctly rounded on the battery's 2^17 hard
-sqrt inputs, so its record's hash differs from the golden's; (b) a golden with one hash flipped
-fails the check, naming the case.
+Negative controls: (a) a sqrt with one more rounding (x / sqrt(x), an IEEE division of the
+correctly rounded root) is off by an ulp on some of the battery's 2^17 hard sqrt inputs, so its
+hash differs from the golden's; (b) a golden with one hash flipped fails the check, naming the
+case. torch's own torch.sqrt (MKL VML outside BI mode, its code path picked by the CPU vendor) is
+reported, not asserted.
 """
 
 from __future__ import annotations
@@ -87,28 +88,43 @@ def test_the_torch_ops_section_passes_exact_in_bi_mode() -> None:
     assert r["cases"] == len(kernel_golden.load(GOLDEN)["torch_ops"]["cases"])
 
 
-def test_negative_control_native_sqrt_is_not_the_golden_sqrt() -> None:
-    """The golden's sqrt_f32/sweep hash is IEEE's correctly rounded sqrt of the battery's inputs
-    (rebuilt here from the same integers); ours equals it everywhere, torch's native one is off by
-    an ulp on some inputs on Intel and AMD alike, so its hash cannot pass the golden."""
+def _sqrt_sweep() -> tuple[dict, np.ndarray, np.ndarray]:
+    """(the golden's sqrt_f32/sweep case, the battery's inputs, their correctly rounded roots)."""
     want = kernel_golden.load(GOLDEN)["kernels"]["cases"]["sqrt_f32/sweep"]
     x = torch_ops.sqrt_sweep32("sqrt_f32/sweep")  # the battery's generator, in numpy
     assert x.size == want["count"] == 1 << 17
-    reference = np.sqrt(x.astype(np.float64)).astype(np.float32)  # correctly rounded (53 >= 2 * 24 + 2)
+    return want, x, np.sqrt(x.astype(np.float64)).astype(np.float32)  # correctly rounded (53 >= 2 * 24 + 2)
+
+
+def test_the_golden_sqrt_is_the_correctly_rounded_sqrt() -> None:
+    """The golden's sqrt_f32/sweep hash is IEEE's correctly rounded sqrt of the battery's inputs
+    (rebuilt here from the same integers); ours equals it on every variant and thread count."""
+    want, x, reference = _sqrt_sweep()
     assert battery.digest(reference.tobytes()) == want["hash"], "the golden pins the correctly rounded sqrt"
     (case,) = battery.run_cases(only="sqrt_f32/sweep")
     for rec in case.records:
         assert rec.digest == want["hash"], (rec.variant, rec.threads)
         assert np.array_equal(np.frombuffer(rec.data, np.uint32), reference.view(np.uint32))
     assert np.array_equal(pointwise.sqrt(torch.from_numpy(x)).numpy().view(np.uint32), reference.view(np.uint32))
+
+
+@pytest.mark.control
+def test_negative_control_a_sqrt_with_one_more_rounding_is_not_the_golden_sqrt() -> None:
+    """The golden check can fail: x / sqrt(x) (the correctly rounded root, then one IEEE division:
+    a root rounded twice) is off by an ulp on some hard inputs, so its hash is not the golden's.
+    torch's own sqrt is reported, not asserted: whether MKL's VML rounds these correctly depends on
+    the CPU."""
+    want, x, reference = _sqrt_sweep()
+    other = x / reference
+    off = np.flatnonzero(other.view(np.uint32) != reference.view(np.uint32))
+    assert off.size > 0, "x / sqrt(x) was the correctly rounded root on every hard input: the control cannot fail"
+    assert battery.digest(other.tobytes()) != want["hash"]
+    ulps = np.abs(other.view(np.int32)[off].astype(np.int64) - reference.view(np.int32)[off].astype(np.int64))
+    assert ulps.max() <= 1, f"x={x[off[0]]!r}: {other[off[0]]!r}, correctly rounded {reference[off[0]]!r}"
     with enabled(False):
         native = torch.sqrt(torch.from_numpy(x)).numpy()
-    off = np.flatnonzero(native.view(np.uint32) != reference.view(np.uint32))
-    assert off.size > 0, "torch.sqrt was correctly rounded on every hard input here: the control cannot fail"
-    assert battery.digest(native.tobytes()) != want["hash"]
-    i = int(off[0])
-    ulps = np.abs(native.view(np.int32)[off].astype(np.int64) - reference.view(np.int32)[off].astype(np.int64))
-    assert ulps.max() <= 2, f"x={x[i]!r}: native {native[i]!r}, correctly rounded {reference[i]!r}"
+    native_off = int((native.view(np.uint32) != reference.view(np.uint32)).sum())
+    print(f"torch.sqrt: {native_off} of {x.size} roots not correctly rounded")
 
 
 def test_negative_control_a_flipped_hash_fails_naming_the_case(tmp_path: Path) -> None:
