@@ -95,8 +95,9 @@ def test_an_existing_run_is_never_overwritten_and_resume_needs_a_run(tmp_path):
 
 
 def _verify_onpolicy(out: Path, *extra: str) -> dict:
-    """verify-onpolicy of rl-tiny (TINY, 2 steps) with the native control; its JSON verdict."""
-    args = ["--config", "rl-tiny", "--steps", "2", "--out", str(out), "--compare-default", "--json"]
+    """verify-onpolicy of rl-tiny (TINY, 2 steps) with the constructed control and the native-ops
+    run; its JSON verdict."""
+    args = ["--config", "rl-tiny", "--steps", "2", "--out", str(out), "--control", "--compare-default", "--json"]
     proc = cli("verify-onpolicy", *args, *TINY, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -106,26 +107,55 @@ def test_verify_onpolicy_report_and_verdict(tmp_path):
     out = tmp_path / "v"
     verdict = _verify_onpolicy(out)
     assert verdict["zero_gap"] is True and verdict["tokens_compared"] > 0 and verdict["tokens_differing"] == 0
-    assert verdict["default"]["tokens_differing"] > 0  # negative control: native ops show a gap, and the report says so
+    # negative control: the generator sent weights one ulp off shows a gap, and the report says so
+    control = verdict["control"]
+    assert control["shows_gap"] is True and control["tokens_differing"] > 0 and verdict["passed"] is True
+    assert control["run"] == str(out / "control") and control["control"] == "generator-weight-ulp"
+    assert control["tokens_compared"] == verdict["tokens_compared"]
+    # native ops: reported with the same keys, part of no verdict (whether they differ depends on the CPU)
+    assert set(verdict["default"]) == {"tokens_compared", "tokens_differing", "steps_with_gap", "max_abs_diff"}
     md = (out / "reports" / "onpolicy.md").read_text()
     page = (out / "reports" / "onpolicy.html").read_text()
-    assert "ZERO GAP" in md and "Control, native ops" in md and "GAP:" in md
+    assert "ZERO GAP" in md and "CONTROL SHOWS A GAP" in md and "Native ops, reported only" in md
+    assert "## Per step, constructed control" in md and "## Per step, native ops" in md
     assert page.count("data:image/png;base64,") == 2
     assert not re.search(r"(src|href)=['\"](https?:|//|file:)", page)  # self-contained
     assert "rolling mean over 10 steps" in page
-    _assert_reward_plot_draws_rolling_means(out, out / "compare-default")
+    _assert_reward_plot_draws_rolling_means(out, out / "compare-default", out / "control")
     _render_in_chromium(out / "reports" / "onpolicy.html", tmp_path)
 
 
-def _assert_reward_plot_draws_rolling_means(run: Path, default_run: Path) -> None:
+def test_verify_onpolicy_fails_when_the_control_shows_no_gap(tmp_path, monkeypatch):
+    """The verdict's control can fail: with the perturbation replaced by the identity, the control
+    run's generator holds the trainer's weights, shows no gap, and the verification does not pass."""
+    from titan_audit.rl import rollout_schedule
+    from titan_audit.rl.verify import verify_onpolicy
+
+    monkeypatch.setattr(rollout_schedule, "generator_weights", lambda weights, control: weights)
+    overrides = ["task.prompts_per_step=2", "task.samples_per_prompt=2", "sampling.max_new_tokens=4"]
+    result = verify_onpolicy("rl-tiny", tmp_path / "v", steps=1, overrides=overrides, quiet=True, control=True)
+    assert result.rc == 0 and result.verdict["zero_gap"] is True
+    assert result.verdict["control"]["shows_gap"] is False and result.verdict["control"]["tokens_compared"] > 0
+    assert result.passed is False and result.verdict["passed"] is False
+    assert "CONTROL SHOWS NO GAP" in (tmp_path / "v" / "reports" / "onpolicy.md").read_text()
+
+
+def test_verify_onpolicy_refuses_a_bad_control_value(tmp_path):
+    out = tmp_path / "bad"
+    proc = cli_here("verify-onpolicy", "--config", "rl-tiny", "--steps", "1", "--out", out, "--set", "control=nope")
+    one_line_error(proc, r"control: 'nope' is not one of 'generator-weight-ulp'")
+    assert not out.exists()
+
+
+def _assert_reward_plot_draws_rolling_means(run: Path, default_run: Path, control_run: Path) -> None:
     """The reward figure of the report draws, per run, the per-step reward and its rolling mean
     over 10 steps (legend entries and the drawn data)."""
     import matplotlib.pyplot as plt
 
     from titan_audit.rl.report import onpolicy_summary, reward_figure, rolling_mean
 
-    bi, default = onpolicy_summary(run), onpolicy_summary(default_run)
-    fig = reward_figure(bi, default)
+    bi, default, control = onpolicy_summary(run), onpolicy_summary(default_run), onpolicy_summary(control_run)
+    fig = reward_figure(bi, default, control)
     ax = fig.axes[0]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == [
@@ -133,9 +163,15 @@ def _assert_reward_plot_draws_rolling_means(run: Path, default_run: Path) -> Non
         "batch-invariant, rolling mean (10 steps)",
         "native ops (default)",
         "native ops (default), rolling mean (10 steps)",
+        "constructed control",
+        "constructed control, rolling mean (10 steps)",
     ]
     drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
-    for summary, label in ((bi, "batch-invariant"), (default, "native ops (default)")):
+    for summary, label in (
+        (bi, "batch-invariant"),
+        (default, "native ops (default)"),
+        (control, "constructed control"),
+    ):
         rewards = [r["reward_mean"] for r in summary["per_step"]]
         assert drawn[label] == rewards
         assert drawn[f"{label}, rolling mean (10 steps)"] == rolling_mean(rewards, 10)
@@ -208,12 +244,12 @@ def _render_in_chromium(page: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_tensor_parallel_trainer_and_a_tp1_generator_have_a_zero_gap(tmp_path):
-    """Issue 25: the trainer at TP=2 (parallel.tp = 2 on 2 ranks), the built-in generator at TP=1
-    with the gathered full weights: verify-onpolicy's gap is zero at every step. Negative control
-    (--compare-default): native ops at the same layout show a gap."""
+    """The trainer at TP=2 (parallel.tp = 2 on 2 ranks), the built-in generator at TP=1 with the
+    gathered full weights: verify-onpolicy's gap is zero at every step. Negative control (--control):
+    the generator sent the gathered weights one ulp off, at the same layout, shows a gap."""
     out = tmp_path / "tp2"
     verdict = _verify_onpolicy(out, "--nproc", "2", "--set", "parallel.tp=2")
     assert verdict["zero_gap"] is True and verdict["tokens_compared"] > 0 and verdict["tokens_differing"] == 0
-    assert verdict["default"]["tokens_differing"] > 0
+    assert verdict["control"]["shows_gap"] is True and verdict["control"]["tokens_differing"] > 0
     history = json.loads((out / "manifest.json").read_text())["world_size_history"]
     assert history[0]["mesh"] == {"device_type": "cpu", "dp": 1, "tp": 2}

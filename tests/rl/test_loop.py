@@ -1,7 +1,8 @@
 """The RL loop (rl/loop.py, rl/rollouts.py): zero gap at lag 0, deterministic lag under random
 delays, weight-sync fingerprints, reward errors, kill -9 + resume, and W=1 == W=2.
 
-Every invariance test has a negative control (native ops show a gap; another lag gives another
+Every invariance test has a negative control whose difference the test constructs (the generator
+sent the trainer's weights one ulp off shows a gap, rl/control.py; another lag gives another
 trajectory). Runs start from a model warmed up for a few steps on the synthetic corpus (module
 fixture), so rewards vary and the updates are not zero.
 """
@@ -86,9 +87,45 @@ def test_on_policy_gap_is_zero_and_every_ratio_is_exactly_one(warm, tmp_path):
     assert len({r["hash"] for r in params if r["name"] == "layers.0.mlp.up_proj.weight"}) > 1  # the weights moved
 
 
-def test_negative_control_native_ops_show_a_gap(warm, tmp_path):
-    rl_train(config("verify=true", "determinism.batch_invariant=false", steps=2), tmp_path / "n", init=warm, quiet=True)
-    assert sum(row["gap_tokens_differing"] for row in metrics(tmp_path / "n")) > 0
+@pytest.mark.control
+def test_negative_control_generator_weights_one_ulp_off_show_a_gap(tmp_path):
+    """The constructed control (config key `control`): the same 1-step run, once as is (zero gap)
+    and once with the generator sent the trainer's weights with one element one ulp off (a gap).
+    From the deterministic init, in this process: cheap enough to re-run under every CPU variant."""
+    plain = rl_train(config("verify=true", steps=1), tmp_path / "bi", quiet=True)
+    control = rl_train(config("verify=true", "control=generator-weight-ulp", steps=1), tmp_path / "c", quiet=True)
+    assert plain.max_gap_differing == 0 and metrics(tmp_path / "bi")[0]["gap_tokens"] > 0
+    assert control.max_gap_differing > 0
+    (row,) = metrics(tmp_path / "c")
+    assert 0 < row["gap_max_abs"] < 1e-3 and row["gap_tokens"] == metrics(tmp_path / "bi")[0]["gap_tokens"]
+    # the generator's weights the audit records are the ones it was sent: not the trainer's
+    digests = [
+        {r["hash"] for r in pq.read_table(run / "audit").to_pylist() if r["name"] == "generator_weights"}
+        for run in (tmp_path / "bi", tmp_path / "c")
+    ]
+    assert digests[0] and digests[1] and not digests[0] & digests[1]
+
+
+def test_the_control_at_lag_one_compares_with_the_trainers_own_weights(warm, tmp_path):
+    """At lag > 0 the gap figures come from the worker's same-weights recomputation, which uses the
+    trainer's weights, not the perturbed copy the generator got: every step shows the gap."""
+    extra = ("rollout.lag=1", "verify=true", "control=generator-weight-ulp")
+    rl_train(config(*extra, steps=3), tmp_path / "c", init=warm, quiet=True)
+    rows = metrics(tmp_path / "c")
+    assert [r["policy_age"] for r in rows] == [0, 1, 1]
+    assert all(r["gap_tokens_differing"] > 0 for r in rows), rows
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["verify=true", "control=weights"], r"control: 'weights' is not one of 'generator-weight-ulp'"),
+        (["control=generator-weight-ulp"], r"control = 'generator-weight-ulp' needs verify = true"),
+    ],
+)
+def test_a_bad_control_is_a_value_error_naming_the_key(extra, message):
+    with pytest.raises(ValueError, match=message):
+        config(*extra)
 
 
 @pytest.mark.slow

@@ -85,7 +85,18 @@ def rl(
     "--out", required=True, type=click.Path(path_type=Path), help="The run directory (reports in RUN/reports/)."
 )
 @click.option("--generator", type=click.Choice(["builtin", "vllm"]), default=None, help=_GENERATOR_HELP)
-@click.option("--compare-default", is_flag=True, help="Also run with native ops (RUN/compare-default) and plot both.")
+@click.option(
+    "--control",
+    "with_control",
+    is_flag=True,
+    help="Also run the constructed control (RUN/control: the generator is sent weights one ulp off); "
+    "it must show a gap, else exit 1.",
+)
+@click.option(
+    "--compare-default",
+    is_flag=True,
+    help="Also run with native ops (RUN/compare-default) and plot both; reported only, never the verdict.",
+)
 @click.option("--init", "init", default=None, help=_INIT_HELP)
 @nproc_option()
 @overwrite_option()
@@ -93,82 +104,45 @@ def rl(
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
 @device_option()
 def verify_onpolicy(
-    source, steps, out, generator, compare_default, init, nproc, overwrite, overrides, as_json, device
+    source, steps, out, generator, with_control, compare_default, init, nproc, overwrite, overrides, as_json, device
 ) -> None:
     """Run RL (batch-invariant mode unless the config turns it off) recording, per step, the
     trainer/generator log-prob gap; write RUN/reports/onpolicy.md and onpolicy.html; exit 0 iff
-    the run is in BI mode and the gap is exactly zero at every step, 1 otherwise.
-    --compare-default repeats the run with native ops into RUN/compare-default (the control)."""
-    from titan_audit.rl.launch import start_rl
-    from titan_audit.rl.report import write_onpolicy_report
+    the run is in BI mode and the gap is exactly zero at every step (and, with --control, the
+    constructed control shows a gap), 1 otherwise. --control repeats the run into RUN/control with
+    the generator sent the trainer's weights one ulp off (rl/control.py). --compare-default repeats
+    it with native ops into RUN/compare-default: reported, since whether native ops leave a gap
+    depends on the CPU's libraries."""
+    from titan_audit.rl.verify import verify_onpolicy as verify
 
     if steps < 1:
         raise UserError(f"--steps must be >= 1, got {steps}")
-    common = [*overrides, *_generator_override(generator), *device_override(device), "verify=true"]
-    quiet = as_json
-    rc = _guard(
-        lambda: start_rl(
+    result = _guard(
+        lambda: verify(
             source,
             out,
+            steps=steps,
             init=init,
             nproc=nproc,
-            steps=steps,
-            resume=False,
             overwrite=overwrite,
-            overrides=common,
-            quiet=quiet,
+            overrides=[*overrides, *_generator_override(generator), *device_override(device)],
+            quiet=as_json,
+            control=with_control,
+            compare_default=compare_default,
         )
     )
-    if rc:
-        sys.exit(rc)
-    default_run = None
-    if compare_default:
-        default_run = Path(out) / "compare-default"
-        rc = _guard(
-            lambda: start_rl(
-                source,
-                default_run,
-                init=init,
-                nproc=nproc,
-                steps=steps,
-                resume=False,
-                overwrite=False,
-                overrides=[*common, "determinism.batch_invariant=false"],
-                quiet=quiet,
-            )
-        )
-        if rc:
-            sys.exit(rc)
-    report = write_onpolicy_report(out, default_run)
-    bi = report["summary"]
-    verdict = {
-        key: bi[key]
-        for key in (
-            "zero_gap",
-            "steps",
-            "tokens_compared",
-            "tokens_differing",
-            "steps_with_gap",
-            "first_step_with_gap",
-            "max_abs_diff",
-            "reward_first10",
-            "reward_last10",
-        )
-    }
-    verdict.update({"run": str(out), "report_md": report["md"], "report_html": report["html"]})
-    if report["default"] is not None:
-        d = report["default"]
-        verdict["default"] = {
-            k: d[k] for k in ("tokens_compared", "tokens_differing", "steps_with_gap", "max_abs_diff")
-        }
+    if result.rc:
+        sys.exit(result.rc)
     if as_json:
         from titan_audit.cli.output import print_json
 
-        print_json(verdict)
+        print_json(result.verdict)
     else:
-        from titan_audit.rl.report import gap_verdict
+        from titan_audit.rl.report import control_verdict, gap_verdict
 
-        click.echo(gap_verdict(bi))
-        click.echo(f"report: {report['md']}, {report['html']}")
-    if not bi["zero_gap"]:
+        click.echo(gap_verdict(result.report["summary"]))
+        if result.report["control"] is not None:
+            click.echo(control_verdict(result.report["control"]))
+        click.echo(f"report: {result.report['md']}, {result.report['html']}")
+    if not result.passed:
         sys.exit(EXIT_DIFFERENT)

@@ -15,10 +15,15 @@ every S/2 steps; S = 8, or 4 with --quick):
 - G4 zero gap: GRPO (`rl-tiny`, small) from the trained run with `verify`: every sampled token's
   generator log-prob equals the trainer's recomputation bitwise, with the built-in generator and,
   when `titan_audit.rl.vllm` says it is available, vLLM (not with --quick: its engine start-up
-  makes the stage ~28 s on 2 cores; the row says so). Negative control: native ops show a gap.
+  makes the stage ~28 s on 2 cores; the row says so). Negative control: the constructed control
+  run (`control = "generator-weight-ulp"`, rl/control.py: the generator is sent the trainer's
+  weights with one element one ulp off) must show a gap. Not with --quick, the same run with
+  native ops is reported in that row (not counted: whether native ops leave a gap depends on the
+  CPU's libraries).
 - G2 batch invariance: spot-checks of attention (batch, decode, chunked prefill), matmul,
   log_softmax and rms_norm at several head dims including 128, and the model's KV-cache decode;
-  native ops as the (reported, not counted) control.
+  native ops reported (not counted). Negative control: the model's KV-cache decode summed in the
+  other gemm order must differ from the full forward.
 - G1 run to run: the committed goldens (titan_audit/goldens/tiny-dense and tiny-dense-bi, shipped
   as package data; recorded earlier, elsewhere) check against runs made now: exact when the
   numerics fingerprints are compatible (the BI golden must be exact on any CPU). Negative control:
@@ -74,7 +79,7 @@ class Plan:
     head_dims: tuple[int, ...]
     rl_steps: int
     rl_overrides: tuple[str, ...]
-    controls: bool  # the negative controls that cost a torchrun start
+    controls: bool  # not with --quick: the G3 control (a torchrun start) and the reported native-ops RL run
 
     @property
     def checkpoint_step(self) -> int:
@@ -425,7 +430,9 @@ class Demo:
         return onpolicy_summary(out)
 
     def zero_gap(self) -> None:
-        from titan_audit.rl.report import gap_verdict
+        from titan_audit.rl.control import CONFIG_KEY
+        from titan_audit.rl.report import control_shows_gap
+        from titan_audit.rl.verify import CONTROL
 
         s = self._rl("rl_builtin", "rl-builtin", [])
         self.row(
@@ -435,17 +442,32 @@ class Demo:
             f"{s['tokens_compared']} sampled tokens, {s['tokens_differing']} with any bit difference",
             self.out / "rl-builtin" / "reports",
         )
-        control = self._rl("rl_native", "rl-native-control", ["determinism.batch_invariant=false"])
+        control = self._rl("rl_control", "rl-control", [f"{CONFIG_KEY}={CONTROL}"])
+        shows = control_shows_gap(control)
+        detail = (
+            f"{control['tokens_differing']} of {control['tokens_compared']} tokens differ, on "
+            f"{control['steps_with_gap']} of {control['steps']} steps (max |diff| {control['max_abs_diff']:.3g})"
+            if shows
+            else f"none of {control['tokens_compared']} tokens differs: the zero-gap check proves nothing here"
+        )
+        divergence = [("rl-control", "RL with the generator's weights exact vs one ulp off", False)]
+        if self.plan.controls:  # not with --quick: native ops, reported only
+            native = self._rl("rl_native", "rl-native", ["determinism.batch_invariant=false"])
+            detail += (
+                f"; native ops (reported, not counted): {native['tokens_differing']} of "
+                f"{native['tokens_compared']} tokens differ"
+            )
+            divergence.append(("rl-native", "RL with batch-invariant ops vs native ops", True))
         self.row(
             "G4 control",
-            "native ops (BI off) must show a gap",
-            control["tokens_differing"] > 0,
-            gap_verdict(control),
-            self.out / "rl-native-control",
+            "generator sent the trainer's weights with one element one ulp off must show a gap",
+            shows,
+            detail,
+            self.out / "rl-control",
         )
-        self.extra.setdefault("divergence", []).append(
-            {"a": "rl-builtin", "b": "rl-native-control", "label": "RL with batch-invariant ops vs native ops"}
-        )
+        for name, label, reported in divergence:
+            pair = {"a": "rl-builtin", "b": name, "label": label, **({"reported": True} if reported else {})}
+            self.extra.setdefault("divergence", []).append(pair)
 
     def zero_gap_vllm(self) -> None:
         if self.plan.quick:
@@ -474,7 +496,8 @@ class Demo:
         )
 
     def spot_checks(self) -> None:
-        from titan_audit.demo.spot_checks import run_spot_checks
+        from titan_audit.batch_invariant import GEMM_ORDERS, current_gemm_order
+        from titan_audit.demo.spot_checks import MODEL, decode_matches_full_forward, run_spot_checks
 
         checks = run_spot_checks(self.plan.head_dims)
         self.extra["spot_checks"] = [c.to_dict() for c in checks]
@@ -486,10 +509,20 @@ class Demo:
             f"rms_norm at head dims {', '.join(map(str, self.plan.head_dims))}; model KV decode",
             not bad,
             (
-                f"all identical; native ops differ in {native} of {len(checks)} (control)"
+                f"all identical; native ops differ in {native} of {len(checks)} (reported, not counted)"
                 if not bad
                 else f"DIFFERENT: {'; '.join(c.check + ' ' + c.shape for c in bad[:3])}"
             ),
+            "report: Batch invariance spot-checks",
+        )
+        order = current_gemm_order()
+        other = next(o for o in GEMM_ORDERS if o != order)
+        differs = not decode_matches_full_forward(True, decode_gemm_order=other)
+        self.row(
+            "G2 control",
+            f"model {MODEL} KV-cache decode in gemm order {other} vs the full forward in {order} must differ",
+            differs,
+            "differs" if differs else "identical: the decode check proves nothing here",
             "report: Batch invariance spot-checks",
         )
 
@@ -639,7 +672,7 @@ def run(
         ("kill_resume", "G5: SIGKILL a run after a checkpoint, resume, compare", demo.kill_resume, "kill-resume-w1"),
         ("spot_checks", "G2: batch-invariance spot-checks", demo.spot_checks, None),
         ("goldens", "G1: committed goldens", demo.goldens, None),
-        ("zero_gap", "G4: RL zero gap, built-in generator (+ native control)", demo.zero_gap, None),
+        ("zero_gap", "G4: RL zero gap, built-in generator (+ constructed control)", demo.zero_gap, None),
         ("zero_gap_vllm", "G4: RL zero gap, vLLM generator", demo.zero_gap_vllm, None),
         ("elastic", "G3: compare W=2 with W=1, replay a checkpoint on W=1", demo.elastic, None),
     ]

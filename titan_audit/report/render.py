@@ -223,12 +223,15 @@ def section_curves(doc: Doc, series: list[tuple[str, list[dict[str, Any]]]], rl:
 
 def section_zero_gap(doc: Doc, runs: list[tuple[str, Path]]) -> list[dict[str, Any]]:
     """The zero-gap verdict, per-step table and plot of each RL run (rl.report's summary)."""
-    from titan_audit.rl.report import gap_verdict, onpolicy_summary
+    from titan_audit.rl.report import control_shows_gap, control_verdict, gap_verdict, onpolicy_summary
 
     summaries = []
     for label, run in runs:
         summary = onpolicy_summary(run)
         summaries.append((label, summary))
+        if summary["control"]:  # a constructed control: it must show a gap
+            doc.p(f"{label} ({run}): {control_verdict(summary)}", "pass" if control_shows_gap(summary) else "fail")
+            continue
         ok = summary["zero_gap"]
         cls = "pass" if ok else ("skip" if not summary["verified"] else "fail")
         doc.p(f"{label} ({run}): {gap_verdict(summary)}", cls if label == runs[0][0] or ok else None)
@@ -354,16 +357,20 @@ def run_report(run: Path, against: Path | None = None) -> Doc:
     doc.h2("Run")
     section_overview(doc, run, manifest)
     doc.h2("Reward and loss" if kind == "rl" else "Loss curves")
-    series = [(run.name, read_metrics(run))]
-    if kind == "rl" and (run / "compare-default" / "manifest.json").is_file():
-        series.append(("native ops control (compare-default)", read_metrics(run / "compare-default")))
+    # verify-onpolicy's companions: the constructed control, and native ops (reported only)
+    companions = [
+        (label, run / name)
+        for label, name in (
+            ("constructed control", "control"),
+            ("native ops, reported (compare-default)", "compare-default"),
+        )
+        if kind == "rl" and (run / name / "manifest.json").is_file()
+    ]
+    series = [(run.name, read_metrics(run)), *[(label, read_metrics(path)) for label, path in companions]]
     section_curves(doc, series, rl=kind == "rl")
     if kind == "rl":
         doc.h2("Zero gap (G4): generator vs trainer log-probs")
-        runs = [(run.name, run)]
-        if (run / "compare-default" / "manifest.json").is_file():
-            runs.append(("native ops control", run / "compare-default"))
-        section_zero_gap(doc, runs)
+        section_zero_gap(doc, [(run.name, run), *companions])
     doc.h2("Audit coverage")
     section_coverage(doc, run)
     doc.h2("Elastic replays")
@@ -410,13 +417,13 @@ def demo_report(out: Path, against: Path | None = None) -> Doc:
                 f"then resumed with --resume from that checkpoint"
             )
         section_overview(doc, runs["kill_resume"], read_manifest(runs["kill_resume"]))
-    rl_roles = [r for r in ("rl_builtin", "rl_vllm", "rl_native") if r in runs]
+    rl_roles = [r for r in ("rl_builtin", "rl_vllm", "rl_control", "rl_native") if r in runs]
     if rl_roles:
         doc.h2("Zero gap (G4)")
         section_zero_gap(doc, [(runs[r].name, runs[r]) for r in rl_roles])
     if demo.get("spot_checks"):
         doc.h2("Batch invariance spot-checks (G2)")
-        headers = ["check", "shape", "batch-invariant ops", "native ops (control)"]
+        headers = ["check", "shape", "batch-invariant ops", "native ops (reported)"]
         doc.table(headers, [[s["check"], s["shape"], s["bi"], s["native"]] for s in demo["spot_checks"]])
     if demo.get("goldens"):
         doc.h2("Committed goldens (G1)")
@@ -444,7 +451,8 @@ def demo_report(out: Path, against: Path | None = None) -> Doc:
     for pair in demo.get("divergence") or []:
         a, b = out / pair["a"], out / pair["b"]
         if (a / "audit").is_dir() and (b / "audit").is_dir():
-            section_against(doc, a, b, f"Divergence map, negative control: {pair['label']}")
+            what = "reported" if pair.get("reported") else "negative control"  # reported: counted in no verdict
+            section_against(doc, a, b, f"Divergence map, {what}: {pair['label']}")
     if against is not None:
         base = runs.get("train_w1") or runs.get("train_w2")
         if base is not None:

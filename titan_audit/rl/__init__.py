@@ -17,6 +17,8 @@ Modules (one concern each):
 - loop.py        the RL loop on trainer/ (tree reduction, AdamW, checkpoints, audit records)
 - launch.py      `titan-audit rl`: one process or torchrun ranks (rank_entry.py: what torchrun runs)
 - report.py      RUN/reports/onpolicy.md and the self-contained onpolicy.html
+- control.py     the constructed G4 control: the generator sent the trainer's weights one ulp off
+- verify.py      `titan-audit verify-onpolicy`: the zero-gap run, its control and native-ops runs, the verdict
 
 Guarantees: G4 (in BI mode every generator log-prob equals the trainer's recomputation with the
 same weights, bitwise; checked and recorded every step by `verify-onpolicy`), and for the RL

@@ -21,7 +21,9 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   sampling keys, the deterministic init), `steps` and `verify` (record the per-step zero-gap
   figures; what `titan-audit verify-onpolicy` turns on), `generator` ("builtin": rl/builtin.py;
   "vllm": our model inside vLLM, rl/vllm/, needs the `vllm` extra; the same tokens and log-probs
-  in BI mode).
+  in BI mode), `control` (unset by default; "generator-weight-ulp": the constructed G4 control of
+  rl/control.py, the generator sent the trainer's weights with one element one ulp off, so the
+  zero-gap check must report a gap; needs `verify`).
 - Recipe `rl-tiny`: tiny-dense, reversal-short, 8 prompts x 8 samples per step, 300 steps, AdamW
   at a constant 6e-4, lag 0, BI mode; start it from the warm-up of recipes/rl-warmup.toml.
 """
@@ -32,6 +34,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from titan_audit.rl.control import Control, check_control
 from titan_audit.rl.tasks import task_names
 from titan_audit.trainer import typed_config
 from titan_audit.trainer.config import (
@@ -197,7 +200,7 @@ class RolloutSection:
 @dataclass
 class RLDeterminismSection:
     strict: bool = True
-    batch_invariant: bool = True  # G4 needs it; false: native ops (the --compare-default control)
+    batch_invariant: bool = True  # G4 needs it; false: native ops (verify-onpolicy --compare-default)
     census: Literal["record", "strict", "off"] = "record"  # BI op census: count native ops, or stop at one
     # gemm summation order of BI mode (batch_invariant/order.py): "v2" the blocked halving tree
     # (TP shards reproduce it), "v1" one fma chain over K (the order of runs and goldens recorded
@@ -216,6 +219,7 @@ class RLConfig:
     steps: int = 100
     verify: bool = False  # record the per-step zero-gap figures (verify-onpolicy)
     generator: Literal["builtin", "vllm"] = "builtin"  # rollouts: rl/builtin.py or vLLM (rl/vllm/)
+    control: Control | None = None  # the constructed G4 control (rl/control.py); None: a normal run
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
@@ -239,6 +243,12 @@ class RLConfig:
             raise ValueError(f"model.compute_dtype: RL runs in float32, got {self.model.compute_dtype!r}")
         if self.model.activation_checkpointing:
             raise ValueError("model.activation_checkpointing is not supported by the RL loop")
+        check_control(self.control)
+        if self.control is not None and not self.verify:
+            raise ValueError(
+                f"control = {self.control!r} needs verify = true: the control run exists to show the "
+                f"zero-gap check a gap (titan-audit verify-onpolicy --control runs it)"
+            )
 
     @property
     def num_microbatches(self) -> int:

@@ -1,17 +1,22 @@
 """The zero-gap on-policy report: RUN/reports/onpolicy.md and a self-contained onpolicy.html.
 
     summary = onpolicy_summary(run_dir)                          # verdict + per-step figures
-    paths = write_onpolicy_report(run_dir, default_run=None)     # md + html (plots embedded)
+    paths = write_onpolicy_report(run_dir, default_run=None, control_run=None)   # md + html (plots embedded)
 
 Guarantees:
 - The verdict is computed from the run's metrics.parquet alone: `zero_gap` is True iff the run
   recorded the zero-gap figures (`verify`), ran in batch-invariant mode, compared at least one
   token, and every step has `gap_tokens_differing == 0` (no token whose generator log-prob
   differs by any bit from the trainer's recomputation with the same weights).
+- A constructed control run (config key `control`, rl/control.py: the generator is sent weights
+  one ulp off) is judged by `control_shows_gap`: True iff it recorded the figures and at least one
+  token differs, i.e. the check was shown able to fail. A run with native ops (`default_run`,
+  verify-onpolicy --compare-default) is reported only: whether native ops leave a gap depends on
+  what the CPU's libraries do, so it is part of no verdict.
 - The HTML is one file with no external resources: the plots (matplotlib, Agg backend) are
   embedded as base64 PNG data URIs; the tables are plain HTML. Plots: tokens with a bit
-  difference and max |diff| per step, with batch-invariant mode on and (given a second run
-  with native ops) off; the mean reward per step with its trailing rolling mean over
+  difference and max |diff| per step of the run, of its constructed control and of its native-ops
+  run (each when given); the mean reward per step with its trailing rolling mean over
   ROLLING_WINDOW steps drawn over it (`reward_curves` gives the series the plot draws).
 - Both files are written atomically.
 """
@@ -53,17 +58,33 @@ def rolling_mean(values: list[float], window: int = ROLLING_WINDOW) -> list[floa
     return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
 
 
+CONTROL_LABEL = "constructed control"
+NATIVE_LABEL = "native ops (default)"
+
+
+def _series(
+    bi: dict[str, Any], default: dict[str, Any] | None, control: dict[str, Any] | None
+) -> list[tuple[dict[str, Any] | None, str, str, str]]:
+    """(summary, label, line style, colour) of each run a report draws, in drawing order."""
+    return [
+        (bi, "batch-invariant", "o-", "C0"),
+        (default, NATIVE_LABEL, "s--", "C1"),
+        (control, CONTROL_LABEL, "^:", "C3"),
+    ]
+
+
 def reward_curves(
-    bi: dict[str, Any], default: dict[str, Any] | None = None, window: int = ROLLING_WINDOW
+    bi: dict[str, Any],
+    default: dict[str, Any] | None = None,
+    window: int = ROLLING_WINDOW,
+    control: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The series of the reward plot, in drawing order: per run (batch-invariant, then native ops
-    when given) the per-step mean reward and its rolling mean over `window` steps. Each is
-    {"label", "kind" ("per_step" | "rolling_mean"), "steps", "values", "style", "colour"}."""
+    and the constructed control when given) the per-step mean reward and its rolling mean over
+    `window` steps. Each is {"label", "kind" ("per_step" | "rolling_mean"), "steps", "values",
+    "style", "colour"}."""
     curves = []
-    for summary, label, style, colour in (
-        (bi, "batch-invariant", "o-", "C0"),
-        (default, "native ops (default)", "s--", "C1"),
-    ):
+    for summary, label, style, colour in _series(bi, default, control):
         if summary is None:
             continue
         steps = [r["step"] for r in summary["per_step"]]
@@ -106,6 +127,7 @@ def onpolicy_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     return {
         "run": str(run_dir),
         "batch_invariant": bi,
+        "control": config.get("control"),  # the constructed control (rl/control.py); None: a normal run
         "verified": verified,
         "steps": len(steps),
         "lag": config["rollout"]["lag"],
@@ -122,7 +144,30 @@ def onpolicy_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def _plots(bi: dict[str, Any], default: dict[str, Any] | None) -> dict[str, str]:
+def control_shows_gap(summary: dict[str, Any]) -> bool:
+    """A control run's verdict: it recorded the zero-gap figures and at least one token differs."""
+    return bool(summary["verified"]) and summary["tokens_differing"] > 0
+
+
+def control_verdict(summary: dict[str, Any]) -> str:
+    """One line on a constructed control run (it must show a gap)."""
+    from titan_audit.rl.control import describe
+
+    what = describe(summary.get("control")) or "no constructed control configured"
+    if not summary["verified"]:
+        return f"CONTROL NOT VERIFIED ({what}): the run did not record the zero-gap figures"
+    if control_shows_gap(summary):
+        return (
+            f"CONTROL SHOWS A GAP ({what}): {summary['tokens_differing']} of {summary['tokens_compared']} tokens "
+            f"differ, on {summary['steps_with_gap']} of {summary['steps']} steps; the check can fail"
+        )
+    return (
+        f"CONTROL SHOWS NO GAP ({what}): none of {summary['tokens_compared']} tokens differs; "
+        f"the zero-gap check proved nothing here"
+    )
+
+
+def _plots(bi: dict[str, Any], default: dict[str, Any] | None, control: dict[str, Any] | None = None) -> dict[str, str]:
     """name -> base64 PNG."""
     import matplotlib
 
@@ -131,12 +176,15 @@ def _plots(bi: dict[str, Any], default: dict[str, Any] | None) -> dict[str, str]
 
     out = {}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
-    for summary, label, style in ((bi, "batch-invariant", "o-"), (default, "native ops (default)", "s--")):
+    for summary, label, style, colour in _series(bi, default, control):
         if summary is None or not summary["verified"]:
             continue
         steps = [r["step"] for r in summary["per_step"]]
-        ax1.plot(steps, [r["gap_tokens_differing"] for r in summary["per_step"]], style, ms=3, label=label)
-        ax2.plot(steps, [max(r["gap_max_abs"], 1e-12) for r in summary["per_step"]], style, ms=3, label=label)
+        differing = [r["gap_tokens_differing"] for r in summary["per_step"]]
+        ax1.plot(steps, differing, style, color=colour, ms=3, label=label)
+        ax2.plot(
+            steps, [max(r["gap_max_abs"], 1e-12) for r in summary["per_step"]], style, color=colour, ms=3, label=label
+        )
     ax1.set_title("tokens whose log-prob differs (any bit)")
     ax2.set_title("max |generator lp - trainer lp| (floor 1e-12)")
     ax2.set_yscale("log")
@@ -145,11 +193,11 @@ def _plots(bi: dict[str, Any], default: dict[str, Any] | None) -> dict[str, str]
         ax.legend()
         ax.grid(alpha=0.3)
     out["gap"] = _png(fig, plt)
-    out["reward"] = _png(reward_figure(bi, default), plt)
+    out["reward"] = _png(reward_figure(bi, default, control), plt)
     return out
 
 
-def reward_figure(bi: dict[str, Any], default: dict[str, Any] | None = None):
+def reward_figure(bi: dict[str, Any], default: dict[str, Any] | None = None, control: dict[str, Any] | None = None):
     """The reward plot (a matplotlib Figure; Agg): per step, faint, and its rolling mean, thick,
     for every curve of `reward_curves`; the legend names each."""
     import matplotlib
@@ -158,7 +206,7 @@ def reward_figure(bi: dict[str, Any], default: dict[str, Any] | None = None):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 3.2))
-    for curve in reward_curves(bi, default):
+    for curve in reward_curves(bi, default, control=control):
         faint = curve["kind"] == "per_step"
         ax.plot(
             curve["steps"],
@@ -187,6 +235,8 @@ def _png(fig, plt) -> str:
 
 
 def gap_verdict(summary: dict[str, Any]) -> str:
+    from titan_audit.rl.control import describe
+
     if summary["zero_gap"]:
         return (
             f"ZERO GAP: {summary['tokens_compared']} sampled tokens over {summary['steps']} steps, every "
@@ -197,7 +247,9 @@ def gap_verdict(summary: dict[str, Any]) -> str:
     return (
         f"GAP: {summary['tokens_differing']} of {summary['tokens_compared']} tokens differ, on "
         f"{summary['steps_with_gap']} of {summary['steps']} steps (first: step {summary['first_step_with_gap']}; "
-        f"max |diff| {summary['max_abs_diff']:.3g})" + ("" if summary["batch_invariant"] else "; native ops")
+        f"max |diff| {summary['max_abs_diff']:.3g})"
+        + ("" if summary["batch_invariant"] else "; native ops")
+        + (f"; constructed control: {describe(summary['control'])}" if summary.get("control") else "")
     )
 
 
@@ -207,7 +259,20 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
+def _companion_lines(default: dict[str, Any] | None, control: dict[str, Any] | None) -> list[str]:
+    """The constructed control's verdict and the native-ops run's figures (reported only), as text."""
+    lines = []
+    if control is not None:
+        lines.append(f"Constructed control (`{control['run']}`): {control_verdict(control)}")
+    if default is not None:
+        lines.append(
+            f"Native ops, reported only (`{default['run']}`): {gap_verdict(default)} (whether native ops "
+            f"leave a gap depends on this CPU's libraries; it is part of no verdict)"
+        )
+    return lines
+
+
+def markdown(bi: dict[str, Any], default: dict[str, Any] | None, control: dict[str, Any] | None = None) -> str:
     lines = [
         "# On-policy verification (zero gap)",
         "",
@@ -223,9 +288,13 @@ def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
             f"(change {bi['reward_last10'] - bi['reward_first10']:+.4f}).",
             "",
         ]
-    if default is not None:
-        lines += [f"Control, native ops (`{default['run']}`): {gap_verdict(default)}", ""]
-    for summary, title in ((bi, "Per step"), (default, "Per step, native ops")):
+    for line in _companion_lines(default, control):
+        lines += [line, ""]
+    for summary, title in (
+        (bi, "Per step"),
+        (control, "Per step, constructed control"),
+        (default, "Per step, native ops"),
+    ):
         if summary is None:
             continue
         lines += [f"## {title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -241,8 +310,8 @@ def markdown(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
-    plots = _plots(bi, default)
+def html_page(bi: dict[str, Any], default: dict[str, Any] | None, control: dict[str, Any] | None = None) -> str:
+    plots = _plots(bi, default, control)
     esc = html.escape
     ok = bi["zero_gap"]
     parts = [
@@ -255,8 +324,17 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
         f"batch-invariant mode {'on' if bi['batch_invariant'] else 'off'}.</p>",
         f"<p class='{'ok' if ok else 'bad'}'><b>{esc(gap_verdict(bi))}</b></p>",
     ]
+    if control is not None:
+        shown = "ok" if control_shows_gap(control) else "bad"
+        parts.append(
+            f"<p class='{shown}'>Constructed control (<code>{esc(control['run'])}</code>): "
+            f"{esc(control_verdict(control))}</p>"
+        )
     if default is not None:
-        parts.append(f"<p>Control, native ops (<code>{esc(default['run'])}</code>): {esc(gap_verdict(default))}</p>")
+        parts.append(
+            f"<p>Native ops, reported only (<code>{esc(default['run'])}</code>): {esc(gap_verdict(default))} "
+            f"(whether native ops leave a gap depends on this CPU's libraries; it is part of no verdict)</p>"
+        )
     if bi["reward_first10"] is not None:
         parts.append(
             f"<p>Mean reward: first 10 steps {bi['reward_first10']:.4f}, last 10 steps {bi['reward_last10']:.4f}.</p>"
@@ -268,7 +346,11 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
         f"<img alt='reward per step, rolling mean over {ROLLING_WINDOW} steps' "
         f"src='data:image/png;base64,{plots['reward']}'>"
     )
-    for summary, title in ((bi, "Per step"), (default, "Per step, native ops")):
+    for summary, title in (
+        (bi, "Per step"),
+        (control, "Per step, constructed control"),
+        (default, "Per step, native ops"),
+    ):
         if summary is None:
             continue
         parts.append(f"<h2>{title}</h2><table><tr>" + "".join(f"<th>{c}</th>" for c in COLUMNS) + "</tr>")
@@ -280,13 +362,19 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None) -> str:
     return "\n".join(parts)
 
 
-def write_onpolicy_report(run_dir: str | os.PathLike, default_run: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Write RUN/reports/onpolicy.{md,html}; returns {"md", "html", "summary", "default"}."""
+def write_onpolicy_report(
+    run_dir: str | os.PathLike,
+    default_run: str | os.PathLike | None = None,
+    control_run: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Write RUN/reports/onpolicy.{md,html}; returns {"md", "html", "summary", "default", "control"}
+    (the summaries of the run, of its native-ops run and of its constructed control, each or None)."""
     run_dir = Path(run_dir)
     bi = onpolicy_summary(run_dir)
     default = onpolicy_summary(default_run) if default_run is not None else None
+    control = onpolicy_summary(control_run) if control_run is not None else None
     reports = run_dir / "reports"
     md_path, html_path = reports / "onpolicy.md", reports / "onpolicy.html"
-    write_bytes_atomic(md_path, markdown(bi, default).encode(), overwrite=True)
-    write_bytes_atomic(html_path, html_page(bi, default).encode(), overwrite=True)
-    return {"md": str(md_path), "html": str(html_path), "summary": bi, "default": default}
+    write_bytes_atomic(md_path, markdown(bi, default, control).encode(), overwrite=True)
+    write_bytes_atomic(html_path, html_page(bi, default, control).encode(), overwrite=True)
+    return {"md": str(md_path), "html": str(html_path), "summary": bi, "default": default, "control": control}

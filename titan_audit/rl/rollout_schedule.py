@@ -13,9 +13,10 @@ same-weights scorer (lag > 0 with verify).
 Guarantees: a rank serves the prompts [lo, hi) of each step's prompt set (a pure function of
 (seed, step): the task's, rl/tasks.py or rl/user_task.py), G samples each keyed (seed, step,
 prompt id, sample index), so its rollouts do not depend on W. The rollouts of step k come from
-policy version max(0, k - 1 - lag) (rollouts.py). What a checkpoint holds of the rollouts in
-flight is every rank's part merged in prompt order, so a resume at another W restores each rank's
-own block of it.
+policy version max(0, k - 1 - lag) (rollouts.py). A control run (`control`, rl/control.py) sends
+the generator its constructed copy of those weights; the trainer and the same-weights scorer keep
+the trainer's. What a checkpoint holds of the rollouts in flight is every rank's part merged in
+prompt order, so a resume at another W restores each rank's own block of it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from titan_audit.models import build
 from titan_audit.rl.config import RLConfig
+from titan_audit.rl.control import generator_weights
 from titan_audit.rl.generator import GenerationRequest, Generator, Sample, SampleKey, SamplingParams
 from titan_audit.rl.logprobs import sequence_logprobs
 from titan_audit.rl.rollouts import (
@@ -133,7 +135,16 @@ class RolloutSchedule:
             for p in prompts[self.lo : self.hi]
             for j in range(G)
         ]
-        return RolloutJob(step, version, weights, trainer_fingerprint(weights), requests, self.params)
+        sent = generator_weights(weights, self.config.control)  # `weights` itself unless a control run
+        return RolloutJob(
+            step,
+            version,
+            weights,
+            trainer_fingerprint(sent),
+            requests,
+            self.params,
+            generator_weights=None if sent is weights else sent,
+        )
 
     def start(self, start_step: int, model: torch.nn.Module, restored: list[RolloutResult]) -> None:
         """Put back the rollouts a checkpoint held (this rank's part) and submit the jobs of the

@@ -14,11 +14,12 @@ A job carries everything its result depends on: its step, the weight snapshot an
 the requests (prompt ids + SampleKeys) and the sampling params. The worker thread runs jobs one at
 a time in submission order: load the snapshot into the generator (weight sync), fingerprint the
 generator's weights against the snapshot's (a mismatch fails the job with a `WeightSyncError`
-naming the first differing tensor), generate. Generation is a pure function of (weights,
-requests, params) (keyed sampling, batch-invariant generator), so a job's result never depends
-on when it ran, how long the trainer took, or what ran concurrently: the trajectory is fixed by
-(config, L) alone. At most L + 1 jobs are in flight, holding at most L + 1 snapshots; the config
-bounds L by `rollout.buffer`.
+naming the first differing tensor), generate. (A constructed control run, rl/control.py, sends
+the generator a perturbed copy instead, `RolloutJob.generator_weights`, fingerprinted as sent.)
+Generation is a pure function of (weights, requests, params) (keyed sampling, batch-invariant
+generator), so a job's result never depends on when it ran, how long the trainer took, or what
+ran concurrently: the trajectory is fixed by (config, L) alone. At most L + 1 jobs are in
+flight, holding at most L + 1 snapshots; the config bounds L by `rollout.buffer`.
 
 L = 0 runs unthreaded (`threaded=False`, what RolloutSchedule picks): the trainer would wait for
 each job right after submitting it, so `take` runs the submitted jobs itself, in the trainer's
@@ -108,10 +109,18 @@ def first_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> 
 class RolloutJob:
     step: int
     version: int
-    weights: dict[str, torch.Tensor] | None  # None: the generator already holds `version`
-    fingerprint: dict[str, str]  # the trainer's fingerprints of those weights
+    weights: dict[str, torch.Tensor] | None  # the trainer's; None: the generator already holds `version`
+    fingerprint: dict[str, str]  # the fingerprints of the weights the generator is sent
     requests: list[GenerationRequest]
     params: SamplingParams
+    # what the generator is sent when it is not `weights` (a constructed control, rl/control.py);
+    # None: `weights`. The same-weights scorer always recomputes with the trainer's `weights`.
+    generator_weights: dict[str, torch.Tensor] | None = None
+
+    @property
+    def sent(self) -> dict[str, torch.Tensor] | None:
+        """The weights the generator loads for this job."""
+        return self.generator_weights if self.generator_weights is not None else self.weights
 
 
 @dataclass
@@ -282,8 +291,8 @@ class RolloutWorker:
             torch.cuda.set_device(self.device)
         random_delay()
         crash_point("rl.rollout", job.step)
-        if job.weights is not None:
-            self.generator.load_weights(job.weights, job.version)
+        if job.sent is not None:
+            self.generator.load_weights(job.sent, job.version)
         actual = self.generator.weights_fingerprint()
         differing = first_difference(job.fingerprint, actual)
         if differing is not None:

