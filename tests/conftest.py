@@ -9,6 +9,9 @@ together (they share session-scoped runs), and the longest modules are handed ou
 """
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,20 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def mkl_intel_path_shim(tmp_path_factory) -> Path:
+    """scripts/mkl_intel_path.c built (what `make mkl-intel-path` builds): with it in LD_PRELOAD,
+    MKL takes its Intel code paths on an AMD CPU too. Skips without a C compiler."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        pytest.skip("no C compiler (cc) to build scripts/mkl_intel_path.c")
+    out = tmp_path_factory.mktemp("shim") / "mkl_intel_path.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(REPO / "scripts/mkl_intel_path.c")], check=True)
+    return out
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,16 +89,6 @@ def controls() -> list[str]:
     return ids
 
 
-@pytest.fixture(scope="module")
-def shim(tmp_path_factory) -> str:
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        pytest.skip("no C compiler (cc) to build scripts/mkl_intel_path.c")
-    out = tmp_path_factory.mktemp("shim") / "mkl_intel_path.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(REPO / "scripts/mkl_intel_path.c")], check=True)
-    return str(out)
-
-
 def test_the_marked_controls_are_cheap_single_process_tests(controls: list[str]) -> None:
     """What the variant runs collect: marked tests outside the slow, gpu and vllm ones."""
     assert all(i.startswith("tests/") for i in controls)
@@ -113,7 +102,7 @@ def test_every_constructed_control_holds_under_the_forced_variant(
 ) -> None:
     env = {**_clean_env(), **variant}
     if env.get("LD_PRELOAD") == "SHIM":
-        env["LD_PRELOAD"] = request.getfixturevalue("shim")
+        env["LD_PRELOAD"] = str(request.getfixturevalue("mkl_intel_path_shim"))
     if "TITAN_AUDIT_CPU_ISA" in variant:
         assert variant["TITAN_AUDIT_CPU_ISA"] in _lib.available_isas()
     done = _pytest(controls, env)

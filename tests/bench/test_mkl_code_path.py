@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,25 +20,14 @@ from titan_audit.bench.core import BenchOptions
 from titan_audit.bench.mkl_path import mkl_code_path
 from titan_audit.deterministic import fingerprint
 
-REPO = Path(__file__).resolve().parents[2]
-
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkl.is_available() or platform.machine() != "x86_64",
     reason="needs torch built with MKL on x86-64 (the shim answers MKL's CPU-vendor query)",
 )
 
 
-@pytest.fixture(scope="module")
-def shim(tmp_path_factory) -> Path:
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        pytest.skip("no C compiler (cc) to build scripts/mkl_intel_path.c")
-    out = tmp_path_factory.mktemp("shim") / "mkl_intel_path.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(REPO / "scripts/mkl_intel_path.c")], check=True)
-    return out
-
-
-def test_the_shim_moves_mkl_onto_the_intel_path_of_this_cpus_isa(shim):
+def test_the_shim_moves_mkl_onto_the_intel_path_of_this_cpus_isa(mkl_intel_path_shim):
+    shim = mkl_intel_path_shim
     flags = set(fingerprint().cpu_isa_flags)
     if "avx2" not in flags:
         pytest.skip("the CPU has no AVX2")
