@@ -38,11 +38,12 @@ Guarantees:
 - Close on any exception (`__exit__`): the recorder and what the loop registered with `closing`
   are closed, BI mode and the deterministic switches are restored, the lock is
   released. The op census is written to the manifest when the run ends without an error.
-- The step kit: per-microbatch fp32 gradient buffers, the fixed-tree reduction over the V
-  microbatch gradients (reduce.py; the same bits on every rank and for every W; over the dp ranks:
-  a TP rank's buffer holds its local shards, reduced elementwise like the full vector's slices),
-  grad-norm clipping on the full reduced vector (under TP its shards gathered in the TP=1 order),
-  the optimizer step, the audit records of a step. With
+- The step kit: fp32 gradient buffers from a pool (data parallel: at most floor(log2(V/W)) + 1 in
+  use at once when V/W is a power of two, none allocated after the first step), the fixed-tree
+  reduction over the V microbatch gradients (reduce.py; the same bits on every rank and for every
+  W; over the dp ranks: a TP rank's buffer holds its local shards, reduced elementwise like the
+  full vector's slices), grad-norm clipping on the full reduced vector (under TP its shards
+  gathered in the TP=1 order), the optimizer step, the audit records of a step. With
   `determinism.enabled = false` (train only) it is a conventional trainer: gradients accumulated in
   .grad and one plain all_reduce (or FSDP2's own reduce-scatter), the negative control.
 - Checkpoints: `end_step` saves a verified checkpoint every `checkpoint.interval` steps and at the
@@ -555,39 +556,75 @@ def clip_(flat: torch.Tensor, max_norm: float, full: torch.Tensor | None = None)
 
 
 class GradBuffers:
-    """One flat fp32 gradient buffer per local microbatch on the parameters' device, allocated once
-    and reused every step (fresh 16 MB allocations per microbatch cost page faults). A microbatch's
-    gradient is 0 + autograd's gradient, accumulated in place through .grad views: the same for
-    every W."""
+    """A pool of flat fp32 gradient buffers of `numel` elements on the parameters' device.
+
+    `take` lends a zeroed buffer, a free one if there is one, else a new one; `give` takes it back
+    (it must be one this pool lent and has not had back). Buffers are never freed, so once a step
+    has run, the same steps allocate nothing (fresh 16 MB allocations per microbatch cost page
+    faults). A microbatch's gradient is 0 + autograd's gradient, accumulated in place through .grad
+    views: the same bits for every W and whichever buffer it lands in. `allocated` counts the
+    buffers made, `peak` the most lent at once."""
 
     def __init__(self, numel: int, device: torch.device | str = "cpu") -> None:
         self.numel, self.device = numel, torch.device(device)
-        self.buffers: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # id -> buffer, while lent
+        self.allocated = 0
+        self.peak = 0
 
-    def zeroed(self, j: int) -> torch.Tensor:
-        while len(self.buffers) <= j:
-            self.buffers.append(torch.empty(self.numel, dtype=torch.float32, device=self.device))
-        return self.buffers[j].zero_()
+    @property
+    def lent(self) -> int:
+        """How many buffers are out now."""
+        return len(self._lent)
+
+    def take(self) -> torch.Tensor:
+        if self._free:
+            buffer = self._free.pop()  # the last one given back: the likeliest still in cache
+        else:
+            buffer = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            self.allocated += 1
+        assert id(buffer) not in self._lent
+        self._lent[id(buffer)] = buffer
+        self.peak = max(self.peak, len(self._lent))
+        return buffer.zero_()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        assert self._lent.pop(id(buffer), None) is buffer, "given back a buffer this pool has not lent"
+        self._free.append(buffer)
 
 
 class StepKit:
     """The part of a step both loops share, from the learning rate to the audited update.
 
-    Deterministic (always for rl): microbatch j's gradient lands in its own buffer, which goes into
-    the TreeReducer under the microbatch's GLOBAL index; `finish` reduces by the fixed tree, clips
-    the full vector, gives each parameter its slice (or, under FSDP2 (`sharded`), this rank's dim-0
-    shard) and steps the optimizer. Conventional (`determinism.enabled = false`): .grad accumulates,
-    one plain all_reduce (FSDP2: its own reduce-scatter, rescaled to the sum)."""
+    Deterministic (always for rl): each microbatch's gradient lands in a zeroed buffer from the
+    pool (`buffers`), which goes into the TreeReducer under the microbatch's GLOBAL index; the
+    reducer gives each buffer back once it is spent (added into its left sibling, or sent).
+    `finish` reduces by the fixed tree, clips the full vector, gives each parameter its slice (views
+    of the reduced buffer, valid until the next step's first microbatch) and steps the optimizer;
+    then the reduced buffer goes back too, so every buffer is in the pool between steps. Memory
+    per rank in data parallel: the pool lends at most floor(log2(V/W)) + 1 gradient-sized buffers
+    at once when V/W is a power of two (for any W, 3 included; otherwise at most
+    2*floor(log2(V/W)) + 1, e.g. 3 at V = 6, W = 2), all allocated in the first step. With the
+    exchange's receive scratch on gloo (under one gradient), that is at most floor(log2(V/W)) + 2
+    gradient-sized buffers per rank; gradients up to COLLECTIVE_MAX_BYTES also keep a send buffer,
+    and on one host the shared file replaces both (reduce.py). Under FSDP2
+    (`sharded`) each microbatch's gradient is FSDP's, taken by `take_flat` into a fresh vector (no
+    pool), and each parameter gets this rank's dim-0 shard of the reduced one.
+    Conventional (`determinism.enabled = false`): .grad accumulates, one plain all_reduce (FSDP2:
+    its own reduce-scatter, rescaled to the sum)."""
 
     def __init__(self, run: Run, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, sharded=None):
         self.run, self.params, self.optimizer, self.sharded = run, params, optimizer, sharded
         self.config = run.config
         self.deterministic = bool(run.config.determinism.enabled)
         group = run.mesh.dp_group  # TP ranks of a dp rank hold the same microbatches: the tree is over dp
-        self.reducer = TreeReducer(run.config.num_microbatches, group) if self.deterministic else None
         self.buffers = GradBuffers(sum(local_shape(p).numel() for p in params), run.mesh.device)
+        pooled = self.deterministic and not sharded
+        release = self.buffers.give if pooled else None  # take_flat's vectors are not the pool's
+        self.reducer = TreeReducer(run.config.num_microbatches, group, release) if self.deterministic else None
         self.tensor_parallel = run.mesh.tp > 1
         self._leaf: torch.Tensor | None = None
+        self._reduced: torch.Tensor | None = None  # the pool's buffer holding this step's reduced gradient
 
     def start(self, step: int) -> float:
         """Open the step's audit records and set its learning rate (returned)."""
@@ -603,7 +640,7 @@ class StepKit:
         """Local microbatch j (global index `index`): its records and its gradient (the block's
         backward) go under `index`; deterministic: the gradient goes into the tree under `index`."""
         if self.deterministic and not self.sharded:
-            self._leaf = self.buffers.zeroed(j)  # autograd accumulates 0 + g into views of it
+            self._leaf = self.buffers.take()  # autograd accumulates 0 + g into views of it
             set_grads(self.params, self._leaf)
         self.run.recorder.set_microbatch(index)
         yield
@@ -620,6 +657,10 @@ class StepKit:
         self.optimizer.step()
         recorder.record_optimizer(self.optimizer)
         recorder.record_params()
+        if self._reduced is not None:  # the optimizer and the records are done with it
+            self.buffers.give(self._reduced)
+            self._reduced = None
+        assert self.buffers.lent == 0, f"{self.buffers.lent} gradient buffers still lent after the step"
         return float(grad_norm)
 
     def _reduce_and_clip(self) -> torch.Tensor:
@@ -637,6 +678,7 @@ class StepKit:
                 self.sharded.set_sharded(self.params, grad)  # this rank's shard of the full reduced gradient
             else:
                 set_grads(self.params, grad)
+                self._reduced = grad
             return grad_norm
         world_size = self.run.mesh.world_size
         if self.sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum

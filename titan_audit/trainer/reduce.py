@@ -9,16 +9,20 @@ order of the additions. Here the order is a tree that depends on V alone:
     (n = 8 -> 4 + 4, n = 6 -> 4 + 2, n = 3 -> 2 + 1), and its value is left + right.
 
 Rank r of W owns the leaves (microbatches) [r*V/W, (r+1)*V/W). While it runs its microbatches it
-merges finished siblings at once (a stack, O(log V) buffers), so it ends holding the maximal tree
-nodes inside its block. The flat gradient is cut into W contiguous chunks (c = ceil(N/W) elements,
-the last ones shorter or empty) and rank q receives chunk q of every other rank's partials. Each
-rank then evaluates the top of the same tree for its chunk, and an all-gather puts the chunks
-together (replicated data parallel; FSDP keeps its chunk). Every addition is elementwise, so
-cutting the vector into chunks changes nothing, and each tree node is computed as left + right
-wherever it is computed (in place into the left operand's buffer, which gives the same bits). How
-the chunks travel (below) moves bytes only and never changes an addition.
+merges finished siblings at once (a stack: the right operand is added into the left one and its
+buffer handed back to the caller's `release`), so it ends holding the maximal tree nodes inside
+its block. Gradient buffers held at once, the incoming leaf included: log2(V/W) + 1 when V/W is
+a power of two (any W: the block is then one subtree); otherwise at most 2*floor(log2(V/W)) + 1
+(checked for every V <= 256 and every W dividing it; V = 6 at W = 2: 3). The flat gradient is
+cut into W contiguous chunks (c = ceil(N/W) elements, the last ones shorter or empty) and rank q
+receives chunk q of every other rank's partials. Each rank then evaluates the top of the same
+tree for its chunk, and an all-gather puts the chunks together (replicated data parallel; FSDP
+keeps its chunk). Every addition is elementwise, so cutting the vector into chunks changes
+nothing, and each tree node is computed as left + right wherever it is computed (in place into
+the left operand's buffer, which gives the same bits). How the chunks travel (below) moves bytes
+only and never changes an addition.
 
-Cost. For W a power of two dividing V every block is one subtree: each rank sends one partial
+Cost. For V/W a power of two every block is one subtree: each rank sends one partial
 (N/W elements to each peer), then its reduced chunk to each peer: the volume of a ring
 reduce-scatter + all-gather, and the additions of a reduction ((V/W - 1) N locally, (W - 1) N/W
 for the tree top). Transport, with every rank of a gloo group on one host (the usual case on
@@ -36,8 +40,9 @@ cannot be made; `TITAN_AUDIT_SHARED_EXCHANGE=0`), on gloo:
   rank's chunk of its first partial, and the other chunks are gathered around it.
 Scratch buffers are kept across calls (a fresh buffer of tens of MB costs page faults comparable to
 the exchange itself), so a step allocates nothing. all_reduce returns the first gradient buffer
-this rank added, now holding the full sum. Pipelining the exchange in buckets (tried: 1-16 MB)
-gave no measurable gain on gloo here and cost CPU per message, so there is one bucket.
+this rank added, now holding the full sum; the other partials go to `release` once the reduce is
+done with them. Pipelining the exchange in buckets (tried: 1-16 MB) gave no measurable gain on
+gloo here and cost CPU per message, so there is one bucket.
 
 Devices: the reducer works on the gradients where they are (scratch buffers on their device): CPU
 tensors over gloo, CUDA tensors over NCCL (`parallel.device = "cuda"`; engine.check_backend
@@ -58,6 +63,7 @@ import torch.distributed as dist
 from titan_audit.trainer.shared_exchange import SharedExchange
 
 Node = tuple[int, int]  # [lo, hi) over microbatch indices
+Release = Callable[[torch.Tensor], None]  # receives a gradient buffer the reducer no longer needs
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -203,16 +209,28 @@ def rank_block(num_microbatches: int, world_size: int, rank: int) -> tuple[int, 
 class TreeReducer:
     """Sums per-microbatch flat gradients in the canonical tree order, across ranks.
 
-        reducer = TreeReducer(V, group=None)          # W and rank from the process group
+        reducer = TreeReducer(V, group=None, release=pool.give)  # W and rank from the process group
         for i in range(*reducer.block):
-            reducer.add(i, flat_grad_i)                # takes ownership; may add in place
-        full = reducer.all_reduce()                    # same bits on every rank and every W
+            reducer.add(i, flat_grad_i)  # takes ownership; may add in place
+        full = reducer.all_reduce()      # same bits on every rank and every W
+        pool.give(full)                  # once the caller is done with it
 
-    The result lives in the first gradient buffer added (valid until that buffer is reused).
-    Scratch buffers are kept across calls. Without a process group (or W == 1) it reduces locally.
+    Buffer ownership: `add` takes the gradient buffer; every buffer the reducer no longer needs goes
+    to `release` (if given; else it is dropped): the right operand of each merge as soon as it is
+    added into the left one, and after a reduce every partial but the returned one. The result
+    lives in the first gradient buffer added, which passes back to the caller. So a caller that
+    takes each leaf from a pool and gives back what `release` receives and the result holds at
+    most log2(V/W) + 1 buffers at once when V/W is a power of two (module docstring).
+    The reducer's own scratch (kept across calls, so a step allocates nothing) is apart from these:
+    on gloo a receive buffer of one chunk per partial of the other ranks ((W - 1) chunks, under N
+    elements, when V/W is a power of two), and up to COLLECTIVE_MAX_BYTES a send buffer of N
+    elements; on one host the shared file instead.
+    Without a process group (or W == 1) it reduces locally.
     """
 
-    def __init__(self, num_microbatches: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, num_microbatches: int, group: dist.ProcessGroup | None = None, release: Release | None = None
+    ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.world_size = dist.get_world_size(group) if distributed else 1
@@ -230,6 +248,7 @@ class TreeReducer:
         self._slots_per_rank = max(len(nodes) for nodes in self.layout)  # partials a rank can hold
         self._shared: SharedExchange | None = None
         self._shared_refused = False  # the ranks could not share a region: gloo from then on
+        self._release = release
 
     def add(self, index: int, flat_grad: torch.Tensor) -> None:
         """Add microbatch `index`'s gradient (1-D). Indices must come in order through the block."""
@@ -250,6 +269,12 @@ class TreeReducer:
             if (lo, hi) not in self._nodes or split_point(lo, hi) != mid:
                 break
             self._stack[-2:] = [(lo, hi, left.add_(right))]  # node value = left + right
+            self._give_back(right)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        """`buffer` is spent (added into another, or sent): to `release`, if given."""
+        if self._release is not None:
+            self._release(buffer)
 
     def _partials(self) -> list[torch.Tensor]:
         if self._next != self.block[1]:
@@ -270,9 +295,17 @@ class TreeReducer:
             buf = self._buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buf[:numel]
 
+    def _local_total(self) -> torch.Tensor:
+        """W == 1: the stack holds the root alone, the whole sum."""
+        partials = self._partials()
+        assert len(partials) == 1, len(partials)
+        return partials[0]
+
     def _reduce(self, gather: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Reduce this rank's chunk into its first partial, then all-gather the chunks into that
-        partial if `gather`. Returns (that partial, the chunk bounds)."""
+        partial if `gather`. Returns (that partial, the chunk bounds); the other partials, sent and
+        added by then (every send waited for, every shared-file read behind a barrier), go to
+        `release`."""
         partials = self._partials()
         out = partials[0]
         bounds = chunk_bounds(out.numel(), self.world_size)
@@ -290,6 +323,8 @@ class TreeReducer:
             self._gather_shared(shared, out, bounds, gather)
         elif gather:
             (self._gather_collective if collective else self._gather_p2p)(out, bounds)
+        for partial in partials[1:]:
+            self._give_back(partial)
         return out, bounds
 
     @property
@@ -435,10 +470,10 @@ class TreeReducer:
         """This rank's chunk of the reduced gradient, as (chunk, start, stop) element offsets.
 
         Chunk q covers elements [q*c, min((q+1)*c, N)) with c = ceil(N / W). The chunk is a view of
-        the first gradient this rank added.
+        the first gradient this rank added, whose buffer passes back to the caller.
         """
         if self.world_size == 1:
-            total = self._partials()[0]
+            total = self._local_total()
             return total, 0, total.numel()
         out, bounds = self._reduce(gather=False)
         start, stop = bounds[self.rank]
@@ -447,7 +482,8 @@ class TreeReducer:
     def all_reduce(self) -> torch.Tensor:
         """The full reduced gradient, bitwise the same on every rank (replicated data parallel).
 
-        It is returned in the buffer of the first gradient this rank added."""
+        It is returned in the buffer of the first gradient this rank added, which passes back to
+        the caller (never to `release`)."""
         if self.world_size == 1:
-            return self._partials()[0]
+            return self._local_total()
         return self._reduce(gather=True)[0]
