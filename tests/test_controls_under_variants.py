@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from titan_audit.batch_invariant.cpu import _lib
+from titan_audit.portability.kernel_golden import this_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 # The variables a variant sets; each run starts from this environment with all of them removed.
@@ -37,13 +38,6 @@ FORCED = (
     "LD_PRELOAD",
 )
 RUN_TIMEOUT_S = 600
-
-
-def _is_amd() -> bool:
-    try:
-        return "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def _variants() -> list[tuple[str, dict[str, str]]]:
@@ -61,7 +55,7 @@ def _variants() -> list[tuple[str, dict[str, str]]]:
             ("MKL_ENABLE_INSTRUCTIONS=AVX2", {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
             ("ONEDNN_MAX_CPU_ISA=AVX2", {"ONEDNN_MAX_CPU_ISA": "AVX2"}),
         ]
-        if _is_amd():
+        if this_cpu()["vendor"] == "AuthenticAMD":
             out.append(("MKL Intel path", {"LD_PRELOAD": "SHIM"}))
     return out
 

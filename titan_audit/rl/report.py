@@ -59,6 +59,7 @@ def rolling_mean(values: list[float], window: int = ROLLING_WINDOW) -> list[floa
 
 
 CONTROL_LABEL = "constructed control"
+NATIVE_NOTE = "(whether native ops leave a gap depends on this CPU's libraries; it is part of no verdict)"
 NATIVE_LABEL = "native ops (default)"
 
 
@@ -265,10 +266,7 @@ def _companion_lines(default: dict[str, Any] | None, control: dict[str, Any] | N
     if control is not None:
         lines.append(f"Constructed control (`{control['run']}`): {control_verdict(control)}")
     if default is not None:
-        lines.append(
-            f"Native ops, reported only (`{default['run']}`): {gap_verdict(default)} (whether native ops "
-            f"leave a gap depends on this CPU's libraries; it is part of no verdict)"
-        )
+        lines.append(f"Native ops, reported only (`{default['run']}`): {gap_verdict(default)} {NATIVE_NOTE}")
     return lines
 
 
@@ -333,7 +331,7 @@ def html_page(bi: dict[str, Any], default: dict[str, Any] | None, control: dict[
     if default is not None:
         parts.append(
             f"<p>Native ops, reported only (<code>{esc(default['run'])}</code>): {esc(gap_verdict(default))} "
-            f"(whether native ops leave a gap depends on this CPU's libraries; it is part of no verdict)</p>"
+            f"{esc(NATIVE_NOTE)}</p>"
         )
     if bi["reward_first10"] is not None:
         parts.append(
