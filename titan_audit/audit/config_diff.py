@@ -45,6 +45,7 @@ ADDED_KEY_DEFAULTS: dict[str, Any] = {
     # the gemm order (batch_invariant/order.py): runs before it existed summed in order v1; its
     # default for new configs is v2
     "determinism.bi_kernels": "v1",
+    "determinism.grad_norm": "v1",  # the clip norm's order (trainer/grad_norm.py): v1 before v2 existed
     "parallel.device": "cpu",  # every run before the key existed ran on the CPU (issue 27)
 }
 

@@ -8,7 +8,7 @@
 
 Guarantees:
 - Step s of epoch e delivers, on rank r of W, microbatches [r*V/W, (r+1)*V/W) of the global batch
-  defined in plan.py; the concatenation over ranks is the global batch, bit for bit, for every W
+  defined in plan.py (`interleaved`: r, r + W, ...); the concatenation over ranks is the global batch, bit for bit, for every W
   dividing V, because each microbatch is a pure function of (epoch, step, index) (batches.py).
 - `state()` is the next step not yet fully delivered; a loader built with that state (any W
   dividing V) continues with exactly the microbatches an uninterrupted run would deliver. Resume
@@ -99,6 +99,7 @@ class ElasticLoader:
         world_size: int | None = None,
         state: LoaderState | None = None,
         allow_source_change: bool = False,
+        interleaved: bool = False,
     ) -> None:
         if (rank is None) != (world_size is None):
             raise ValueError("give both rank and world_size, or neither")
@@ -110,7 +111,7 @@ class ElasticLoader:
         self.store = TokenStore(config.store)
         self.batches = GlobalBatches(self.store, spec)
         self.rank, self.world_size = rank, world_size
-        self.local_microbatches = self.batches.plan.rank_microbatches(rank, world_size)
+        self.local_microbatches = self.batches.plan.rank_microbatches(rank, world_size, interleaved=interleaved)
         self.manifest = self.store.manifest()
         self.manifest_digest = self.manifest.digest()
         self.epoch, self.step = 0, 0

@@ -4,8 +4,8 @@ A step's global batch is `global_batch_size` (B) packed sequences, cut into V = 
 microbatches of `microbatch_size` (M) sequences. In epoch e, step s, microbatch m holds the
 sequences perm_e(s*B + m*M + i) for i in [0, M), where perm_e is the epoch's Feistel permutation
 of all packed sequences (permutation.py). An epoch has floor(N / B) steps; the N mod B sequences
-left over differ from epoch to epoch. Rank r of W processes microbatches [r*V/W, (r+1)*V/W).
-Nothing here depends on W except which block a rank takes, so every W dividing V sees the same
+left over differ from epoch to epoch. Rank r of W processes microbatches [r*V/W, (r+1)*V/W)
+(or, interleaved, r, r + W, ...). Nothing here depends on W except which microbatches a rank takes, so every W dividing V sees the same
 global batches. Invalid numbers are ValueErrors that name them.
 """
 
@@ -44,10 +44,14 @@ class BatchPlan:
                 f"{self.num_microbatches}"
             )
 
-    def rank_microbatches(self, rank: int, world_size: int) -> range:
+    def rank_microbatches(self, rank: int, world_size: int, *, interleaved: bool = False) -> range:
+        """The microbatches rank r of W runs, in index order: the block [r*V/W, (r+1)*V/W), or
+        `interleaved` r, r + W, r + 2W, ... (FSDP2's sharded tree: each round of W is one subtree)."""
         self.check_world_size(world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        if interleaved:
+            return range(rank, self.num_microbatches, world_size)
         per_rank = self.num_microbatches // world_size
         return range(rank * per_rank, (rank + 1) * per_rank)
 

@@ -222,6 +222,10 @@ class DeterminismSection:
     # (TP shards reproduce it), "v1" one fma chain over K (the order of runs and goldens recorded
     # before v2: a saved config without this key reads as "v1")
     bi_kernels: Literal["v1", "v2"] = "v2"
+    # order of the clip norm's sum (trainer/grad_norm.py): "v2" row by row where the gradient lives
+    # (no gather under FSDP2 / TP), "v1" one sum over the whole flat gradient (the order of runs and
+    # goldens recorded before v2: a saved config without this key reads as "v1")
+    grad_norm: Literal["v1", "v2"] = "v2"
 
 
 @dataclass

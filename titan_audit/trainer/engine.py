@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_audit import deterministic
 from titan_audit.audit import Recorder
-from titan_audit.audit.log import verify_audit_log
+from titan_audit.audit.log import check_audit_log
 from titan_audit.audit.run_manifest import record_census
 from titan_audit.log import get_logger
 from titan_audit.trainer import typed_config
@@ -75,7 +75,8 @@ from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.crash import crash_point
 from titan_audit.trainer.metrics_out import MetricsStreams, check_logging
 from titan_audit.trainer.optim import lr_at, set_lr
-from titan_audit.trainer.reduce import TreeReducer
+from titan_audit.trainer import grad_norm as norms
+from titan_audit.trainer.reduce import TreeReducer, gather_in_index_order
 from titan_audit.trainer.run_dir import (
     MetricsLog,
     check_out_path,
@@ -272,7 +273,7 @@ def check_run_dir(
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
         checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
         start, _ = checkpointer.preflight(fallback=config.checkpoint.fallback)
-        verify_audit_log(out)  # the parts a resume appends to: a damaged one stops it here, named
+        check_audit_log(out, after_step=start)  # the parts it appends to, and after its checkpoint
         if start >= config.steps:
             raise ValueError(
                 f"{out}: already at step {start} of steps={config.steps}; nothing to run "
@@ -596,20 +597,24 @@ class GradBuffers:
 class StepKit:
     """The part of a step both loops share, from the learning rate to the audited update.
 
-    Deterministic (always for rl): each microbatch's gradient lands in a zeroed buffer from the
-    pool (`buffers`), which goes into the TreeReducer under the microbatch's GLOBAL index; the
-    reducer gives each buffer back once it is spent (added into its left sibling, or sent).
-    `finish` reduces by the fixed tree, clips the full vector, gives each parameter its slice (views
-    of the reduced buffer, valid until the next step's first microbatch) and steps the optimizer;
-    then the reduced buffer goes back too, so every buffer is in the pool between steps. Memory
-    per rank in data parallel: the pool lends at most floor(log2(V/W)) + 1 gradient-sized buffers
-    at once when V/W is a power of two (for any W, 3 included; otherwise at most
-    2*floor(log2(V/W)) + 1, e.g. 3 at V = 6, W = 2), all allocated in the first step. With the
-    exchange's receive scratch on gloo (under one gradient), that is at most floor(log2(V/W)) + 2
-    gradient-sized buffers per rank; gradients up to COLLECTIVE_MAX_BYTES also keep a send buffer,
-    and on one host the shared file replaces both (reduce.py). Under FSDP2
-    (`sharded`) each microbatch's gradient is FSDP's, taken by `take_flat` into a fresh vector (no
-    pool), and each parameter gets this rank's dim-0 shard of the reduced one.
+    Deterministic (always for rl), data parallel: each microbatch's gradient lands in a zeroed
+    buffer from the pool (`buffers`), which goes into the TreeReducer under the microbatch's GLOBAL
+    index; the reducer gives each buffer back once it is spent (added into its left sibling, or
+    sent). `finish` reduces by the fixed tree, clips, gives each parameter its slice (views of the
+    reduced buffer, valid until the next step's first microbatch) and steps the optimizer; then the
+    reduced buffer goes back too, so every buffer is in the pool between steps. Memory per rank:
+    the pool lends at most floor(log2(V/W)) + 1 gradient-sized buffers at once when V/W is a power
+    of two (for any W, 3 included; otherwise at most 2*floor(log2(V/W)) + 1, e.g. 3 at V = 6,
+    W = 2), all allocated in the first step. With the exchange's receive scratch on gloo (under one
+    gradient), that is at most floor(log2(V/W)) + 2 gradient-sized buffers per rank; gradients up
+    to COLLECTIVE_MAX_BYTES also keep a send buffer, and on one host the shared file replaces both
+    (reduce.py).
+    Deterministic FSDP2 (`sharded`, a trainer/fsdp.py ShardedTree): rank r runs the microbatches
+    k*W + r (`interleaved`); FSDP's reduce-scatter step feeds each group's pieces to the group's
+    tree of shard partials during the backward, and `finish` gives each parameter its reduced
+    shard: memory per rank ~ (floor(log2(V/W)) + 1) x P/W for gradients, never a full one.
+    The clip norm (trainer/grad_norm.py, `determinism.grad_norm`): order v2 from the rows each rank
+    holds, only row values exchanged; order v1 over the full flat gradient (gathered where sharded).
     Conventional (`determinism.enabled = false`): .grad accumulates, one plain all_reduce (FSDP2:
     its own reduce-scatter, rescaled to the sum)."""
 
@@ -617,11 +622,12 @@ class StepKit:
         self.run, self.params, self.optimizer, self.sharded = run, params, optimizer, sharded
         self.config = run.config
         self.deterministic = bool(run.config.determinism.enabled)
+        self.norm_order = getattr(run.config.determinism, "grad_norm", "v2")
+        self.interleaved = self.deterministic and sharded is not None
         group = run.mesh.dp_group  # TP ranks of a dp rank hold the same microbatches: the tree is over dp
-        self.buffers = GradBuffers(sum(local_shape(p).numel() for p in params), run.mesh.device)
         pooled = self.deterministic and not sharded
-        release = self.buffers.give if pooled else None  # take_flat's vectors are not the pool's
-        self.reducer = TreeReducer(run.config.num_microbatches, group, release) if self.deterministic else None
+        self.buffers = GradBuffers(sum(local_shape(p).numel() for p in params) if pooled else 0, run.mesh.device)
+        self.reducer = TreeReducer(run.config.num_microbatches, group, self.buffers.give) if pooled else None
         self.tensor_parallel = run.mesh.tp > 1
         self._leaf: torch.Tensor | None = None
         self._reduced: torch.Tensor | None = None  # the pool's buffer holding this step's reduced gradient
@@ -633,20 +639,31 @@ class StepKit:
         lr = lr_at(step - 1, self.config.optimizer, self.config.schedule, self.config.steps)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.interleaved:
+            self.sharded.start_step(self.config.num_microbatches)
         return lr
 
     @contextlib.contextmanager
     def microbatch(self, j: int, index: int) -> Iterator[None]:
         """Local microbatch j (global index `index`): its records and its gradient (the block's
         backward) go under `index`; deterministic: the gradient goes into the tree under `index`."""
-        if self.deterministic and not self.sharded:
+        if self.reducer is not None:
             self._leaf = self.buffers.take()  # autograd accumulates 0 + g into views of it
             set_grads(self.params, self._leaf)
         self.run.recorder.set_microbatch(index)
         yield
-        if self.deterministic:
-            self.reducer.add(index, self.sharded.take_flat(self.params) if self.sharded else self._leaf)
+        if self.reducer is not None:
+            self.reducer.add(index, self._leaf)
+        if self.deterministic:  # FSDP2: what FSDP wrote into .grad is not the tree's; drop it
             self.optimizer.zero_grad(set_to_none=True)
+
+    def gather_in_index_order(self, local: torch.Tensor) -> torch.Tensor:
+        """Every dp rank's rows of `local` (one per local microbatch) in microbatch index order."""
+        dp = self.run.mesh.dp
+        out = gather_in_index_order(local, dp, self.run.mesh.dp_group)
+        if self.interleaved and dp > 1:  # rank r's j-th row is microbatch j*W + r
+            out = out.view(dp, -1, *out.shape[1:]).transpose(0, 1).reshape(out.shape)
+        return out
 
     def finish(self) -> float:
         """The step's gradient, clipping, optimizer step and their audit records; the grad norm."""
@@ -665,23 +682,18 @@ class StepKit:
 
     def _reduce_and_clip(self) -> torch.Tensor:
         max_norm = self.config.optimizer.grad_clip
+        if self.interleaved:  # FSDP2: each rank's reduced shards, clipped by the norm from its rows
+            self.sharded.finish()
+            grads = [p.grad.to_local() for p in self.params]
+            return _clip_pieces(grads, max_norm, self._norm(grads))
         if self.deterministic:  # the fixed tree; in BI mode the norm by the tree sum and our sqrt
-            grad = self.reducer.all_reduce()
-            if self.sharded and self.tensor_parallel:  # one gather: the norm and every shard come from it
-                full = torch.cat([t.reshape(-1) for t in self.sharded.full_tensors(self.params, grad)])
-                grad_norm = clip_(full, max_norm)
-                self.sharded.set_sharded(self.params, full, gathered=True)
-                return grad_norm
-            # under TP the norm of the full gradient, gathered in the TP=1 order
-            grad_norm = clip_(grad, max_norm, full_flat(self.params, grad) if self.tensor_parallel else None)
-            if self.sharded:
-                self.sharded.set_sharded(self.params, grad)  # this rank's shard of the full reduced gradient
-            else:
-                set_grads(self.params, grad)
-                self._reduced = grad
+            grad = self._reduced = self.reducer.all_reduce()
+            grad_norm = _clip_pieces([grad], max_norm, self._norm(_local_views(self.params, grad), flat=grad))
+            set_grads(self.params, grad)
             return grad_norm
         world_size = self.run.mesh.world_size
-        if self.sharded:  # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
+        if getattr(self.config.parallel, "mode", "dp") == "fsdp":
+            # conventional FSDP2: its reduce-scatters averaged into the shards; want the sum
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(world_size)
@@ -692,6 +704,58 @@ class StepKit:
         grad_norm = clip_(grad, max_norm, full_flat(self.params, grad) if self.tensor_parallel else None)
         set_grads(self.params, grad)
         return grad_norm
+
+    def _norm(self, grads: list[torch.Tensor], flat: torch.Tensor | None = None) -> torch.Tensor:
+        """The global gradient norm (grad_norm.py) of these local gradients, one per parameter."""
+        mesh = self.run.mesh
+        if self.norm_order == "v1":
+            if self.interleaved:  # every shard gathered: the old order needs the whole vector
+                return norms.full_norm_v1(torch.cat([_full(p.grad).reshape(-1) for p in self.params]))
+            return norms.full_norm_v1(full_flat(self.params, flat) if self.tensor_parallel else flat)
+        pieces = [
+            norms.Piece(
+                g,
+                rows=_unsharded_rows(p) if self.interleaved else None,
+                tp_dim=norms.tp_dim(p),
+                full_rows=p.shape[0] if p.dim() else 1,
+            )
+            for p, g in zip(self.params, grads, strict=True)
+        ]
+        tp_group = mesh.tp_mesh.get_group() if self.tensor_parallel else None
+        dp = mesh.dp if self.interleaved else 1
+        return norms.norm_v2(pieces, dp_group=mesh.dp_group, dp=dp, tp_group=tp_group, tp=mesh.tp)
+
+
+def _clip_pieces(pieces: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """Scale every piece in place so the global norm is <= max_norm (0: no clipping); elementwise,
+    so each element gets the bits it gets in any other layout. Returns the norm before."""
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for piece in pieces:
+            piece.mul_(scale)
+    return norm
+
+
+def _unsharded_rows(p: torch.Tensor) -> int:
+    """The dim 0 FSDP2 shards over dp: the TP-local tensor's (a Shard(0) over tp cuts it first)."""
+    if p.dim() == 0:
+        return 1
+    rows = p.shape[0]
+    if norms.tp_dim(p) == 0:
+        mesh = p.device_mesh
+        tp, rank = mesh["tp"].size(), mesh["tp"].get_local_rank()
+        rows = norms.chunk_sizes(rows, tp)[rank]
+    return rows
+
+
+def _local_views(params: list[torch.nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's local gradient as a view of `flat` (set_grads' layout)."""
+    out, offset = [], 0
+    for p in params:
+        local = local_shape(p)
+        out.append(flat[offset : offset + local.numel()].view(local))
+        offset += local.numel()
+    return out
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -1,135 +1,198 @@
-"""FSDP2 (`fully_shard`) with the deterministic gradient reduction instead of FSDP's reduce-scatter.
+"""FSDP2 (`fully_shard`) with the deterministic gradient reduction as FSDP's own reduce-scatter step.
 
-    grads = shard_model(model)             # every block, then the root; FSDP's own grad sync off
-    loss.backward(); flat = grads.take_flat(params)     # this microbatch's full gradient, fp32
-    ...TreeReducer over the V microbatches...
-    grads.set_sharded(params, reduced_flat)             # each rank keeps its dim-0 shard as .grad
+    tree = shard_model(model, deterministic=True)   # every block, then the root
+    tree.start_step(V)
+    for each of this rank's microbatches k*W + r:   # round k; interleaved (data/plan.py)
+        loss.backward()                             # FSDP hands each group's packed gradient to the tree
+        optimizer.zero_grad(set_to_none=True)
+    tree.finish()                                   # each parameter's .grad = this rank's reduced shard
 
 Guarantees:
 - Parameters are sharded on dim 0 over the default group (FSDP2's layout), or with `mesh` over the
-  dp dimension of a (dp, tp) mesh, composed with tensor parallelism: a TP-sharded parameter is
-  then 2-D and its "full" gradient in the flat vector is its local TP shard (`full_tensors`
-  gathers it). Forward and backward
-  run on all-gathered (bit-exact) parameters with the same ops as replicated data parallel, so a
-  microbatch's unsharded gradient has the same bits as in DP; FSDP's reduce-scatter is switched
-  off (`set_requires_gradient_sync(False)`), and the gradient of each microbatch is taken from
-  FSDP's unsharded gradient and fed to the fixed-tree reduction. So an FSDP2 run at any W has the
-  audit log of a DP run at any W (tests/trainer/test_fsdp.py).
-- The reduced gradient is the full vector on every rank (TreeReducer.all_reduce); each rank keeps
-  its own shard of it (a local slice, no communication). Clipping is computed on the full vector,
-  identical on every rank. AdamW is elementwise, so updating shards gives the bits of updating the
-  whole tensors.
-- bf16 compute (`param_dtype`): forward/backward on bf16 all-gathered parameters; the unsharded
-  gradient is bf16 (FSDP2 keeps it widened to fp32 in `unsharded_accumulated_grad`, exactly), and
-  `take_flat` adds it into the fp32 vector (0 + g), the DP path's bits; shards, reduced gradients
-  and AdamW state stay fp32.
-- Cost note: the reduction moves the volume of an all-reduce (not of a reduce-scatter), and each
-  microbatch's unsharded gradient is held until it is flattened: memory is that of DP for
-  gradients, FSDP's saving is kept for parameters and optimizer state.
-This reads FSDP2's per-parameter unsharded gradient (`FSDPParam._unsharded_param.grad`, or
-`FSDPParam.unsharded_accumulated_grad` under mixed precision), an
-internal of torch.distributed.fsdp; it is checked on this torch (2.13) by the tests.
+  dp dimension of a (dp, tp) mesh, composed with tensor parallelism (FSDP's "unsharded" parameter
+  is then the local TP shard). Forward and backward run on all-gathered (bit-exact) parameters
+  with the same ops as replicated data parallel, so a microbatch's unsharded gradient has the bits
+  it has in DP.
+- The reduced shard has the bits of the canonical tree over the V microbatch indices
+  (trainer/reduce.py), i.e. of the DP run at any W. Rank r of W runs the microbatches k*W + r.
+  In round k FSDP hands each parameter group's gradient, packed rank-major by dim-0 shard
+  (`set_custom_reduce_scatter`), to `_Exchange`, which moves the pieces without adding them (one
+  all_to_all_single): rank q receives shard q of the leaves k*W .. k*W + W - 1, in index order.
+  Each piece becomes 0 + piece (so a -0.0 leaf is +0.0, as autograd's accumulation into zeros
+  makes it in DP) and is pushed onto the group's `TreeStack`: the leaves arrive in index order,
+  so the stack merges siblings as soon as both are there and holds the maximal nodes so far.
+  FSDP's AVG op is ignored (fp32 and bf16 reduce dtypes have no pre/post division), and what it
+  writes into the sharded .grad is dropped by the caller's zero_grad after each backward.
+  At W = 1 FSDP calls no reduce-scatter (it copies); the all-reduce hook then gets the copy.
+- Memory per rank: W a power of two makes each round one subtree, so a group's stack holds at most
+  floor(log2(V/W)) + 1 shard-sized partials (recycled between steps), plus, while one group
+  reduces, its packed gradient and the received pieces (one layer's unsharded gradient each).
+  Any other W (3, 6, ...) works with the same bits and a deeper stack (at most the canonical
+  tree's depth + 1 partials, e.g. V = 6, W = 3: 2).
+- bf16 compute (`param_dtype`): the unsharded gradient is bf16; FSDP packs it into the fp32
+  reduce dtype (an exact widening), the bits `take_flat`-style widening gave; shards, reduced
+  gradients and AdamW state stay fp32.
+This relies on FSDP2's reduce-scatter hook contract of torch 2.13 (`ReduceScatter.__call__`,
+`set_all_reduce_hook`, `set_reduce_scatter_unused_params`, `FSDPParam.sharded_size` /
+`contiguous_sharded_stride` / `to_sharded_dtensor`); the tests check it on this torch.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
+
+from titan_audit.trainer.reduce import TreeStack
 
 
-class ShardedGrads:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.by_param = {}
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
-                if group is not None:
-                    for fsdp_param in group.fsdp_params:
-                        self.by_param[id(fsdp_param.sharded_param)] = fsdp_param
-        assert self.by_param, "no FSDP-managed parameters"
+@dataclass
+class _Group:
+    """One FSDP parameter group: its parameters in packing order, the tree stack of this rank's
+    shard partials for the current step, and the shard-sized buffers it recycles."""
 
-    def _unsharded_shape(self, p: torch.nn.Parameter) -> torch.Size:
-        """The shape of p's gradient in the flat vector: FSDP's unsharded parameter (under tensor
-        parallelism, its local TP shard)."""
-        unsharded = self.by_param[id(p)]._unsharded_param
-        return unsharded.to_local().shape if isinstance(unsharded, DTensor) else unsharded.shape
+    name: str
+    fsdp_params: list
+    world_size: int
+    stack: TreeStack | None = None
+    rounds: int = 0
+    free: list[torch.Tensor] = field(default_factory=list)
+    lent: list[torch.Tensor] = field(default_factory=list)
 
-    def take_flat(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        """The microbatch's full gradient of every parameter (zeros where unused; under tensor
-        parallelism, its local TP shard) as one fresh fp32 vector in parameter order; FSDP's
-        unsharded gradients are cleared for the next microbatch."""
-        numel = sum(self._unsharded_shape(p).numel() for p in params)
-        flat = torch.zeros(numel, dtype=torch.float32, device=params[0].device)  # the run's device
-        offset = 0
-        for p in params:
-            fsdp_param = self.by_param[id(p)]
-            shape = self._unsharded_shape(p)
-            unsharded = fsdp_param._unsharded_param
-            # Mixed precision without gradient sync: FSDP moves the bf16 gradient into an fp32
-            # `unsharded_accumulated_grad` (its exact widening); otherwise it stays on .grad.
-            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-            assert accumulated is None or unsharded.grad is None, "both gradient slots are set"
-            grad = accumulated if accumulated is not None else unsharded.grad
-            if grad is not None:
-                if isinstance(grad, DTensor):
-                    grad = grad.to_local()
-                assert grad.shape == shape, (grad.shape, shape)
-                flat[offset : offset + shape.numel()].add_(grad.reshape(-1))  # 0 + g, as the DP path
-                unsharded.grad = None
-                fsdp_param.unsharded_accumulated_grad = None
-            offset += shape.numel()
-        return flat
+    def shard_numel(self) -> int:
+        """Elements of this rank's packed shard: every parameter's dim-0 chunk padded to ceil(R/W) rows."""
+        return sum(_padded_numel(p, self.world_size) // self.world_size for p in self.fsdp_params)
 
-    def full_tensors(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
-        """Every parameter's full gradient from `flat` (take_flat's layout): under tensor
-        parallelism a TP shard is gathered over its TP mesh (collective)."""
-        out, offset = [], 0
-        for p in params:
-            shape = self._unsharded_shape(p)
-            piece = flat[offset : offset + shape.numel()].view(shape)
-            unsharded = self.by_param[id(p)]._unsharded_param
-            if isinstance(unsharded, DTensor):
-                piece = DTensor.from_local(piece, unsharded.device_mesh, unsharded.placements, run_check=False)
-                piece = piece.full_tensor()
-            out.append(piece)
-            offset += shape.numel()
-        assert offset == flat.numel(), (offset, flat.numel())
-        return out
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        buf = self.free.pop() if self.free else torch.empty_like(like)
+        self.lent.append(buf)
+        return buf
 
-    def set_sharded(self, params: list[torch.nn.Parameter], flat: torch.Tensor, *, gathered: bool = False) -> None:
-        """Each parameter's .grad = this rank's shard of its slice of the full reduced vector:
-        `flat` in take_flat's layout, or with `gathered` already the full tensors end to end."""
-        fulls = _slices(params, flat) if gathered else self.full_tensors(params, flat)
-        for p, full in zip(params, fulls, strict=True):
-            p.grad = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+    def give(self, buf: torch.Tensor) -> None:
+        if any(buf is b for b in self.lent):
+            self.lent = [b for b in self.lent if b is not buf]
+            self.free.append(buf)
+
+    def push_round(self, pieces: torch.Tensor) -> None:
+        """Round `rounds`: pieces [W, S] are this rank's shards of the leaves rounds*W .. +W-1."""
+        assert self.stack is not None, "start_step() before the backward"
+        pieces.add_(0.0)  # 0 + g: a -0.0 leaf becomes +0.0, as accumulating into zeros does in DP
+        for piece in pieces:
+            self.stack.push(piece)
+        # Partials still on the stack that live in this round's buffer move to recycled buffers
+        # (a right sibling already went into its left one, which owns its buffer).
+        storage = pieces.untyped_storage().data_ptr()
+        for i, (lo, hi, value) in enumerate(self.stack.nodes):
+            if value.untyped_storage().data_ptr() == storage:
+                self.stack.nodes[i] = (lo, hi, self.buffer(value).copy_(value))
+        self.rounds += 1
 
 
-def _slices(params: list[torch.nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
-    """Every parameter's full (logical) shape, cut from `flat` in parameter order."""
-    out, offset = [], 0
-    for p in params:
-        out.append(flat[offset : offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    assert offset == flat.numel(), (offset, flat.numel())
-    return out
+class _Exchange(ReduceScatter):
+    """FSDP's reduce-scatter for one group, replaced by a move of the pieces (no addition)."""
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):  # noqa: ANN001
+        world_size = dist.get_world_size(group)
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)  # equal splits: rank-major shards
+        self.group.push_round(received.view(world_size, -1))
+        return None
+
+
+def _padded_numel(fsdp_param, world_size: int) -> int:
+    shape = _unsharded_shape(fsdp_param)
+    return math.ceil(shape[0] / world_size) * world_size * math.prod(shape[1:])
+
+
+def _unsharded_shape(fsdp_param) -> torch.Size:
+    """The gradient FSDP packs for this parameter: its unsharded parameter's (under tensor
+    parallelism, the local TP shard's) shape."""
+    unsharded = fsdp_param._unsharded_param
+    return unsharded.to_local().shape if isinstance(unsharded, DTensor) else unsharded.shape
+
+
+class ShardedTree:
+    """The deterministic FSDP2 gradient path of a sharded model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, world_size: int) -> None:
+        self.world_size = world_size
+        self.groups: list[_Group] = []
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            param_group = module._get_fsdp_state()._fsdp_param_group
+            if param_group is None:
+                continue
+            fsdp_params = [p for p in param_group.fsdp_params if p.sharded_param.requires_grad]
+            group = _Group(name or "<root>", fsdp_params, world_size)
+            self.groups.append(group)
+            if world_size > 1:
+                module.set_custom_reduce_scatter(_Exchange(group))
+            else:  # FSDP copies instead of reducing at W = 1; its hook sees the copy
+                module.set_all_reduce_hook(lambda output, group=group: group.push_round(output.view(1, -1)))
+        assert self.groups, "no FSDP-managed parameters"
+        model.set_reduce_scatter_unused_params(True)  # every parameter in every packing, zeros if unused
+
+    def start_step(self, num_microbatches: int) -> None:
+        """A fresh tree per group over the step's V microbatches; last step's partials recycled."""
+        if num_microbatches % self.world_size:
+            raise ValueError(f"world size {self.world_size} must divide the number of virtual microbatches {num_microbatches}")
+        for group in self.groups:
+            group.free.extend(group.lent)
+            group.lent = []
+            group.stack = TreeStack(num_microbatches, 0, group.give)
+            group.rounds = 0
+
+    def finish(self) -> None:
+        """Every parameter's .grad = its reduced shard (views of the group's root partial)."""
+        for group in self.groups:
+            nodes = group.stack.take() if group.stack is not None else []
+            if len(nodes) != 1 or nodes[0][:2] != (0, group.stack.num_leaves):
+                raise RuntimeError(
+                    f"FSDP group {group.name}: the gradient tree is incomplete after {group.rounds} rounds "
+                    f"({[(lo, hi) for lo, hi, _ in nodes]}); every rank must run all its microbatches"
+                )
+            root = nodes[0][2]
+            offset = 0
+            for fsdp_param in group.fsdp_params:
+                shard = torch.as_strided(
+                    root, fsdp_param.sharded_size, fsdp_param.contiguous_sharded_stride, storage_offset=offset
+                )
+                param = fsdp_param.sharded_param
+                param.grad = fsdp_param.to_sharded_dtensor(shard if shard.dtype == param.dtype else shard.to(param.dtype))
+                offset += _padded_numel(fsdp_param, self.world_size) // self.world_size
+            assert offset == root.numel(), (group.name, offset, root.numel())
+
+    def partials_held(self) -> int:
+        """Shard-sized partial buffers lent out now, over all groups."""
+        return sum(len(g.lent) for g in self.groups)
 
 
 def shard_model(
     model: torch.nn.Module, *, deterministic: bool = True, param_dtype: torch.dtype = torch.float32, mesh=None
-) -> ShardedGrads:
-    """fully_shard every decoder block and the root (default mesh: all ranks). Deterministic: FSDP's
-    gradient sync off (the tree reduction replaces it). Otherwise FSDP2 as usual: an averaging
-    reduce-scatter per backward accumulated into the sharded .grad (the caller multiplies by W: the
-    loss is already normalised by the global token count; gloo has no PREMUL_SUM for a factor of
-    1); the baseline and negative control of the deterministic path.
+) -> ShardedTree | None:
+    """fully_shard every decoder block and the root (default mesh: all ranks). Deterministic: the
+    tree above replaces FSDP's reduce-scatter (returned). Otherwise FSDP2 as usual (None): an
+    averaging reduce-scatter per backward accumulated into the sharded .grad (the caller multiplies
+    by W: the loss is already normalised by the global token count; gloo has no PREMUL_SUM for a
+    factor of 1); the baseline and negative control of the deterministic path.
 
     param_dtype other than the parameters' (bf16 compute): FSDP2's MixedPrecisionPolicy casts
     each shard before the all-gather (elementwise: the bits of casting the full tensor, as the DP
     path does) and leaves the blocks' float inputs alone (RoPE tables stay fp32, as in DP);
-    gradient reductions (the native path's) run in fp32."""
+    gradients are packed and reduced in fp32."""
     kwargs = {}
     if any(p.dtype != param_dtype for p in model.parameters()):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -143,6 +206,7 @@ def shard_model(
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    if deterministic:
-        model.set_requires_gradient_sync(False)
-    return ShardedGrads(model)
+    if not deterministic:
+        return None
+    world_size = mesh.size() if mesh is not None else dist.get_world_size()
+    return ShardedTree(model, world_size)

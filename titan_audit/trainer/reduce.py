@@ -198,6 +198,40 @@ def all_reduce_partials(partial: torch.Tensor, group: dist.ProcessGroup | None =
     return tree_sum(stacked)
 
 
+class TreeStack:
+    """The canonical tree over leaves arriving in index order, merged as soon as siblings are both
+    there: leaf i is pushed after leaves start..i-1; whenever the top two entries are the two
+    children of a tree node they become that node, computed in place into the left one's buffer
+    (left + right) and the right one's buffer goes to `release`. The stack then holds the maximal
+    tree nodes over the leaves pushed so far: at most one per level of the tree (depth + 1)."""
+
+    def __init__(self, num_leaves: int, start: int = 0, release: Release | None = None) -> None:
+        self.num_leaves, self.start = num_leaves, start
+        self._tree = tree_nodes(num_leaves)
+        self._release = release
+        self.nodes: list[tuple[int, int, torch.Tensor]] = []
+        self.next = start
+
+    def push(self, value: torch.Tensor) -> None:
+        """Leaf `self.next`'s value (the stack owns its buffer from now on)."""
+        assert self.next < self.num_leaves, (self.next, self.num_leaves)
+        self.nodes.append((self.next, self.next + 1, value))
+        self.next += 1
+        while len(self.nodes) >= 2:
+            (lo, mid, left), (mid2, hi, right) = self.nodes[-2], self.nodes[-1]
+            assert mid == mid2
+            if (lo, hi) not in self._tree or split_point(lo, hi) != mid:
+                break
+            self.nodes[-2:] = [(lo, hi, left.add_(right))]  # node value = left + right
+            if self._release is not None:
+                self._release(right)
+
+    def take(self) -> list[tuple[int, int, torch.Tensor]]:
+        """The nodes held (their buffers pass to the caller) and a fresh start."""
+        nodes, self.nodes, self.next = self.nodes, [], self.start
+        return nodes
+
+
 def rank_block(num_microbatches: int, world_size: int, rank: int) -> tuple[int, int]:
     """Microbatches [start, stop) that `rank` processes. W must divide V."""
     if world_size < 1 or num_microbatches % world_size:
@@ -241,9 +275,7 @@ class TreeReducer:
             block_subtrees(num_microbatches, *rank_block(num_microbatches, self.world_size, r))
             for r in range(self.world_size)
         ]
-        self._nodes = tree_nodes(num_microbatches)
-        self._stack: list[tuple[int, int, torch.Tensor]] = []
-        self._next = self.block[0]
+        self._stack = TreeStack(num_microbatches, self.block[0], self._give_back)
         self._buffers: dict[str, torch.Tensor] = {}
         self._slots_per_rank = max(len(nodes) for nodes in self.layout)  # partials a rank can hold
         self._shared: SharedExchange | None = None
@@ -252,24 +284,17 @@ class TreeReducer:
 
     def add(self, index: int, flat_grad: torch.Tensor) -> None:
         """Add microbatch `index`'s gradient (1-D). Indices must come in order through the block."""
-        if index != self._next:
-            raise ValueError(f"microbatch {index} added out of order; expected {self._next} (block {self.block})")
+        if index != self._stack.next:
+            raise ValueError(f"microbatch {index} added out of order; expected {self._stack.next} (block {self.block})")
         assert flat_grad.dim() == 1, flat_grad.shape
-        if self._stack and (flat_grad.shape, flat_grad.dtype) != (self._stack[0][2].shape, self._stack[0][2].dtype):
-            first = self._stack[0][2]
+        nodes = self._stack.nodes
+        if nodes and (flat_grad.shape, flat_grad.dtype) != (nodes[0][2].shape, nodes[0][2].dtype):
+            first = nodes[0][2]
             raise ValueError(
                 f"microbatch {index}: gradient {flat_grad.dtype}{list(flat_grad.shape)}, "
                 f"expected {first.dtype}{list(first.shape)}"
             )
-        self._next += 1
-        self._stack.append((index, index + 1, flat_grad))
-        while len(self._stack) >= 2:
-            (lo, mid, left), (mid2, hi, right) = self._stack[-2], self._stack[-1]
-            assert mid == mid2
-            if (lo, hi) not in self._nodes or split_point(lo, hi) != mid:
-                break
-            self._stack[-2:] = [(lo, hi, left.add_(right))]  # node value = left + right
-            self._give_back(right)
+        self._stack.push(flat_grad)
 
     def _give_back(self, buffer: torch.Tensor) -> None:
         """`buffer` is spent (added into another, or sent): to `release`, if given."""
@@ -277,15 +302,12 @@ class TreeReducer:
             self._release(buffer)
 
     def _partials(self) -> list[torch.Tensor]:
-        if self._next != self.block[1]:
+        if self._stack.next != self.block[1]:
             raise ValueError(
-                f"reduce called after microbatches {self.block[0]}..{self._next - 1} of block {self.block}"
+                f"reduce called after microbatches {self.block[0]}..{self._stack.next - 1} of block {self.block}"
             )
-        assert [(lo, hi) for lo, hi, _ in self._stack] == self.layout[self.rank]
-        partials = [t for _, _, t in self._stack]
-        self._stack = []
-        self._next = self.block[0]
-        return partials
+        assert [(lo, hi) for lo, hi, _ in self._stack.nodes] == self.layout[self.rank]
+        return [t for _, _, t in self._stack.take()]
 
     def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A scratch buffer kept across calls (a fresh buffer of tens of MB costs page faults
