@@ -10,10 +10,13 @@ Tiny cases: the real train loop (trainer/train.py) on tiny-dense at W = 2 on glo
   TARGET_DETERMINISTIC_RATIO = 1/0.85);
 - second case `deterministic + BI ops` against `deterministic`: the same with the batch-invariant
   ops on, as RL needs them (our own CPU kernels, portable PortableAdamW). Target: <=
-  TARGET_BI_RATIO = 1.2x the native deterministic step (issue 26; 1.5 before);
+  TARGET_BI_RATIO = 1.2x the native deterministic step;
 - third case `deterministic + BI ops` (op census recording) against the same with
   `determinism.census=off` (no census guards installed; the routes that define BI numerics stay):
-  what keeping the census on in every BI run costs. Target: <= TARGET_CENSUS_RATIO = 1.05 (issue 21).
+  what keeping the census on in every BI run costs. Target: <= TARGET_CENSUS_RATIO = 1.05;
+- fourth case, FSDP2 (`parallel.mode = "fsdp"`): the deterministic sharded tree (trainer/fsdp.py:
+  an all_to_all of each layer's pieces, the tree on this rank's shard) against FSDP2 with
+  determinism off (its own averaging reduce-scatter). Target: TARGET_DETERMINISTIC_RATIO.
 Real-width case (`REAL_WIDTH`: the widths of qwen3-0.6b, hidden 1024, 16/8 heads, head_dim 128,
 intermediate 3072, vocab 151936 tied, with 2 layers; ~187M parameters): `deterministic + BI ops`
 against `deterministic` at W = 1, 1 thread, 2 x 64-token sequences per step as V = 2
@@ -32,25 +35,28 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
+from titan_audit.audit.run_metrics import read_metrics
 from titan_audit.bench.core import BenchOptions, Case
 from titan_audit.trainer.config import from_dict, load_config, to_dict
 from titan_audit.trainer.local_ranks import run_local_ranks
 
 TARGET_DETERMINISTIC_RATIO = 1 / 0.85  # deterministic (native ops) against determinism off
-TARGET_BI_RATIO = 1.2  # deterministic + BI ops against deterministic (issue 26)
-TARGET_CENSUS_RATIO = 1.05  # census recording against census off (issue 21)
+TARGET_BI_RATIO = 1.2  # deterministic + BI ops against deterministic
+TARGET_CENSUS_RATIO = 1.05  # census recording against census off
 WORLD_SIZE = 2
 DETERMINISM_OFF = "determinism off (plain all_reduce)"
 DETERMINISTIC = "deterministic (tree reduction, native ops)"
 BI = "deterministic + BI ops"
 BI_NO_CENSUS = "deterministic + BI ops, census off"
+FSDP_OFF = "FSDP2, determinism off (its own reduce-scatter)"
+FSDP_DETERMINISTIC = "FSDP2 deterministic (sharded tree, native ops)"
 SIDES = {
     DETERMINISM_OFF: ["determinism.enabled=false"],
     DETERMINISTIC: [],
     BI: ["determinism.batch_invariant=true"],
     BI_NO_CENSUS: ["determinism.batch_invariant=true", "determinism.census='off'"],
+    FSDP_OFF: ["parallel.mode='fsdp'", "determinism.enabled=false"],
+    FSDP_DETERMINISTIC: ["parallel.mode='fsdp'"],
 }
 REAL_WIDTH = [
     "model.preset='qwen3-0.6b'",
@@ -76,7 +82,7 @@ def _step_seconds(
     config = load_config("tiny-dense", [f"steps={steps}", "audit.level='off'", "checkpoint.interval=0", *overrides])
     out = root / name
     run_local_ranks(_rank_main, world_size, args=(to_dict(config), str(out)), threads=config.parallel.threads)
-    rows = pq.read_table(out / "metrics.parquet").to_pylist()
+    rows = read_metrics(out).to_pylist()
     return statistics.median(r["seconds"] for r in rows[1:]), rows[0]["tokens"]
 
 
@@ -112,6 +118,7 @@ def train_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[
             (DETERMINISM_OFF, DETERMINISTIC, TARGET_DETERMINISTIC_RATIO),
             (DETERMINISTIC, BI, TARGET_BI_RATIO),
             (BI_NO_CENSUS, BI, TARGET_CENSUS_RATIO),
+            (FSDP_OFF, FSDP_DETERMINISTIC, TARGET_DETERMINISTIC_RATIO),
         ):
             name = f"train tiny-dense W={WORLD_SIZE} V=8: {candidate}"
             cases.append(_case(name, baseline, candidate, best, tokens, target))

@@ -64,6 +64,7 @@ class _Group:
     rounds: int = 0
     free: list[torch.Tensor] = field(default_factory=list)
     lent: list[torch.Tensor] = field(default_factory=list)
+    peak: int = 0  # the most shard-sized partials lent at once
 
     def shard_numel(self) -> int:
         """Elements of this rank's packed shard: every parameter's dim-0 chunk padded to ceil(R/W) rows."""
@@ -72,6 +73,7 @@ class _Group:
     def buffer(self, like: torch.Tensor) -> torch.Tensor:
         buf = self.free.pop() if self.free else torch.empty_like(like)
         self.lent.append(buf)
+        self.peak = max(self.peak, len(self.lent))
         return buf
 
     def give(self, buf: torch.Tensor) -> None:

@@ -1,0 +1,148 @@
+"""FSDP2's sharded tree (trainer/fsdp.py): each rank's reduced shard has the bits of the canonical
+tree over the V microbatch gradients (the DP result), with at most floor(log2(V/W)) + 1 shard
+partials per group; and the clip norm's order v2 (trainer/grad_norm.py) from pieces."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+from torch import nn
+
+from titan_audit.trainer import grad_norm
+from titan_audit.trainer.fsdp import _Group, shard_model
+from titan_audit.trainer.reduce import TreeStack, split_point
+
+V = 8
+
+
+class _Blocks(nn.Module):
+    """Decoder-like: `layers` (what shard_model wraps one by one) and a root parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(12, 12), nn.Linear(12, 12)])
+        self.head = nn.Linear(12, 5)  # 5 rows: uneven dim-0 shards at W = 2 and 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _batch(index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(index)
+    return torch.randn(3, 12, generator=g) * 10.0 ** torch.randint(-3, 4, (3, 12), generator=g)
+
+
+def _loss(model: nn.Module, index: int) -> torch.Tensor:
+    return (model(_batch(index)) ** 2).sum()
+
+
+def _sharded_grads(rank: int, world_size: int, interleaved: bool) -> tuple[dict, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _Blocks()
+    tree = shard_model(model, mesh=init_device_mesh("cpu", (world_size,)))
+    per_rank = V // world_size
+    indices = range(rank, V, world_size) if interleaved else range(rank * per_rank, (rank + 1) * per_rank)
+    tree.start_step(V)
+    for index in indices:
+        _loss(model, index).backward()
+        model.zero_grad(set_to_none=True)
+    tree.finish()
+    dist.barrier()
+    grads = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+    return grads, max(group.peak for group in tree.groups)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """DP: every microbatch's gradient as 0 + g, summed by the canonical tree."""
+    model = _Blocks()
+    leaves = []
+    for index in range(V):
+        model.zero_grad(set_to_none=True)
+        _loss(model, index).backward()
+        leaves.append({n: torch.zeros_like(p) + p.grad for n, p in model.named_parameters()})
+
+    def tree(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        if hi - lo == 1:
+            return leaves[lo]
+        mid = split_point(lo, hi)
+        left, right = tree(lo, mid), tree(mid, hi)
+        return {n: left[n] + right[n] for n in left}
+
+    return tree(0, V)
+
+
+def _gathered(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([grads[name] for grads in per_rank]) for name in per_rank[0]}
+
+
+def _bits_equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[n].view(torch.int32), b[n].view(torch.int32)) for n in a)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_tree_has_the_dp_bits_with_log_partials(world_size):
+    reference = _reference()
+    results = run_ranks(_sharded_grads, world_size, args=(True,))
+    assert _bits_equal(_gathered([grads for grads, _ in results]), reference)
+    assert max(peak for _, peak in results) <= int(math.log2(V // world_size)) + 1
+    if world_size == 2:
+        # control: the same exchange over microbatches assigned in blocks sums in another order
+        blocks = run_ranks(_sharded_grads, world_size, args=(False,))
+        assert not _bits_equal(_gathered([grads for grads, _ in blocks]), reference)
+
+
+@pytest.mark.control
+def test_a_negative_zero_leaf_reduces_as_zero_plus_g():
+    group = _Group("g", [], 1)
+    group.stack = TreeStack(2, 0, group.give)
+    for _ in range(2):
+        group.push_round(torch.tensor([[-0.0]]))
+    (_, _, root), = group.stack.take()
+    assert root.view(torch.int32).item() == 0  # +0.0, as 0 + g leaves give in DP
+    raw = TreeStack(2)  # control: the pieces as copied, without 0 + g
+    for _ in range(2):
+        raw.push(torch.tensor([-0.0]))
+    assert raw.take()[0][2].view(torch.int32).item() != 0
+
+
+def _wide(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * 10.0 ** torch.randint(-4, 5, shape, generator=g)
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_a_rows_tensor_parallel_column_shards_combine_to_its_sum(shards):
+    g = _wide((6, 1024), 1)  # P(1024) = 16 blocks of 64
+    whole = grad_norm._row_sums(g, 1024, 1)
+    parts = [grad_norm._row_sums(piece, 1024, shards) for piece in g.chunk(shards, dim=1)]
+    assert torch.equal(grad_norm.tree_combine(parts).view(torch.int32), whole.view(torch.int32))
+
+
+@pytest.mark.control
+def test_a_split_off_the_row_blocks_gives_other_bits():
+    g = _wide((6, 1024), 1)
+    whole = grad_norm._row_sums(g, 1024, 1)
+    cut = 1024 // 2 + 1  # not a block boundary: each half summed whole, then added
+    halves = grad_norm._row_sums(g[:, :cut], cut, 1) + grad_norm._row_sums(g[:, cut:], 1024 - cut, 1)
+    assert not torch.equal(halves.view(torch.int32), whole.view(torch.int32))
+
+
+def test_norm_v2_and_v1_are_different_orders_of_the_same_norm():
+    grads = [_wide((64, 256), 2), _wide((256,), 3)]
+    v2 = grad_norm.norm_v2([grad_norm.Piece(g) for g in grads])
+    v1 = grad_norm.full_norm_v1(torch.cat([g.reshape(-1) for g in grads]))
+    assert torch.isclose(v1, v2, rtol=1e-5)  # the same quantity ...
+    assert not torch.equal(v1.view(torch.int32), v2.view(torch.int32))  # ... in another order
+
+
+@pytest.mark.parametrize("rows, world", [(5, 2), (5, 4), (2, 4), (12, 3), (0, 2)])
+def test_chunk_sizes_are_torch_chunks(rows, world):
+    expected = [c.shape[0] for c in torch.arange(rows).chunk(world)] if rows else []
+    sizes = grad_norm.chunk_sizes(rows, world)
+    assert len(sizes) == world and sizes[: len(expected)] == expected and sum(sizes) == rows
