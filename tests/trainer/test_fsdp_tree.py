@@ -41,7 +41,7 @@ def _loss(model: nn.Module, index: int) -> torch.Tensor:
     return (model(_batch(index)) ** 2).sum()
 
 
-def _sharded_grads(rank: int, world_size: int, interleaved: bool) -> tuple[dict, int]:
+def _sharded_grads(rank: int, world_size: int, interleaved: bool, V: int = V) -> tuple[dict, int]:
     from torch.distributed.device_mesh import init_device_mesh
 
     model = _Blocks()
@@ -58,7 +58,7 @@ def _sharded_grads(rank: int, world_size: int, interleaved: bool) -> tuple[dict,
     return grads, max(group.peak for group in tree.groups)
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(V: int = V) -> dict[str, torch.Tensor]:
     """DP: every microbatch's gradient as 0 + g, summed by the canonical tree."""
     model = _Blocks()
     leaves = []
@@ -95,6 +95,12 @@ def test_sharded_tree_has_the_dp_bits_with_log_partials(world_size):
         # control: the same exchange over microbatches assigned in blocks sums in another order
         blocks = run_ranks(_sharded_grads, world_size, args=(False,))
         assert not _bits_equal(_gathered([grads for grads, _ in blocks]), reference)
+
+
+def test_a_world_size_not_a_power_of_two_keeps_the_bits_with_a_deeper_stack():
+    results = run_ranks(_sharded_grads, 3, args=(True, 6))  # V = 6: rounds {0,1,2}, {3,4,5}
+    assert _bits_equal(_gathered([grads for grads, _ in results]), _reference(6))
+    assert max(peak for _, peak in results) == 2  # [0,2) and [2,3) wait for round 1
 
 
 @pytest.mark.control

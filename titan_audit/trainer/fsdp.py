@@ -66,10 +66,6 @@ class _Group:
     lent: list[torch.Tensor] = field(default_factory=list)
     peak: int = 0  # the most shard-sized partials lent at once
 
-    def shard_numel(self) -> int:
-        """Elements of this rank's packed shard: every parameter's dim-0 chunk padded to ceil(R/W) rows."""
-        return sum(_padded_numel(p, self.world_size) // self.world_size for p in self.fsdp_params)
-
     def buffer(self, like: torch.Tensor) -> torch.Tensor:
         buf = self.free.pop() if self.free else torch.empty_like(like)
         self.lent.append(buf)
@@ -172,8 +168,8 @@ class ShardedTree:
                 shard = torch.as_strided(
                     root, fsdp_param.sharded_size, fsdp_param.contiguous_sharded_stride, storage_offset=offset
                 )
-                param = fsdp_param.sharded_param
-                param.grad = fsdp_param.to_sharded_dtensor(shard if shard.dtype == param.dtype else shard.to(param.dtype))
+                assert shard.dtype == fsdp_param.sharded_param.dtype, (group.name, shard.dtype)  # fp32 masters
+                fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(shard)
                 offset += _padded_numel(fsdp_param, self.world_size) // self.world_size
             assert offset == root.numel(), (group.name, offset, root.numel())
 
