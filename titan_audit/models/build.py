@@ -1,8 +1,9 @@
 """`build(preset_or_config)`: a freshly initialised model from a preset name or a ModelConfig.
 
-The model is constructed on the meta device (no wasted allocation for real shapes), materialised
-on `device`, cast to `dtype` and initialised from `seed` (see `init.py`): the same arguments give
-bitwise the same weights on every machine.
+The model is constructed on the meta device (`build_meta`: shapes only, no allocation; what a
+sharded run lays out before it allocates, trainer/materialize.py), materialised on `device`, cast
+to `dtype` and initialised from `seed` (see `init.py`): the same arguments give bitwise the same
+weights on every machine, whole or shard by shard.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ def resolve_config(preset_or_config: str | ModelConfig) -> ModelConfig:
     raise ValueError(f"expected a preset name or a ModelConfig, got {type(preset_or_config).__name__}")
 
 
+def build_meta(preset_or_config: str | ModelConfig) -> Transformer:
+    """The model on the meta device: every parameter's shape and dtype (float32), no storage."""
+    with torch.device("meta"):
+        return Transformer(resolve_config(preset_or_config))
+
+
 def build(
     preset_or_config: str | ModelConfig,
     *,
@@ -35,9 +42,7 @@ def build(
     config = resolve_config(preset_or_config)
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = build_meta(config).to_empty(device=device).to(dtype)
     init_weights(model, seed, config.initializer_range)
     model.set_activation_checkpointing(activation_checkpointing)
     model.set_compile(compile)

@@ -3,7 +3,7 @@ HF model directory, or the deterministic init of (config.model, seed).
 
     config = resolve_config(TrainConfig, RECIPES, "recipe", "tiny-dense", out, kind="train",
                             resume=False, overrides=[], init="hf/qwen3")  # the init's shape
-    load_init(model, "hf/qwen3", portable=False)                           # its weights, bitwise
+    load_init(model, "hf/qwen3")                                           # its weights, bitwise
 
 Guarantees:
 - `init_kind(init)` names the source ('none' | 'run' | 'hf') with its model config, after a
@@ -17,8 +17,12 @@ Guarantees:
   the key and both values. An explicit `model.preset` claims that preset's whole shape. Keys that
   are no part of a checkpoint (activation_checkpointing, router_aux_loss_coef, compute_dtype)
   stay the config's. All of it runs before any file is written.
-- `load_init` loads the init's weights bitwise: a run's checkpoint verified against its
-  hashes.json, an HF directory's tensors cast to float32 (exact for float32 and bfloat16 files).
+- `load_init` loads the init's weights bitwise into a materialised model, whole or sharded
+  (DTensor parameters: each rank reads only its local pieces, never a second full model): a
+  run's checkpoint through DCP, its model tensors verified against its hashes.json (no optimizer
+  is built: the optimizer state stays on disk); an HF directory's tensors read slice by slice
+  with safetensors' `get_slice`, cast to the parameters' dtype (exact for float32 and bfloat16
+  files into float32).
 - The manifest's `init` section: {kind, source, step (a run's checkpoint), weights} where
   `weights` is `weights_digest` of the loaded state dict; a resume whose --init names another
   source is refused (`check_resume_init`), and a run that loads its init again (an RL run, or a
@@ -214,38 +218,41 @@ def record_init_weights(run, model: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------- the weights
-def load_run_init(run, model: torch.nn.Module, *, portable: bool) -> None:
-    """The train loop's start: the init its manifest names loaded into `model` and its digest
-    recorded (checked on a resume), unless a resume's checkpoint replaces the weights anyway."""
+def load_run_init(run, model: torch.nn.Module) -> bool:
+    """The train loop's start: the init its manifest names loaded into `model` (whole or sharded)
+    and its digest recorded (checked on a resume), unless a resume's checkpoint replaces the
+    weights anyway. Whether it loaded (if not, the caller initialises from the seed)."""
     init = (run.manifest.get("init") or {}).get("source")
-    if init is not None and not (run.resume and run.checkpointer.steps()):
-        load_init(model, init, portable=portable)
-        record_init_weights(run, model)
+    if init is None or (run.resume and run.checkpointer.steps()):
+        return False
+    load_init(model, init)
+    record_init_weights(run, model)
+    return True
 
 
-def load_init(model: torch.nn.Module, init: str | os.PathLike, *, portable: bool) -> str:
-    """Load the init's weights into `model` (of its shape); its kind. `portable`: the scratch
-    optimizer a run's checkpoint loads into is PortableAdamW (BI mode: the state init torch runs
-    before a load then computes with exact ops only, the op census)."""
+def load_init(model: torch.nn.Module, init: str | os.PathLike, *, portable: bool = False) -> str:
+    """Load the init's weights into `model` (of its shape; materialised, whole or with DTensor
+    parameters sharded any way): each rank reads only the pieces it holds. Its kind. `portable`
+    is not used (no optimizer is built to load the weights); callers may still pass it."""
     kind, _ = init_kind(init)
     if kind == "run":
-        load_checkpoint(init, None, model, portable=portable)
+        load_checkpoint(init, None, model)
     elif kind == "hf":
-        from titan_audit.models import from_pretrained
+        from titan_audit.models.hf_shards import load_pretrained_into
 
-        model.load_state_dict(from_pretrained(init, dtype=torch.float32).state_dict())
+        load_pretrained_into(model, init)
     return kind
 
 
-def load_checkpoint(run: str | os.PathLike, step: int | None, model: torch.nn.Module, *, portable: bool) -> dict:
-    """Checkpoint `step` (None: the newest, no fallback) of `run` into `model`, verified against its
-    hashes.json (the optimizer state goes into a scratch optimizer and is dropped); the
-    checkpoint's trainer state."""
-    from titan_audit.trainer.optim import OptimizerConfig, build_optimizer
-
-    optimizer = build_optimizer(list(model.parameters()), OptimizerConfig(), portable=portable)
+def load_checkpoint(
+    run: str | os.PathLike, step: int | None, model: torch.nn.Module, *, portable: bool = False
+) -> dict:
+    """Checkpoint `step` (None: the newest, no fallback) of `run` into `model`, its model tensors
+    verified against hashes.json; the checkpoint's trainer state. Only the model's part is read
+    (DCP into the model's own layout: a sharded model reads its shards): no optimizer is built and
+    the optimizer state stays on disk. `portable` is not used (kept for callers)."""
     checkpointer = Checkpointer(run)
-    state = checkpointer.load_latest(model, optimizer) if step is None else checkpointer.load(step, model, optimizer)
+    state = checkpointer.load_latest(model, None) if step is None else checkpointer.load(step, model, None)
     assert state is not None, f"{run}: no checkpoint (init_kind checks that first)"
     return state
 

@@ -121,7 +121,9 @@ def plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
     """Shard `model`'s linears over `tp_mesh` by `plan` (in place; returns the model); None (tp = 1):
-    the model as it is."""
+    the model as it is. A model on the meta device is laid out without data or communication
+    (each rank cuts its own piece, `src_data_rank=None`), to be allocated with `to_empty` and
+    filled shard by shard (trainer/materialize.py)."""
     if tp_mesh is None:
         return model
     assert tp_mesh.ndim == 1, tp_mesh

@@ -30,8 +30,8 @@ microbatches):
 Steps are numbered from 1; checkpoint `step_N` holds the state after N steps.
 
 Init (`--init`): the weights before step 1 are another run's latest checkpoint or an HF
-directory's (trainer/init.py: preflighted, loaded bitwise before TP/FSDP2 shard them, their digest
-in the manifest); optimizer state, data order and schedule start fresh. Tensor parallelism
+directory's (trainer/init.py: preflighted, each rank loading only the pieces it holds, bitwise,
+their digest in the manifest); optimizer state, data order and schedule start fresh. Tensor parallelism
 (`parallel.tp`, tensor_parallel.py): r, W above are the dp rank and size; TP peers share them.
 
 MoE auxiliary loss, why it keeps G3: a microbatch's aux loss is computed from its own tokens
@@ -48,8 +48,9 @@ cast's backward widens the bf16 gradient exactly), and clipping, AdamW and its s
 and the audited parameters are fp32 master weights. Every cast is elementwise and every bf16
 kernel runs on one microbatch with the config's thread count, so G1/G3/G5 hold as in fp32.
 
-Device (`parallel.device = "cuda"`, engine.py): the model is built and initialised on the CPU, then
-moved to the rank's GPU; each microbatch goes there after its data records (hashed on the CPU).
+Device (`parallel.device = "cuda"`, engine.py): each rank allocates its pieces of the model there
+(materialize.py) and writes into them weights computed or read on the CPU (the CPU's bits); each
+microbatch goes there after its data records (hashed on the CPU).
 
 Guarantees: G1 (same config + fingerprint -> same audit hashes), G3 (same hashes for every W
 dividing V, and across a resume at another W), G5 (SIGKILL at any moment, `resume=True` -> the
@@ -71,14 +72,14 @@ import torch
 
 from titan_audit.audit import op_log
 from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
-from titan_audit.models import build, token_logprobs
+from titan_audit.models import token_logprobs
 from titan_audit.trainer.config import RESUME_MUTABLE_KEYS, TrainConfig
 from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
-from titan_audit.trainer.fsdp import shard_model
-from titan_audit.trainer.init import check_init, check_resume_init, init_record, load_run_init
+from titan_audit.trainer.init import check_init, check_resume_init, init_record
+from titan_audit.trainer.materialize import build_model
 from titan_audit.trainer.optim import build_optimizer
-from titan_audit.trainer.reduce import gather_in_index_order, tree_sum
-from titan_audit.trainer.tensor_parallel import check_tensor_parallel, parallelize
+from titan_audit.trainer.reduce import tree_sum
+from titan_audit.trainer.tensor_parallel import check_tensor_parallel
 
 
 @dataclass
@@ -234,7 +235,7 @@ def train(
         W = run.mesh.world_size
         if oplog_step is not None and W != 1:
             raise ValueError(f"an op log is recorded on one rank; this run has {W}")
-        model, sharded = _build_model(config, run)
+        model, sharded = build_model(config, run)  # each rank allocates and fills what it holds
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=config.determinism.batch_invariant)
         blob = run.restore(model, optimizer)
@@ -258,7 +259,7 @@ def train(
                 figures = [_forward_backward(kit, model, j, mb, aux_scale) for j, mb in enumerate(microbatches)]
                 grad_norm = kit.finish()
             # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
-            step_sums = tree_sum(gather_in_index_order(torch.stack(figures), run.mesh.dp, run.mesh.dp_group))
+            step_sums = tree_sum(kit.gather_in_index_order(torch.stack(figures)))
             losses.append(float(step_sums[0]))
             seconds = time.perf_counter() - t0
             row = {"step": step, "loss": losses[-1]}
@@ -272,22 +273,6 @@ def train(
         return TrainResult(run.out, W, run.start_step, run.last_step, losses)
 
 
-def _build_model(config: TrainConfig, run: Run):
-    """The model at the seed's init or --init, built on the CPU (its bits), moved, sharded (TP, FSDP2)."""
-    ac = config.model.activation_checkpointing
-    model = build(config.model.model_config(), seed=config.seed, activation_checkpointing=ac)
-    load_run_init(run, model, portable=config.determinism.batch_invariant)
-    model.to(run.mesh.device)  # a copy of the same bits (on cpu: nothing moves)
-    parallelize(model, run.mesh.tp_mesh)  # at tp > 1: q/k/v, gate/up, LM head column-wise, o/down row-wise
-    dtype = config.model.torch_compute_dtype
-    if config.parallel.mode == "fsdp":  # FSDP2 casts the gathered parameters (its mixed precision)
-        deterministic = config.determinism.enabled
-        sharded = shard_model(model, deterministic=deterministic, param_dtype=dtype, mesh=run.mesh.fsdp_mesh())
-        return model, sharded
-    model.set_compute_dtype(dtype)  # the model casts each parameter once per forward, inside autograd
-    return model, None
-
-
 def _loader(config: TrainConfig, run: Run, blob: dict | None) -> ElasticLoader:
     """This rank's elastic loader, at the resumed position when `blob` (a checkpoint's) is given."""
     state = None
@@ -296,4 +281,6 @@ def _loader(config: TrainConfig, run: Run, blob: dict | None) -> ElasticLoader:
     store = config.data.store if config.data.store is not None else str(run.out / "data" / "tasks.zarr")
     same = ("seq_len", "global_batch_size", "microbatch_size", "packing", "workers")  # data.* keys as they are
     loader_config = LoaderConfig(store=store, seed=config.seed, **{k: getattr(config.data, k) for k in same})
-    return ElasticLoader(loader_config, rank=run.mesh.dp_rank, world_size=run.mesh.dp, state=state)  # TP peers: same
+    interleaved = config.parallel.mode == "fsdp" and config.determinism.enabled  # fsdp.py: round k = k*W + r
+    rank, dp = run.mesh.dp_rank, run.mesh.dp  # TP peers read the same microbatches
+    return ElasticLoader(loader_config, rank=rank, world_size=dp, state=state, interleaved=interleaved)
