@@ -109,7 +109,7 @@ def test_a_negative_zero_leaf_reduces_as_zero_plus_g():
     group.stack = TreeStack(2, 0, group.give)
     for _ in range(2):
         group.push_round(torch.tensor([[-0.0]]))
-    (_, _, root), = group.stack.take()
+    ((_, _, root),) = group.stack.take()
     assert root.view(torch.int32).item() == 0  # +0.0, as 0 + g leaves give in DP
     raw = TreeStack(2)  # control: the pieces as copied, without 0 + g
     for _ in range(2):

@@ -70,12 +70,12 @@ from titan_audit.audit import Recorder
 from titan_audit.audit.log import check_audit_log
 from titan_audit.audit.run_manifest import record_census
 from titan_audit.log import get_logger
+from titan_audit.trainer import grad_norm as norms
 from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
 from titan_audit.trainer.crash import crash_point
 from titan_audit.trainer.metrics_out import MetricsStreams, check_logging
 from titan_audit.trainer.optim import lr_at, set_lr
-from titan_audit.trainer import grad_norm as norms
 from titan_audit.trainer.reduce import TreeReducer, gather_in_index_order
 from titan_audit.trainer.run_dir import (
     MetricsLog,

@@ -146,7 +146,9 @@ class ShardedTree:
     def start_step(self, num_microbatches: int) -> None:
         """A fresh tree per group over the step's V microbatches; last step's partials recycled."""
         if num_microbatches % self.world_size:
-            raise ValueError(f"world size {self.world_size} must divide the number of virtual microbatches {num_microbatches}")
+            raise ValueError(
+                f"world size {self.world_size} must divide the number of virtual microbatches {num_microbatches}"
+            )
         for group in self.groups:
             group.free.extend(group.lent)
             group.lent = []

@@ -58,7 +58,9 @@ def _row_sums(local: torch.Tensor, k_full: int, shards: int) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float32, device=local.device)
     blocks = tree_blocks(k_full)
     if blocks % shards:
-        raise ValueError(f"gradient norm: {shards} tensor-parallel shards do not divide the {blocks} blocks of a row of {k_full}")
+        raise ValueError(
+            f"gradient norm: {shards} tensor-parallel shards do not divide the {blocks} blocks of a row of {k_full}"
+        )
     x = local.reshape(rows, blocks // shards, k_full // blocks).float()
     be = backend_for(x)
     if hasattr(be, "sum_squares_dims"):
@@ -112,7 +114,8 @@ def norm_v2(pieces: list[Piece], *, dp_group=None, dp: int = 1, tp_group=None, t
             chunk_sizes(p.full_rows, tp) if p.tp_dim == 0 else [v.numel() if p.tp_dim == 1 else 0] * tp
             for p, v in zip(pieces, partial)
         ]
-        gathered = _gather_rows([v if p.tp_dim is not None else v[:0] for p, v in zip(pieces, partial)], sizes, tp_group)
+        sent = [v if p.tp_dim is not None else v[:0] for p, v in zip(pieces, partial)]
+        gathered = _gather_rows(sent, sizes, tp_group)
         for i, piece in enumerate(pieces):
             if piece.tp_dim == 0:
                 partial[i] = torch.cat(gathered[i])
