@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
+from titan_audit.audit.run_metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "titan_audit.cli"]
@@ -79,10 +79,10 @@ def run(args: list[str], logfile: Path, every: int) -> int:
 
 
 def complete(run_dir: Path, steps: int) -> bool:
-    path = run_dir / "metrics.parquet"
-    if not path.is_file():
+    table = read_metrics(run_dir, columns=["step"])
+    if table is None:
         return False
-    done = pq.read_table(path, columns=["step"]).column("step").to_pylist()
+    done = table.column("step").to_pylist()
     return bool(done) and max(done) >= steps and (run_dir / "checkpoints").is_dir()
 
 
@@ -105,7 +105,8 @@ def ensure_data() -> None:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return sorted(pq.read_table(run_dir / "metrics.parquet").to_pylist(), key=lambda r: r["step"])
+    table = read_metrics(run_dir)
+    return [] if table is None else sorted(table.to_pylist(), key=lambda r: r["step"])
 
 
 def main(argv: list[str] | None = None) -> int:

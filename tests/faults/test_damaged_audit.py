@@ -3,7 +3,9 @@
 Proves: `train --resume` of a run whose audit log has a truncated part, or a part with a flipped
 byte in a data page (caught by the Parquet page checksums the writer adds), stops with exit 2 and
 one line naming the part, before anything is appended (the run's files are unchanged); the
-Recorder refuses the same way in the library. `compare`, `golden check` and `report` (also
+Recorder refuses the same way in the library when the part it appends to is damaged; an older
+damaged part is found by `verify_audit_log` / `titan-audit verify`. A resume reads the part it
+appends to once (the launcher's check), not once per check. `compare`, `golden check` and `report` (also
 `report --against`) on such a run exit 2 with one line naming the part. Negative control: the
 resume of an undamaged copy goes on to the last step and appends its records.
 """
@@ -89,9 +91,9 @@ def test_resume_refuses_a_damaged_part_before_appending(base, tmp_path, damage):
     assert _snapshot(run) == before  # nothing appended, no manifest entry for the failed start
 
 
-def test_recorder_refuses_a_damaged_log(base, tmp_path):
+def test_recorder_refuses_a_damaged_last_part(base, tmp_path):
     run = _copy(base, tmp_path)
-    part = part_files(run)[0]
+    part = part_files(run)[-1]  # the part a resume appends to
     _truncate(part)
     parts = part_files(run)
     with pytest.raises(ValueError, match=f"^{part}: unreadable .*damaged"):
@@ -99,6 +101,19 @@ def test_recorder_refuses_a_damaged_log(base, tmp_path):
     assert part_files(run) == parts
     with pytest.raises(ValueError, match=f"^{part}: unreadable"):
         verify_audit_log(run)
+
+
+def test_an_older_damaged_part_is_found_by_verify(base, tmp_path):
+    """The Recorder reads only the parts it appends to (its cost does not grow with the log); an
+    older part stands on its digest in the index, and `verify` reads it."""
+    run = _copy(base, tmp_path)
+    part = part_files(run)[0]
+    _truncate(part)
+    Recorder(run, level="params").close()
+    with pytest.raises(ValueError, match=f"^{part}: unreadable"):
+        verify_audit_log(run)
+    result = _invoke("verify", run)
+    assert result.exit_code == 1 and f"{part}: unreadable (" in result.output, result.output
 
 
 def test_negative_control_resume_of_an_intact_copy_appends(base, tmp_path):
@@ -109,6 +124,27 @@ def test_negative_control_resume_of_an_intact_copy_appends(base, tmp_path):
     assert result.exit_code == 0, result.output
     assert len(part_files(run)) > before
     assert sorted(set(read_audit_log(run, columns=["step"])["step"].to_pylist())) == [1, 2, 3, 4]
+
+
+def test_a_resume_reads_each_part_it_checks_once(base, tmp_path, monkeypatch):
+    """The launcher's check, rank 0's check and the Recorder: each part read back once, not W + 2
+    times; only the part the resume appends to (the run stopped at its checkpoint, step 2)."""
+    from titan_audit.audit import log
+
+    run = _copy(base, tmp_path)
+    reads: list[str] = []
+    real = log.verify_part
+    monkeypatch.setattr(log, "verify_part", lambda part, entry=None: (reads.append(part.name), real(part, entry))[1])
+    result = _invoke("train", "--out", run, "--resume")
+    assert result.exit_code == 0, result.output
+    assert reads == [part_files(run)[1].name]  # part 0 (step 1) stands on its digest
+    assert verify_audit_log(run) == read_audit_log(run).num_rows
+    # control: with the `checked` marks not kept, every check reads it again (launcher, rank 0, recorder)
+    reads.clear()
+    monkeypatch.setattr(log.RankIndex, "mark_checked", lambda self, entry: None)
+    result = _invoke("train", "--out", _copy(base, tmp_path, "control"), "--resume")
+    assert result.exit_code == 0, result.output
+    assert reads == [part_files(run)[1].name] * 3
 
 
 def test_compare_golden_check_and_report_name_the_damaged_part(base, tmp_path):

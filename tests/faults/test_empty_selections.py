@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
@@ -27,6 +26,7 @@ from fault_injection import one_line_error as _one_line_error
 
 from titan_audit.audit.compare import compare_runs
 from titan_audit.audit.log import AuditLogWriter, part_files, read_audit_log
+from titan_audit.audit.run_metrics import MetricsLog
 from titan_audit.audit.schema import SCHEMA
 from titan_audit.cli.main import cli
 from titan_audit.trainer.config import load_config
@@ -54,8 +54,10 @@ def _keep_steps(run: Path, steps: list[int]) -> None:
     for part in part_files(run):
         part.unlink()
     AuditLogWriter(run).write(records.select(SCHEMA.names).to_pydict())
-    metrics = pq.read_table(run / "metrics.parquet")
-    pq.write_table(metrics.filter(ds.field("step").isin(steps)), run / "metrics.parquet")
+    metrics = MetricsLog(run)
+    metrics.truncate_after(max(steps))
+    metrics.flush()
+    assert [row["step"] for row in metrics.rows] == steps
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,8 @@ def runs(tmp_path_factory):
     # two runs without a single audit record
     for name in ("empty1", "empty2"):
         (root / name / "audit").mkdir(parents=True)
-        for file in ("manifest.json", "metrics.parquet"):
-            shutil.copy(root / "a" / file, root / name / file)
+        shutil.copy(root / "a" / "manifest.json", root / name / "manifest.json")
+        shutil.copytree(root / "a" / "metrics.parquet", root / name / "metrics.parquet")
     for name, steps in (("golden-34", "3-4"), ("golden-12", "1-2")):
         result = _invoke("golden", "record", root / "a", root / name, "--steps", steps)
         assert result.exit_code == 0, result.output

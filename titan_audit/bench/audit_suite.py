@@ -9,6 +9,14 @@ plain `nn.Module` defined here (the Recorder assumes nothing about the model) an
 --quick, the `tiny-dense` preset of titan_audit.models. Targets (issue 5): params <= 1.03x,
 full <= 1.10x. Records go to a temporary run directory deleted afterwards.
 
+Case `resume check`: the check a resume makes of the audit log before it appends
+(audit.log.check_audit_log, read-only here so each call reads the same parts) on the log of a
+run killed 25 steps after its checkpoint at step N (`generated_log`: a checkpoint and flush every
+20 steps, 12 param records per step), N = 10^5 (10^4 with --quick) against N = 20. Target 1.2:
+its cost does not grow with the run's length. Extra keys: the parts of the long log, the parts
+and bytes each check reads, and `verify_all_s`, one full read of the long log (`titan-audit
+verify`, what every resume paid before the index).
+
 The suite runs with one intra-op thread (restored afterwards; reported as the extra key
 `threads`): on a shared 2-core machine a second thread makes every parallel kernel's time depend
 on what the neighbours run, which swamps a few-percent ratio. The recorder's hashing is
@@ -18,15 +26,23 @@ single-threaded, so with more threads the same ratios would be somewhat higher.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import torch
+import xxhash
 from torch import nn
 
 from titan_audit.audit import Recorder
+from titan_audit.audit.log import AuditLogWriter, audit_dir, check_audit_log, encode_part, verify_log
+from titan_audit.audit.log_index import PartEntry, ensure_index, part_name
+from titan_audit.audit.schema import SCHEMA
 from titan_audit.bench.core import BenchOptions, Case, compare
 
-TARGETS = {"params": 1.03, "full": 1.10}
+TARGETS = {"params": 1.03, "full": 1.10, "resume": 1.2}
 FLUSH_EVERY = 10
 THREADS = 1
 
@@ -138,6 +154,83 @@ def audit_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[
     return cases
 
 
+INTERVAL = 20  # steps between checkpoints (and audit flushes) of a generated log
+CRASH_AFTER = 25  # steps after its last checkpoint at which the generated run was killed
+
+
+def records_table(first: int, steps: int, per_step: int) -> pa.Table:
+    """`per_step` param records for each step first..first+steps-1, hashes xxh3 of (step, name)."""
+    names = [f"layers.{i // 4}.w{i % 4}" for i in range(per_step)]
+    rows = steps * per_step
+    hashes = [xxhash.xxh3_128_hexdigest(f"{s}:{n}".encode()) for s in range(first, first + steps) for n in names]
+    columns = {
+        "step": np.repeat(np.arange(first, first + steps, dtype=np.int64), per_step),
+        "phase": pa.array(["param"] * rows),
+        "microbatch": np.full(rows, -1, dtype=np.int32),
+        "name": pa.array(names * steps),
+        "dtype": pa.array(["float32"] * rows),
+        "shape": pa.array(["[64, 64]"] * rows),
+        "hash": pa.array(hashes),
+        "absmax": pa.nulls(rows, pa.float64()),
+        "mean": pa.nulls(rows, pa.float64()),
+        "rank": np.zeros(rows, dtype=np.int32),
+        "seq": np.tile(np.arange(per_step, dtype=np.int64), steps),
+    }
+    return pa.table(columns, schema=SCHEMA)
+
+
+def generated_log(run_dir: str | Path, checkpoint: int, *, per_step: int = 12) -> int:
+    """Rank 0's audit log of a run killed CRASH_AFTER steps after its checkpoint at step
+    `checkpoint` (a multiple of INTERVAL), with a checkpoint and a flush every INTERVAL steps: the
+    parts up to the one before that checkpoint's are generated (encode_part, the writer's bytes,
+    written without fsync and indexed at once: a long log in seconds), the checkpoint's part and
+    the one flushed after it are written by the recorder's own writer. Returns `checkpoint`, the
+    step a resume starts from."""
+    assert checkpoint >= INTERVAL and checkpoint % INTERVAL == 0, checkpoint
+    directory = audit_dir(run_dir)
+    directory.mkdir(parents=True)
+    entries: list[PartEntry] = []
+    for part, first in enumerate(range(1, checkpoint - INTERVAL + 1, INTERVAL)):
+        data, entry = encode_part(records_table(first, INTERVAL, per_step), part)
+        (directory / part_name(0, part)).write_bytes(data)
+        entries.append(entry)
+    ensure_index(directory, {0: entries})
+    writer = AuditLogWriter(run_dir)
+    for first in range(checkpoint - INTERVAL + 1, checkpoint + CRASH_AFTER - INTERVAL + 1, INTERVAL):
+        writer.write(records_table(first, INTERVAL, per_step).to_pydict())
+    return checkpoint
+
+
+def _resume_case(options: BenchOptions, tmp: str) -> Case:
+    long_steps = 10**4 if options.quick else 10**5
+    short = generated_log(f"{tmp}/log-20", 20)
+    long = generated_log(f"{tmp}/log-{long_steps}", long_steps)
+    checks = {}
+
+    def check(run: str, step: int) -> Callable[[], None]:
+        def run_check() -> None:
+            checks[run] = check_audit_log(run, after_step=step, mark=False)
+
+        return run_check
+
+    case = compare(
+        f"resume check of the audit log, {long_steps} steps vs 20",
+        ("20-step log", check(f"{tmp}/log-20", short)),
+        (f"{long_steps}-step log", check(f"{tmp}/log-{long_steps}", long)),
+        options,
+        target=TARGETS["resume"],
+    )
+    start = time.perf_counter()
+    verified = verify_log(f"{tmp}/log-{long_steps}")
+    case.extra["verify_all_s"] = time.perf_counter() - start
+    assert verified.ok, verified.problems
+    for label, run in (("short", f"{tmp}/log-20"), ("long", f"{tmp}/log-{long_steps}")):
+        case.extra[f"{label}_parts_read"] = checks[run].parts_verified
+        case.extra[f"{label}_bytes_read"] = checks[run].bytes_read + checks[run].index_bytes_read
+    case.extra["long_parts"] = verified.parts
+    return case
+
+
 def _cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     cases = []
     with tempfile.TemporaryDirectory(prefix="titan-audit-bench-") as tmp:
@@ -151,4 +244,6 @@ def _cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]
             vocab = build(preset).config.vocab_size
             cases += _model_cases(preset, lambda: build(preset, seed=0), vocab, (4, 128), options, tmp)
             progress(preset)
+        cases.append(_resume_case(options, tmp))
+        progress("resume check")
     return cases

@@ -50,8 +50,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
+from titan_audit.audit.run_metrics import read_metrics
 from titan_audit.bench import trl_peer
 from titan_audit.bench.core import BenchOptions, Case
 
@@ -107,7 +106,7 @@ def _run_side(overrides: list[str], quick: bool, out: Path, nproc: int | None = 
     rc = launch_rl(config or _config(overrides, quick), out, nproc=nproc, quiet=True)
     if rc != 0:
         raise RuntimeError(f"bench rl: the run in {out} (nproc {nproc}) exited with code {rc}")
-    rows = pq.read_table(out / "metrics.parquet").to_pylist()[1:]
+    rows = read_metrics(out).to_pylist()[1:]
     keys = ["seconds", *(f"seconds_{p}" for p in PHASES)]
     return {k: statistics.median(r[k] for r in rows) for k in keys}
 

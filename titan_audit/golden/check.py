@@ -44,12 +44,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from titan_audit.audit import config_diff
 from titan_audit.audit.compare import CompareResult, compare_runs, steps_text
 from titan_audit.audit.log import AuditLogWriter, read_audit_log
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest, run_writer
+from titan_audit.audit.run_metrics import METRICS, read_metrics
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
 from titan_audit.golden.store import (
     DEFAULT_PHASES,
@@ -63,7 +63,6 @@ from titan_audit.golden.store import (
     write_golden,
 )
 
-METRICS = "metrics.parquet"
 # Config keys that never change the bits of a step: audit.config_diff's (compare uses the same rule).
 CONFIG_KEYS_IGNORED = config_diff.CONFIG_KEYS_IGNORED
 
@@ -102,18 +101,12 @@ def _select_records(run_dir: Path, steps: list[int] | None, phases: list[str]) -
 
 
 def _read_metrics(run_dir: Path) -> pa.Table | None:
-    path = run_dir / METRICS
-    if not path.is_file():
+    table = read_metrics(run_dir)
+    if table is None:
         return None
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
-    if "step" not in table.column_names:
-        raise ValueError(f"{path}: no 'step' column")
     steps = table["step"].to_pylist()
     if len(set(steps)) != len(steps):
-        raise ValueError(f"{path}: a step appears more than once")
+        raise ValueError(f"{run_dir / METRICS}: a step appears more than once")
     return table
 
 

@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from titan_audit.atomic import atomic_output_dir
+from titan_audit.audit.run_metrics import read_metrics
 from titan_audit.audit.schema import PHASE_RANK, SCHEMA
 
 FORMAT = "titan-audit-golden"
@@ -288,8 +289,8 @@ def read_golden(path: str | os.PathLike) -> Golden:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         audit = pq.read_table(path / AUDIT_PART)
-        metrics = pq.read_table(path / METRICS) if METRICS in meta["files"] else None
-    except (json.JSONDecodeError, pa.ArrowInvalid, OSError) as error:  # hashes matched: a writer bug
+        metrics = read_metrics(path) if METRICS in meta["files"] else None
+    except (json.JSONDecodeError, pa.ArrowInvalid, OSError, ValueError) as error:  # hashes matched: a writer bug
         raise GoldenCorrupt(f"{path}: golden files verified but unreadable ({error})") from None
     missing = [c for c in SCHEMA.names if c not in audit.column_names]
     if missing:

@@ -22,16 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from titan_audit.audit import run_metrics
 from titan_audit.audit.log import AUDIT_DIR, part_files, read_audit_log
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest
 from titan_audit.audit.schema import KEY, PHASES
 
 DEMO_FILE = "demo.json"
-METRICS = "metrics.parquet"
 
 # what each phase's records fingerprint (audit/recorder.py, rl/loop.py)
 PHASE_MEANING = {
@@ -73,14 +71,9 @@ def read_demo(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_metrics(run: str | os.PathLike) -> list[dict[str, Any]]:
-    """metrics.parquet rows (one per step), [] when the run has none yet."""
-    path = Path(run) / METRICS
-    if not path.is_file():
-        return []
-    try:
-        return pq.read_table(path).to_pylist()
-    except (pa.ArrowInvalid, OSError) as error:
-        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
+    """The run's metrics rows (one per step: audit.run_metrics), [] when it has none yet."""
+    table = run_metrics.read_metrics(run)
+    return [] if table is None else table.to_pylist()
 
 
 @dataclass

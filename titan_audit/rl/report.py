@@ -30,9 +30,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from titan_audit.atomic import write_bytes_atomic
+from titan_audit.audit.run_metrics import read_metrics
 from titan_audit.trainer.run_dir import read_manifest
 
 COLUMNS = (
@@ -113,10 +112,10 @@ def onpolicy_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     if manifest.get("kind") != "rl":
         raise ValueError(f"{run_dir}: not an RL run")
     config = manifest["config"]
-    path = run_dir / "metrics.parquet"
-    if not path.is_file():
+    table = read_metrics(run_dir)
+    if table is None:
         raise ValueError(f"{run_dir}: no metrics.parquet")
-    rows = pq.read_table(path).to_pylist()
+    rows = table.to_pylist()
     verified = bool(config.get("verify")) and all("gap_tokens_differing" in r for r in rows)
     bi = bool(config["determinism"]["batch_invariant"])
     steps = [{k: r.get(k) for k in COLUMNS} for r in rows]

@@ -15,12 +15,16 @@ Guarantees (the engine opens them on rank 0 only, for `train` and `rl` alike):
   work (`check_logging`, ValueError with the install hint).
 - A resume neither loses nor repeats a step, as metrics.parquet: its rows after the resumed
   checkpoint are dropped (they are run again) and the streams start from the rows kept.
-  metrics.jsonl is rewritten from them once (atomically: temp file + rename), which also drops a
-  line a kill cut short; TensorBoard, whose files are append-only, gets a new event file that
-  starts with a purge marker at step 1 (SummaryWriter's `purge_step`: TensorBoard's readers drop
-  every event of the earlier files from that step on) and then the kept rows again. So the streams
-  hold each step once, whatever happened before: a kill at any point, or a stream turned on only
-  at this resume.
+  metrics.jsonl is cut back to the line of the last kept row, dropping the lines after it and a
+  line a kill cut short (read from the end, so the cost does not grow with the run; a truncation
+  in place, which a kill leaves done or not done), when that line equals the row; otherwise (a
+  stream turned on only at this resume, lines missing or written by another start while it was
+  off) it is rewritten from the kept rows once (atomically: temp file + rename). TensorBoard,
+  whose files are append-only, gets a new event file that starts with a purge marker at step 1
+  (SummaryWriter's `purge_step`: TensorBoard's readers drop every event of the earlier files from
+  that step on) and then the kept rows again (so with TensorBoard on, a start reads every row).
+  So the streams hold each step once, whatever happened before: a kill at any point, or a stream
+  turned on only at this resume.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +53,56 @@ def _json_line(row: dict[str, Any]) -> str:
     return json.dumps(row) + "\n"
 
 
+def _cut_back(path: Path, last: dict[str, Any], block: int = 1 << 16) -> bool:
+    """Truncate metrics.jsonl right after its line of the row `last`, when that line equals it
+    (so the start that wrote the line wrote that metrics.parquet row, and the lines before it) and
+    the lines after it are all of later steps (or a last line a kill cut short); False, nothing
+    changed, when the file does not end that way. Reads blocks from the end, back to that line."""
+    step = last["step"]
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        start = size
+        while True:
+            start = max(0, start - block)
+            f.seek(start)
+            data = f.read(size - start)
+            lines = data.split(b"\n")
+            end = size - len(lines.pop())  # the text after the last newline: a line cut short, or b""
+            complete = lines if start == 0 else lines[1:]  # the first may begin before `start`
+            for line in reversed(complete):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return False
+                if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                    return False
+                if row["step"] == step:
+                    if row != last:
+                        return False  # written by another start than the row: rewrite
+                    os.truncate(path, end)
+                    return True
+                if row["step"] < step:
+                    return False  # a step missing: rewrite
+                end -= len(line) + 1
+            if start == 0:
+                return False
+            block *= 2
+
+
 class MetricsStreams:
     """metrics.jsonl and TensorBoard for one start of a run (see the module docstring). `history`:
-    the metrics.parquet rows this start keeps (up to the resumed step), in step order."""
+    the metrics.parquet rows this start keeps (up to the resumed step), in step order (a sequence
+    read only as far as needed: audit.run_metrics.MetricsLog.rows)."""
 
-    def __init__(self, run_dir: str | os.PathLike, logging: Any, history: list[dict[str, Any]]) -> None:
+    def __init__(self, run_dir: str | os.PathLike, logging: Any, history: Sequence[dict[str, Any]]) -> None:
         run_dir = Path(run_dir)
         self._jsonl = None
         self._writer = None
         if logging.jsonl:
             path = run_dir / JSONL
-            text = "".join(_json_line(row) for row in history)
-            write_bytes_atomic(path, text.encode(), overwrite=True)
+            if not (len(history) and path.is_file() and _cut_back(path, history[-1])):
+                text = "".join(_json_line(row) for row in history)
+                write_bytes_atomic(path, text.encode(), overwrite=True)
             self._jsonl = path.open("a", encoding="utf-8")
         if logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -1,4 +1,4 @@
-"""The run directory: creation rules, manifest.json and metrics.parquet.
+"""The run directory: creation rules, manifest.json and metrics.parquet (audit.run_metrics).
 
 Guarantees:
 - A run is never overwritten or deleted silently: `prepare_run_dir` refuses a directory that
@@ -11,8 +11,10 @@ Guarantees:
   The one exception is a run's companion (`COMPANION_RUNS`: verify-onpolicy's RUN/control, the
   constructed control, and RUN/compare-default, the native-ops run), which lives in its run's
   directory and moves with it.
-- manifest.json and metrics.parquet are written atomically (temp file + rename), so a crash
-  leaves either the old or the new version, never half of one.
+- manifest.json and each file of metrics.parquet are written atomically (temp file + rename), so
+  a crash leaves either the old or the new version, never half of one. metrics.parquet is a
+  directory of chunks appended to, never rewritten whole (audit.run_metrics: `MetricsLog`, and
+  `read_metrics`, the reader every layer uses).
 - manifest.json records the resolved config, the numerics fingerprint, package versions and the
   world-size history (one entry per start or resume), so any two runs can be compared later.
 - One writer at a time. `claim_run_dir` (the launcher, and rank 0 when a run trains in-process)
@@ -31,13 +33,10 @@ import os
 import shutil
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from titan_audit.atomic import move_aside
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest, write_manifest
+from titan_audit.audit.run_metrics import METRICS, MetricsLog
 from titan_audit.log import get_logger
 
 log = get_logger(__name__)
@@ -45,6 +44,7 @@ log = get_logger(__name__)
 __all__ = [
     "LOCK",
     "MANIFEST",
+    "METRICS",
     "OVERWRITE_MODES",
     "MetricsLog",
     "check_out_path",
@@ -59,7 +59,6 @@ __all__ = [
     "write_manifest",
 ]
 
-METRICS = "metrics.parquet"
 OVERWRITE_MODES = ("move", "delete")  # --overwrite (move the old run aside) and --overwrite=delete
 Overwrite = bool | str  # False, True (= "move") or one of OVERWRITE_MODES
 # runs a run keeps inside its own directory (verify-onpolicy --control and --compare-default)
@@ -235,27 +234,3 @@ def package_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
-
-
-class MetricsLog:
-    """metrics.parquet: one row per step, rewritten atomically at each flush (it stays small)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / METRICS
-        self.rows: list[dict[str, Any]] = []
-        if self.path.is_file():
-            self.rows = pq.read_table(self.path).to_pylist()
-
-    def truncate_after(self, step: int) -> None:
-        """Forget rows after `step` (a resume replays them)."""
-        self.rows = [row for row in self.rows if row["step"] <= step]
-
-    def append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-
-    def flush(self) -> None:
-        if not self.rows:
-            return
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        pq.write_table(pa.Table.from_pylist(self.rows), tmp)
-        os.replace(tmp, self.path)
