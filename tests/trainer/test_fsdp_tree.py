@@ -152,3 +152,61 @@ def test_chunk_sizes_are_torch_chunks(rows, world):
     expected = [c.shape[0] for c in torch.arange(rows).chunk(world)] if rows else []
     sizes = grad_norm.chunk_sizes(rows, world)
     assert len(sizes) == world and sizes[: len(expected)] == expected and sum(sizes) == rows
+
+
+class _Deep(nn.Module):
+    """Many small layers: a full gradient is many times one layer's (what FSDP2 unshards at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(128, 128) for _ in range(16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _step_transient_bytes(rank: int, world_size: int, gather_full: bool) -> int:
+    """Peak live bytes of the second step above what was live when it began, on this rank.
+    gather_full: the step also makes the full flat gradient, as the gather of norm order v1 (and
+    the per-microbatch flat vector before the sharded tree) did."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_audit.live_bytes import LiveBytes
+
+    with LiveBytes() as tracker:
+        model = _Deep()
+        tree = shard_model(model, mesh=init_device_mesh("cpu", (world_size,)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(2):
+            if step == 1:
+                base = tracker.live["cpu"]
+                tracker.peak["cpu"] = base
+            tree.start_step(V)
+            for index in range(rank, V, world_size):
+                (model(_batch(index)[:, :1].expand(3, 128).contiguous()) ** 2).sum().backward()
+                model.zero_grad(set_to_none=True)
+            tree.finish()
+            if gather_full:
+                torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
+        return tracker.peak["cpu"] - base
+
+
+def _both_steps(rank: int, world_size: int) -> tuple[int, int]:
+    return _step_transient_bytes(rank, world_size, False), _step_transient_bytes(rank, world_size, True)
+
+
+@pytest.mark.slow  # four ranks, two models each: ~30 s on 2 shared cores
+def test_a_sharded_step_never_holds_a_full_gradient():
+    """Live tensor bytes (titan_audit/live_bytes.py) of a whole FSDP2 step at W = 4, V = 8, above
+    the parameters and optimizer state: below one full fp32 gradient. Control: the same step that
+    also gathers the full gradient (the old path's vector) reaches it."""
+    results = run_ranks(_both_steps, 4)
+    full = sum(p.numel() * 4 for p in _Deep().parameters())
+    print(f"full gradient {full} B; sharded step {[s for s, _ in results]}; gathered {[g for _, g in results]}")
+    assert max(s for s, _ in results) < full
+    assert min(g for _, g in results) >= full
