@@ -133,7 +133,7 @@ def test_the_step_kit_recycles_its_buffers_across_steps():
             per_microbatch.append(torch.cat([p.grad.reshape(-1) for p in params]))
         expected = tree_sum(torch.stack(per_microbatch))
         for j in range(num_microbatches):
-            with kit.microbatch(j, j):
+            with kit.microbatch(j):
                 model(inputs[j]).square().sum().backward()
         kit.finish()
         assert_bitwise_equal(torch.cat([g.reshape(-1) for g in recorder.grads]), expected, f"step {step}")

@@ -211,7 +211,7 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
 
     stats_rows, ratio_rows, gap_rows = [], [], []
     for j, ((prompt, samples), reward) in enumerate(zip(groups, rewards)):
-        with kit.microbatch(j, prompt.id):
+        with kit.microbatch(prompt.id):
             t = timer()
             lp, gen_lp, loss, parts = _group_loss(
                 config, run.recorder, model, reference, prompt, samples, reward, denominator

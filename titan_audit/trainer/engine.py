@@ -8,7 +8,7 @@
         for step in run.steps():                    # start_step + 1 .. last_step
             lr = kit.start(step)
             for j, mb in enumerate(microbatches):   # this rank's microbatches, in index order
-                with kit.microbatch(j, mb.index):
+                with kit.microbatch(mb.index):
                     loss.backward()                 # what the loss is: the loop's own business
             grad_norm = kit.finish()                # fixed tree, clip, AdamW, audit records
             run.end_step(step, row, line)           # metrics row, log line, checkpoint at interval
@@ -644,9 +644,9 @@ class StepKit:
         return lr
 
     @contextlib.contextmanager
-    def microbatch(self, j: int, index: int) -> Iterator[None]:
-        """Local microbatch j (global index `index`): its records and its gradient (the block's
-        backward) go under `index`; deterministic: the gradient goes into the tree under `index`."""
+    def microbatch(self, index: int) -> Iterator[None]:
+        """This rank's next microbatch, global index `index`: its records and its gradient (the
+        block's backward) go under `index`; deterministic: the gradient goes into the tree there."""
         if self.reducer is not None:
             self._leaf = self.buffers.take()  # autograd accumulates 0 + g into views of it
             set_grads(self.params, self._leaf)

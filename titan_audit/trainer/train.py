@@ -178,10 +178,10 @@ def microbatch_loss(model: torch.nn.Module, mb, *, with_aux: bool = False):
     return (loss, aux) if with_aux else loss
 
 
-def _forward_backward(kit: StepKit, model: torch.nn.Module, j: int, mb, aux_scale: float | None) -> torch.Tensor:
-    """Microbatch j's forward, records and backward into its gradient; [loss] or [loss, aux]."""
+def _forward_backward(kit: StepKit, model: torch.nn.Module, mb, aux_scale: float | None) -> torch.Tensor:
+    """A microbatch's forward, records and backward into its gradient; [loss] or [loss, aux]."""
     recorder = kit.run.recorder
-    with kit.microbatch(j, mb.index):
+    with kit.microbatch(mb.index):
         recorder.record_data(mb.tensors())  # the loader's CPU tensors: hashed without a copy
         mb = mb.to(kit.run.mesh.device)  # batch, targets, positions, loss mask: on the run's device
         if aux_scale is None:
@@ -256,7 +256,7 @@ def train(
             microbatches = next(batches)
             # step `oplog_step` (bisect --step) runs under DebugMode: every aten op hashed, in order
             with op_log(run.out, f"step_{step}") if step == oplog_step else contextlib.nullcontext():
-                figures = [_forward_backward(kit, model, j, mb, aux_scale) for j, mb in enumerate(microbatches)]
+                figures = [_forward_backward(kit, model, mb, aux_scale) for mb in microbatches]
                 grad_norm = kit.finish()
             # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
             step_sums = tree_sum(kit.gather_in_index_order(torch.stack(figures)))
