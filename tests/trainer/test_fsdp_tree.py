@@ -210,3 +210,33 @@ def test_a_sharded_step_never_holds_a_full_gradient():
     print(f"full gradient {full} B; sharded step {[s for s, _ in results]}; gathered {[g for _, g in results]}")
     assert max(s for s, _ in results) < full
     assert min(g for _, g in results) >= full
+
+
+@pytest.mark.control
+def test_weights_written_behind_the_version_counter_are_not_served_stale(monkeypatch):
+    """FSDP2 writes its gathered parameters under `_unsafe_preserve_version_counter` (often at the
+    same address): with the packed-weight cache on, the product after such a write uses the old
+    weights (the control); shard_model's `disable_packed_cache` makes it use the new ones."""
+    from titan_audit import batch_invariant
+    from titan_audit.batch_invariant.cpu import matmul
+
+    monkeypatch.setattr(matmul.PACKED_CACHE, "enabled", True)
+    weight = nn.Parameter(_wide((256, 256), 4))  # big enough to be cached (matmul.CACHE_MIN_ELEMS)
+    x = _wide((3, 256), 5)
+
+    def product_after_rewrite() -> tuple[torch.Tensor, torch.Tensor]:
+        with batch_invariant.enabled():
+            torch.mm(x, weight.t())  # seen: packed
+            new = _wide((256, 256), 6)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
+                weight.copy_(new)
+            got = torch.mm(x, weight.t())
+            matmul.clear_packed_cache()
+            return got, torch.mm(x, new.t())
+
+    stale, fresh = product_after_rewrite()
+    assert not torch.equal(stale, fresh)  # control: the cache served the previous weights
+    matmul.disable_packed_cache()
+    weight.data.copy_(_wide((256, 256), 4))
+    got, fresh = product_after_rewrite()
+    assert torch.equal(got.view(torch.int32), fresh.view(torch.int32))

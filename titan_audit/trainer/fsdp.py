@@ -49,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from titan_audit.batch_invariant.cpu.matmul import disable_packed_cache
 from titan_audit.trainer.reduce import TreeStack
 
 
@@ -206,6 +207,8 @@ def shard_model(
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    # FSDP2 writes the gathered parameters behind their version counter: no packed-weight reuse
+    disable_packed_cache()
     if not deterministic:
         return None
     world_size = mesh.size() if mesh is not None else dist.get_world_size()

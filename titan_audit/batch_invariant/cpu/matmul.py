@@ -29,7 +29,9 @@ Guarantees:
   strides and dtype, and it is valid only while the owner's version counter (`_version`, bumped by
   every in-place op, e.g. an optimizer step) is unchanged. Writes that bypass the version counter
   (through `.data`, numpy or DLPack) are not seen: call `clear_packed_cache()` after such a write.
-  The cache changes no bit (packing is a copy).
+  The cache changes no bit (packing is a copy). FSDP2 writes its gathered parameters behind the
+  version counter: trainer/fsdp.py turns the cache off in a process that shards a model
+  (`disable_packed_cache`).
 - Under `torch.compile` the product runs as the custom op `titan_audit::mm` / `titan_audit::bmm`
   (opaque to the compiler, a fake kernel gives its shape), in eager the kernel is called directly;
   both run the same kernel, so compiled and eager bits are equal.
@@ -115,6 +117,7 @@ class PackedCache:
 
     def __init__(self, max_bytes: int = PACKED_CACHE_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
+        self.enabled = True  # off: every product packs B itself (the same bits, no reuse)
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._bytes = 0
         # reentrant: a weakref callback (_forget) may run inside a locked block, when a collection
@@ -146,6 +149,8 @@ class PackedCache:
         except for a parameter's memory (an `nn.Parameter` owns it), packed at once: every
         microbatch and decode step reuses it, so after each optimizer step the first product
         already runs on the new packing instead of the kernel packing it once more."""
+        if not self.enabled:
+            return None
         owner = b if b._base is None else b._base
         try:
             version = b._version
@@ -192,6 +197,16 @@ PACKED_CACHE = PackedCache()
 
 def clear_packed_cache() -> None:
     """Forget every packed B (needed only after writes that bypass the version counter)."""
+    PACKED_CACHE.clear()
+
+
+def disable_packed_cache() -> None:
+    """No packed B is kept from now on in this process: for parameters whose memory is written
+    behind the version counter on every use. FSDP2 does that (its all-gather copy-out into the
+    unsharded parameters runs under `_unsafe_preserve_version_counter`, and the re-allocated
+    storage often lands at the same address), so a cached packing would serve the previous
+    weights; and it re-gathers them for every forward and backward, so there is nothing to reuse."""
+    PACKED_CACHE.enabled = False
     PACKED_CACHE.clear()
 
 
