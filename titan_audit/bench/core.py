@@ -21,12 +21,42 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MemoryGrid:
+    """Suite memory's points (bench/memory_suite.py): every mode x W x V with W dividing V, on the
+    ~50M-parameter tiny-dense variant ("50m") or tiny-dense itself ("tiny"), `steps` training steps each."""
+
+    modes: tuple[str, ...] = ("dp", "fsdp")
+    world_sizes: tuple[int, ...] = (1, 2, 4)
+    microbatches: tuple[int, ...] = (2, 4, 8, 16)
+    model: str = "50m"
+    steps: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.modes or any(m not in ("dp", "fsdp") for m in self.modes):
+            raise ValueError(f"memory modes must be 'dp' and/or 'fsdp', got {list(self.modes)}")
+        for name in ("world_sizes", "microbatches"):
+            values = getattr(self, name)
+            if not values or any(v < 1 for v in values):
+                raise ValueError(f"memory {name} must be numbers >= 1, got {list(values)}")
+        if not any(v % w == 0 for w in self.world_sizes for v in self.microbatches):
+            raise ValueError(
+                f"no memory point: no world size in {list(self.world_sizes)} divides a number of "
+                f"microbatches in {list(self.microbatches)}"
+            )
+        if self.model not in ("50m", "tiny"):
+            raise ValueError(f"memory model must be '50m' or 'tiny', got {self.model!r}")
+        if self.steps < 1:
+            raise ValueError(f"memory steps must be >= 1, got {self.steps}")
+
+
+@dataclass(frozen=True)
 class BenchOptions:
     quick: bool = False  # small sizes and few repeats: for smoke tests, not for figures
     repeats: int = 5
     min_batch_s: float = 0.02
     threads: int | None = None  # intra-op threads for the run (both sides); None: torch's current
     generator: str = "builtin"  # suite generate: "builtin" or "vllm" (bench/generate_suite.py)
+    memory: MemoryGrid | None = None  # suite memory: its points (None: the suite's default grid)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:

@@ -9,6 +9,7 @@ from titan_audit.bench.core import BenchOptions, Case, SuiteResult
 from titan_audit.bench.data_suite import data_suite
 from titan_audit.bench.generate_suite import generate_suite
 from titan_audit.bench.hash_suite import hash_suite
+from titan_audit.bench.memory_suite import memory_suite
 from titan_audit.bench.mkl_path import mkl_code_path
 from titan_audit.bench.ops_suite import ops_suite
 from titan_audit.bench.reduce_suite import reduce_suite
@@ -22,6 +23,7 @@ SUITES: dict[str, Suite] = {
     "data": data_suite,
     "generate": generate_suite,
     "hash": hash_suite,
+    "memory": memory_suite,
     "ops": ops_suite,
     "reduce": reduce_suite,
     "rl": rl_suite,

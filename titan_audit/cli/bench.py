@@ -1,5 +1,9 @@
 """`titan-audit bench SUITE`: speed as ratios against plain PyTorch in the same run.
 
+`bench memory` measures bytes, not time: peak live tensor bytes per rank against the formula of
+docs/memory.md (ratio = measured / formula), with its grid from --modes, --world-sizes,
+--microbatches, --model and --memory-steps (bench/memory_suite.py).
+
 A progress bar on stderr while the suite runs (a terminal only: titan_audit/progress.py). With
 `--check`: exit 1 when a case missed its target (the JSON's `summary.missed` names them, the
 table marks them MISSED), 0 when every target was met, 2 when the suite has no target to check.
@@ -7,11 +11,15 @@ table marks them MISSED), 0 when every target was met, 2 when the suite has no t
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 from rich.console import Console
 from rich.table import Table
 
 from titan_audit.bench import SUITES, BenchOptions, check_targets, run_suite
+from titan_audit.bench.core import MemoryGrid
+from titan_audit.bench.memory_suite import QUICK_GRID
 from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 from titan_audit.progress import progress_bar
@@ -36,23 +44,39 @@ from titan_audit.progress import progress_bar
     help="Suite generate: the built-in generator, or our model inside vLLM against vLLM's default mode.",
 )
 @click.option("--check", is_flag=True, help="Exit 1 if a case misses its target (summary.missed names them).")
+@click.option("--modes", help="Suite memory: parallel modes, comma-separated (default dp,fsdp).")
+@click.option("--world-sizes", help="Suite memory: W values, comma-separated (default 1,2,4).")
+@click.option("--microbatches", help="Suite memory: V values, comma-separated (default 2,4,8,16).")
+@click.option("--model", type=click.Choice(["50m", "tiny"]), help="Suite memory: the model (default 50m).")
+@click.option("--memory-steps", type=int, help="Suite memory: training steps per point (default 2).")
 def bench(
-    suite: str, as_json: bool, quick: bool, repeats: int, threads: int | None, generator: str, check: bool
+    suite: str,
+    as_json: bool,
+    quick: bool,
+    repeats: int,
+    threads: int | None,
+    generator: str,
+    check: bool,
+    **memory: str | int | None,
 ) -> None:
-    """Time a suite; ratio = candidate time / baseline time (lower is better)."""
+    """Time a suite; ratio = candidate time / baseline time (lower is better). Suite memory:
+    ratio = measured peak bytes / the formula's."""
     if generator != "builtin":
         if suite != "generate":
             raise click.UsageError(f"--generator applies to the generate suite only, not {suite!r}")
         from titan_audit.rl import vllm as rl_vllm
 
         rl_vllm.require()  # one line: how to install the extra (exit 2)
+    options = BenchOptions(
+        quick=quick, repeats=repeats, threads=threads, generator=generator, memory=_memory_grid(suite, quick, memory)
+    )
     with progress_bar(f"bench {suite}", unit=" cases") as bar:
-        result = run_suite(
-            suite, BenchOptions(quick=quick, repeats=repeats, threads=threads, generator=generator), progress=bar.done
-        )
+        result = run_suite(suite, options, progress=bar.done)
     data = result.to_dict()
     if as_json:
         print_json(data)
+    elif suite == "memory":
+        _print_memory_table(data)
     else:
         _print_table(suite, data)
     if check and check_targets(result):
@@ -76,5 +100,69 @@ def _print_table(suite: str, data: dict) -> None:
     click.echo(
         f"geomean ratio {summary['geomean_ratio']:.3f}, max {summary['max_ratio']:.3f}, "
         f"targets missed {summary['targets_missed']} of {summary['targets']}"
+        + (f": {', '.join(summary['missed'])}" if summary["missed"] else "")
+    )
+
+
+def _memory_grid(suite: str, quick: bool, given: dict[str, str | int | None]) -> MemoryGrid | None:
+    """The memory grid from the --modes ... --memory-steps options (None when none is given: the
+    suite's default, or its quick grid); a UsageError for them with another suite."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    if suite != "memory":
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise click.UsageError(f"{flags} apply to the memory suite only, not {suite!r}")
+    defaults = QUICK_GRID if quick else MemoryGrid()
+    fields = {}
+    for key in ("modes", "world_sizes", "microbatches"):
+        if key in given:
+            items = [x.strip() for x in str(given[key]).split(",") if x.strip()]
+            try:
+                fields[key] = tuple(items) if key == "modes" else tuple(int(x) for x in items)
+            except ValueError:
+                raise click.BadParameter(
+                    f"expected comma-separated numbers, got {given[key]!r}", param_hint=f"--{key.replace('_', '-')}"
+                ) from None
+    if "model" in given:
+        fields["model"] = given["model"]
+    if "memory_steps" in given:
+        fields["steps"] = given["memory_steps"]
+    try:
+        return dataclasses.replace(defaults, **fields)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f}"
+
+
+def _print_memory_table(data: dict) -> None:
+    table = Table(
+        title="bench memory: peak live tensor bytes per rank (max over ranks), GB = 1e9 bytes", title_justify="left"
+    )
+    for column in ("case", "formula GB", "measured GB", "ratio", "target", "peak RSS GB", "exchange GB"):
+        table.add_column(column, justify="left" if column == "case" else "right")
+    for case in data["cases"]:
+        mark = {True: "ok", False: "MISSED", None: ""}[case["met_target"]]
+        low = case.get("target_low")
+        band = f"{low:.2f}-{case['target']:.2f}" if low is not None else f"<= {case['target']:.2f}"
+        rss = case.get("max_rss_bytes")
+        exchange = case.get("exchange_mapped_bytes")
+        table.add_row(
+            case["case"],
+            _gb(case["baseline_bytes"]),
+            _gb(case["candidate_bytes"]),
+            f"{case['ratio']:.3f}",
+            f"{band} {mark}",
+            _gb(rss) if rss is not None else "-",
+            _gb(exchange) if exchange else "-",
+        )
+    Console().print(table)
+    summary = data["summary"]
+    click.echo(
+        "RSS with the memory policy off; exchange: the same-host /dev/shm file (once per host, mapped by every rank). "
+        f"Targets missed {summary['targets_missed']} of {summary['targets']}"
         + (f": {', '.join(summary['missed'])}" if summary["missed"] else "")
     )

@@ -730,10 +730,11 @@ def _lost_peer(error: BaseException) -> str | None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, wrap: Callable[[Callable], Callable] | None = None) -> None:
     """Entry point of one training rank under torchrun: `python -m titan_audit.trainer.rank_entry
     CONFIG_JSON OUT [resume] [overwrite] [quiet] [stop_at=N] [init=PATH]` (`launch` writes the
-    resolved config to a JSON file)."""
+    resolved config to a JSON file). `wrap`: the rank's work goes through `wrap(run)` (a live-bytes
+    tracker, trainer/rank_entry.py)."""
     from titan_audit.trainer.train import train
 
     def run(config: dict, out: str, flags: set[str]) -> None:
@@ -742,4 +743,4 @@ def main(argv: list[str] | None = None) -> None:
         resume, overwrite, quiet = "resume" in flags, "overwrite" in flags, "quiet" in flags
         train(from_dict(config), out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init)
 
-    rank_main(sys.argv[1:] if argv is None else argv, run)
+    rank_main(sys.argv[1:] if argv is None else argv, run if wrap is None else wrap(run))
