@@ -33,16 +33,27 @@ Guarantees:
   microbatch (with `writes_microbatches=False`, a tensor-parallel peer that processes the same
   microbatches as another rank, by none). Step-level records (microbatch -1: grad, optim, param,
   ckpt) are written by rank `replicated_rank` only (others skip them at no cost), so a DDP run and
-  a single-process run log the same records. A DTensor is recorded as its full logical tensor:
-  `full_tensor()` is a collective, so every rank of its mesh must make the same record calls in
-  the same order; a step-level one is written by `replicated_rank`, another by the lowest rank of
-  the mesh.
+  a single-process run log the same records. A DTensor is recorded as its logical tensor (the
+  same record as unsharded, at any DP / FSDP2 / TP layout) without `full_tensor()`: each rank
+  hashes the piece it holds (audit.fingerprint's lattice digest above C bytes; a tensor of at
+  most C is gathered to the writer and hashed whole) and only 16 bytes of lanes per record
+  (plus partial statistics where asked) go to the writer, in one exchange per mesh for all the
+  DTensors of one call (record_grads, record_params, record_optimizer, record_many). It is a
+  collective, so every rank of its mesh must make the same record calls in the same order; a
+  step-level one is written by `replicated_rank` (a mesh without it exchanges nothing), another
+  by the lowest rank of the mesh. Under a DTensor, absmax is exact and mean's last bits may
+  depend on the layout (summary.summarize_sharded). A dumped DTensor (`dump_names`) is gathered
+  (full values are what a dump asks for).
 - Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
-- Opening a run whose audit log already has parts (a resume appends to it) reads every existing
-  part in full first (audit.log.verify_audit_log, on every rank: all ranks fail alike): a damaged
-  part raises ValueError naming it ("RUN/audit/part-...: unreadable (...); the audit log of this
-  run is damaged: ...") before anything is appended.
+- Opening a run whose audit log already has parts (a resume appends to it) reads back in full
+  the parts of its rank that it appends to (the newest, and any committed after the log's index)
+  unless a check already read them back since they were committed (the launcher's resume check,
+  audit.log.check_audit_log, reads every rank's, and the parts since the checkpoint it resumes
+  from, once): a damaged one raises ValueError naming it ("RUN/audit/part-...: unreadable (...);
+  the audit log of this run is damaged: ...") before anything is appended. Older parts stand on
+  their digests in the index; `titan-audit verify RUN` reads every part. So the cost of opening
+  does not grow with the run's length (a run written before the index has every part read once).
 - Optionally (`dump_names`, `dump_steps`) full tensor values go to RUN/dumps.zarr (audit.dumps).
 - `absmax`/`mean` (informational, never compared) are computed for the phases in `stats`
   (default: all but grad, optim, param and ckpt, where they would cost an extra pass of the
@@ -75,7 +86,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from titan_audit.audit.dumps import DumpWriter
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
-from titan_audit.audit.summary import Summary, summarize
+from titan_audit.audit.summary import Summary, summarize, summarize_sharded
 
 LEVELS = ("off", "params", "full")
 ROOT_NAME = "<root>"
@@ -149,6 +160,9 @@ class Recorder:
         self._paused = False
         self._recent: dict[tuple[int, bool], tuple[weakref.ref, int, Summary]] = {}  # (id, with_stats)
         self._rows: list[tuple] = []  # one tuple per record, in SCHEMA's column order
+        # DTensor records of the current batch (slot in _rows or None, the row's fields, the item
+        # for summarize_sharded), summarised together when the batch ends
+        self._pending: list[tuple[int | None, tuple, tuple]] | None = None
         self._seq: dict[int, int] = {}
         self._calls: dict[tuple[int, str], int] = {}
         self._steps_since_flush = 0
@@ -157,7 +171,7 @@ class Recorder:
         self._params: list[tuple[str, torch.nn.Parameter]] = []
         self._writer: AuditLogWriter | None = None
         self._dumps: DumpWriter | None = None
-        if level != "off":  # an existing log (a resume) is read in full first: never append to a damaged one
+        if level != "off":  # the parts a resume appends to are read back first: never append to a damaged one
             self._writer = AuditLogWriter(self.run_dir, rank=self.rank, verify=True)
         if module is not None:
             self._params = list(module.named_parameters())
@@ -193,6 +207,7 @@ class Recorder:
         self._steps_since_flush = 0
         if self._writer is None or not self._rows:
             return None
+        assert self._pending is None, "flush() inside a batch of DTensor records"
         path = self._writer.write(dict(zip(SCHEMA.names, map(list, zip(*self._rows)))))
         self._rows = []
         return path
@@ -241,8 +256,9 @@ class Recorder:
             return
         step = self._current_step()
         mb = self.microbatch if microbatch is None else microbatch
-        for name, tensor in _flatten(tensors, prefix):
-            self._record(phase, name, tensor, mb, step)
+        with self._batch():
+            for name, tensor in _flatten(tensors, prefix):
+                self._record(phase, name, tensor, mb, step)
 
     def record_data(self, batch: torch.Tensor | Mapping[str, Any], name: str = "input_ids") -> None:
         """The microbatch's data: a tensor (token ids) or a mapping of tensors (phase data)."""
@@ -264,16 +280,18 @@ class Recorder:
         """Every parameter of the module (phase param, step level)."""
         if not self._active("param"):
             return
-        for name, param in self._named_parameters(module):
-            self._record("param", name, param, STEP_LEVEL, self._current_step())
+        with self._batch():
+            for name, param in self._named_parameters(module):
+                self._record("param", name, param, STEP_LEVEL, self._current_step())
 
     def record_grads(self, module: torch.nn.Module | None = None) -> None:
         """Every parameter's .grad after reduction (phase grad, step level); None grads skipped."""
         if not self._active("grad"):
             return
-        for name, param in self._named_parameters(module):
-            if param.grad is not None:
-                self._record("grad", name, param.grad, STEP_LEVEL, self._current_step())
+        with self._batch():
+            for name, param in self._named_parameters(module):
+                if param.grad is not None:
+                    self._record("grad", name, param.grad, STEP_LEVEL, self._current_step())
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> None:
         """Optimizer state after the step (phase optim, step level): `param_name.state_key`."""
@@ -281,12 +299,13 @@ class Recorder:
             return
         names = self._param_names if module is None else {id(p): n for n, p in module.named_parameters()}
         step = self._current_step()
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                pname = names.get(id(param), f"group{g}.param{i}")
-                for key, value in optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        self._record("optim", f"{pname}.{key}", value, STEP_LEVEL, step)
+        with self._batch():
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    pname = names.get(id(param), f"group{g}.param{i}")
+                    for key, value in optimizer.state.get(param, {}).items():
+                        if isinstance(value, torch.Tensor):
+                            self._record("optim", f"{pname}.{key}", value, STEP_LEVEL, step)
 
     def record_checkpoint(self, state: Mapping[str, Any], prefix: str = "", *, flush: bool = True) -> None:
         """Every tensor of a checkpoint's (nested) state dict (phase ckpt, step level), then (by
@@ -315,29 +334,81 @@ class Recorder:
 
     def _record(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
         if type(tensor) not in _PLAIN_TYPES and _is_dtensor(tensor):
-            import torch.distributed as dist
-
-            if microbatch == STEP_LEVEL:
-                writes = self.rank == self.replicated_rank
-            else:
-                writes = self.writes_microbatches and dist.get_rank() == int(tensor.device_mesh.mesh.min())
-            tensor = tensor.full_tensor()  # collective: every rank of the mesh takes part
-            if not writes:
-                return
-        elif microbatch == STEP_LEVEL and self.rank != self.replicated_rank:
+            self._record_dtensor(phase, name, tensor, microbatch, step)
             return
-        elif microbatch != STEP_LEVEL and not self.writes_microbatches:
+        if microbatch == STEP_LEVEL and self.rank != self.replicated_rank:
+            return
+        if microbatch != STEP_LEVEL and not self.writes_microbatches:
             return
         summary = self._summarize(phase, tensor)
         seq = self._seq.get(microbatch, 0)
         self._seq[microbatch] = seq + 1
         # SCHEMA's order: step, phase, microbatch, name, dtype, shape, hash, absmax, mean, rank, seq
         self._rows.append((step, phase, microbatch, name, *summary, self.rank, seq))
-        if self.dump_names and (self.dump_steps is None or step in self.dump_steps):
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.dump_names):
-                if self._dumps is None:
-                    self._dumps = DumpWriter(self.run_dir)
-                self._dumps.write(step, phase, microbatch, name, tensor)
+        if self._dump_wanted(name, step):
+            self._dump(step, phase, microbatch, name, tensor)
+
+    def _record_dtensor(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
+        """A DTensor's record from the ranks' pieces (module doc): its row's slot is taken now
+        (the row order and `seq` are those of an unsharded run) and filled when the batch ends."""
+        import torch.distributed as dist
+
+        if microbatch == STEP_LEVEL:
+            dst, writes = self.replicated_rank, self.rank == self.replicated_rank
+        else:
+            dst = int(tensor.device_mesh.mesh.min())
+            writes = self.writes_microbatches and dist.get_rank() == dst
+        slot, fields = None, ()
+        if writes:
+            seq = self._seq.get(microbatch, 0)
+            self._seq[microbatch] = seq + 1
+            slot, fields = len(self._rows), (step, phase, microbatch, name, seq)
+            self._rows.append(None)  # filled by _summarize_pending
+        entry = (slot, fields, (tensor, phase in self.stats_phases, dst))
+        if self._dump_wanted(name, step):
+            full = tensor.full_tensor()  # collective: every rank of the mesh takes part
+            if writes:
+                self._dump(step, phase, microbatch, name, full)
+        if self._pending is None:
+            self._summarize_pending([entry])
+        else:
+            self._pending.append(entry)
+
+    @contextlib.contextmanager
+    def _batch(self) -> Iterator[None]:
+        """DTensor records made inside are summarised together at the end (one exchange)."""
+        if self._pending is not None:  # nested: the outer batch summarises
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+        except BaseException:  # no exchange: drop the slots the batch took
+            self._pending = None
+            self._rows = [row for row in self._rows if row is not None]
+            raise
+        pending, self._pending = self._pending, None
+        self._summarize_pending(pending)
+
+    def _summarize_pending(self, pending: list[tuple[int | None, tuple, tuple]]) -> None:
+        if not pending:
+            return
+        summaries = summarize_sharded([item for _, _, item in pending])
+        for (slot, fields, _), summary in zip(pending, summaries):
+            if slot is not None:
+                assert summary is not None, "the writer receives every record it writes"
+                step, phase, microbatch, name, seq = fields
+                self._rows[slot] = (step, phase, microbatch, name, *summary, self.rank, seq)
+
+    def _dump_wanted(self, name: str, step: int) -> bool:
+        if not self.dump_names or (self.dump_steps is not None and step not in self.dump_steps):
+            return False
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.dump_names)
+
+    def _dump(self, step: int, phase: str, microbatch: int, name: str, tensor: torch.Tensor) -> None:
+        if self._dumps is None:
+            self._dumps = DumpWriter(self.run_dir)
+        self._dumps.write(step, phase, microbatch, name, tensor)
 
     def _summarize(self, phase: str, tensor: torch.Tensor) -> Summary:
         """The record's Summary. Inside one forward or backward pass the hooks often meet one
@@ -347,8 +418,8 @@ class Recorder:
         the same counter) its bytes are those just hashed, so the summary is reused."""
         with_stats = phase in self.stats_phases
         # Never reused: explicit records (a parameter after an optimizer that writes through
-        # `.data`, which bumps no counter), a gathered DTensor (a fresh copy each time), an
-        # inference tensor (it keeps no version counter).
+        # `.data`, which bumps no counter), an inference tensor (it keeps no version counter).
+        # DTensors do not come here (_record_dtensor).
         if phase not in _HOOK_PHASES or type(tensor) not in _PLAIN_TYPES or tensor.is_inference():
             return summarize(tensor, with_stats=with_stats)
         key = (id(tensor), with_stats)

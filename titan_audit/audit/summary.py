@@ -1,11 +1,13 @@
 """One audit record's tensor columns: dtype, shape, fingerprint, absmax and mean.
 
 Guarantees:
-- `hash` is `audit.fingerprint` of the logical tensor (raw bytes; see fingerprint.py): the same
-  header (`fingerprint._header`) and the same bytes go into the same xxh3-128 (python-xxhash, as
-  in `fingerprint`), so two summaries have the same hash iff the tensors are bitwise equal (up to
-  xxh3-128 collisions). tests/audit/test_summary.py checks it against `fingerprint` for every
-  dtype and layout, and across the pieces below.
+- `hash` is `audit.fingerprint` of the logical tensor (raw bits; see fingerprint.py): up to C
+  bytes the same header (`fingerprint._header`) and the same bytes go into the same xxh3-128
+  (python-xxhash, as in `fingerprint`); above C the same lattice lanes (our kernel, piece by
+  piece below), so two summaries have the same hash iff the tensors are bitwise equal (up to
+  the collision bounds of fingerprint.py). tests/audit/test_summary.py and
+  test_lattice_digest.py check it against `fingerprint` for every dtype and layout, and across
+  the pieces below.
 - `absmax` and `mean` are informational (they are never compared; the hash is): float64
   numbers, NaN when the tensor is empty, NaN/inf propagated from the data, None (null in the
   log) when the caller asked for no statistics. For float32, bfloat16 and float64 they come from
@@ -27,9 +29,13 @@ Guarantees:
   statistics add ~0.5 ms (0.6x the hash); the path before the kernel (numpy min + max 1.06 ms,
   then a torch sum 0.38 ms) added ~1.4 ms (1.5x). 256K elements (1 MB): hash 0.026 ms, kernel
   0.022 ms (numpy min + max 0.037 ms + torch sum 0.018 ms before).
-- A DTensor is materialised once (`full_tensor()`, a collective: every rank of its mesh must
-  summarise it together) and hashed and measured as its full logical tensor, so the record does
-  not depend on the sharding. A CUDA tensor is copied to the CPU once.
+- A DTensor is never materialised whole (`summarize_sharded`, a collective: every rank of its
+  mesh summarises it together): above C each rank hashes its own piece and sends 16 bytes of
+  lanes (plus its absmax and sum when statistics are asked), at most C its piece goes to the
+  receiving rank, which hashes the whole tensor as unsharded. So the hash does not depend on
+  the sharding; absmax is exact; mean is the ranks' partial sums added in the group's rank
+  order, divided by numel: its last bits may depend on the layout (it is informational). A
+  CUDA tensor (or a rank's CUDA piece) is copied to the CPU once.
 - Per-(dtype, shape) text (dtype name, shape, hash header) is cached, so a record of a small
   tensor costs a few microseconds of Python.
 """
@@ -43,7 +49,8 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-from titan_audit.audit.fingerprint import _header, fingerprint
+from titan_audit.audit import shards
+from titan_audit.audit.fingerprint import _header, fingerprint, lattice_digest, whole_hash_bytes
 from titan_audit.batch_invariant.cpu import stats as _stats
 
 # Bytes fed to the hasher and then to the stats kernel at a time (whole kernel blocks of every
@@ -53,6 +60,9 @@ from titan_audit.batch_invariant.cpu import stats as _stats
 CHUNK_BYTES = 1 << 18
 assert all(CHUNK_BYTES % (_stats.BLOCK * dtype.itemsize) == 0 for dtype in _stats.DTYPES), "whole kernel blocks"
 
+# The piece size above C: larger (the lattice kernel is slower per byte than xxh3, so the
+# per-piece Python cost matters less) and still L2-resident for the statistics kernel behind it.
+_LATTICE_CHUNK_BYTES = 4 * CHUNK_BYTES
 _KERNEL = dict(_stats.KERNELS)
 _WIDEN = {torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 _NUMPY_MINMAX = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
@@ -108,15 +118,13 @@ def _meta(dtype: torch.dtype, shape: torch.Size) -> _Meta:
 
 
 def plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """The logical value of `tensor` as a plain, contiguous CPU tensor (a DTensor is gathered)."""
+    """The logical value of `tensor` as a plain, contiguous CPU tensor (a DTensor is gathered:
+    for full-value dumps; summarize() takes a DTensor as its pieces)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     tensor = tensor.detach()
-    if type(tensor) is not torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
+    if type(tensor) is not torch.Tensor and shards.is_dtensor(tensor):
+        tensor = tensor.full_tensor()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if tensor.is_conj():
@@ -137,33 +145,39 @@ def _is_plain(t: torch.Tensor) -> bool:
     )
 
 
-def _kernel_stats(tensor: torch.Tensor) -> tuple[float, float]:
+def _kernel_absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
     state = _stats.new_state()
     _stats.kernel_for(tensor.dtype)(tensor.data_ptr(), tensor.numel(), state)
-    return state[_STATE_LANES], state[_STATE_LANES + 1] / tensor.numel()
+    return state[_STATE_LANES], state[_STATE_LANES + 1]
 
 
 def stats(tensor: torch.Tensor) -> tuple[float, float]:
     """(absmax, mean) of a plain contiguous CPU tensor as float64; NaN for empty or complex."""
+    absmax, total = absmax_sum(tensor)
+    return absmax, total / tensor.numel() if tensor.numel() else math.nan
+
+
+def absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
+    """(absmax, sum) of a plain CPU tensor as float64 (a rank's partial statistics: the sum in
+    the kernel's fixed order); NaN for empty or complex."""
     numel = tensor.numel()
     dtype = tensor.dtype
     if numel == 0 or tensor.is_complex() or tensor.layout is not torch.strided:
         return math.nan, math.nan
     if dtype in _KERNEL:
-        return _kernel_stats(tensor.contiguous())
+        return _kernel_absmax_sum(tensor.contiguous())
     if dtype in _WIDEN or (dtype.is_floating_point and dtype not in _NUMPY_MINMAX):
-        return _kernel_stats(tensor.float().contiguous())  # exact widening
+        return _kernel_absmax_sum(tensor.float().contiguous())  # exact widening
     if dtype is torch.bool:
         tensor = tensor.view(torch.uint8)
         dtype = torch.uint8
     if dtype in _NUMPY_MINMAX:
-        array = tensor.detach().numpy()
+        array = tensor.detach().contiguous().numpy()
         low, high = float(array.min()), float(array.max())
     else:  # other integer types
         low_t, high_t = torch.aminmax(tensor)
         low, high = float(low_t), float(high_t)
-    absmax = max(abs(low), abs(high))
-    return absmax, float(tensor.sum(dtype=torch.int64)) / numel
+    return max(abs(low), abs(high)), float(tensor.sum(dtype=torch.int64))
 
 
 def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
@@ -173,6 +187,8 @@ def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
     hasher = xxhash.xxh3_128(meta.header)
     absmax = mean = None
     nbytes = meta.nbytes
+    if nbytes > whole_hash_bytes():
+        return _summarize_lattice(tensor, meta, with_stats)
     if not nbytes:
         if with_stats:
             absmax = mean = math.nan
@@ -200,13 +216,67 @@ def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
     return Summary(meta.dtype, meta.shape, hasher.hexdigest(), absmax, mean)
 
 
+def _summarize_lattice(tensor: torch.Tensor, meta: _Meta, with_stats: bool) -> Summary:
+    """_summarize_plain() above C bytes: the lattice lanes, and the statistics kernel piece by
+    piece behind them (from cache), or the lanes on every intra-op thread without statistics."""
+    dtype = tensor.dtype
+    acc = shards.new_lanes()
+    absmax = mean = None
+    if with_stats and dtype in _KERNEL:
+        address, itemsize = tensor.data_ptr(), dtype.itemsize
+        state = _stats.new_state()
+        kernel = _stats.kernel_for(dtype)
+        step = _LATTICE_CHUNK_BYTES // itemsize
+        for start in range(0, meta.numel, step):
+            count = min(step, meta.numel - start)
+            shards.flat_lanes(acc, tensor, start, count)
+            kernel(address + start * itemsize, count, state)
+        absmax, mean = state[_STATE_LANES], state[_STATE_LANES + 1] / meta.numel
+    else:
+        shards.flat_lanes(acc, tensor, 0, meta.numel, torch.get_num_threads())
+        if with_stats:
+            absmax, mean = stats(tensor)
+    return Summary(meta.dtype, meta.shape, lattice_digest(dtype, tuple(tensor.shape), (acc[0], acc[1])), absmax, mean)
+
+
 def summarize(tensor: torch.Tensor, *, with_stats: bool = True) -> Summary:
-    """dtype, shape, fingerprint and (optionally) absmax/mean of the logical tensor."""
+    """dtype, shape, fingerprint and (optionally) absmax/mean of the logical tensor. A DTensor:
+    a collective over its mesh (`summarize_sharded`); every rank gets the summary."""
     if _is_plain(tensor):
         return _summarize_plain(tensor, with_stats)  # fast path: read in place
+    if type(tensor) not in _PLAIN_TYPES and shards.is_dtensor(tensor):
+        (summary,) = summarize_sharded([(tensor, with_stats, None)])
+        assert summary is not None, "every rank receives the summary"
+        return summary
     plain = plain_cpu(tensor)
     if _is_plain(plain):
         return _summarize_plain(plain, with_stats)
     digest = fingerprint(plain)  # raises for what cannot be fingerprinted (sparse, quantized, meta)
     absmax, mean = stats(plain) if with_stats else (None, None)
     return Summary(dtype_name(plain.dtype), shape_text(plain.shape), digest, absmax, mean)
+
+
+def summarize_sharded(items: list[tuple[torch.Tensor, bool, int | None]]) -> list[Summary | None]:
+    """Summaries of DTensors, each (tensor, with_stats, dst), from the pieces the ranks hold: on
+    rank `dst` (every rank when None), None elsewhere. Collective (audit/shards.py `combine`):
+    every rank of each tensor's mesh calls it with the same items in the same order; one
+    exchange per process group and dst for the whole list. A tensor of at most C bytes is
+    gathered to dst and summarised whole (the same bits as unsharded); a larger one is hashed
+    by each rank over its piece (16 bytes of lanes travel) and its absmax / mean come from the
+    ranks' partial statistics: absmax exact, the sum added in the group's rank order, so mean's
+    last bits may depend on the layout (informational)."""
+    combined = shards.combine(items, whole_bytes=whole_hash_bytes(), partial_stats=absmax_sum)
+    out: list[Summary | None] = []
+    for (tensor, with_stats, _), c in zip(items, combined):
+        if c is None:
+            out.append(None)
+        elif c.full is not None:
+            out.append(_summarize_plain(c.full, with_stats))
+        else:
+            meta = _meta(tensor.dtype, tensor.shape)
+            absmax = mean = None
+            if with_stats:
+                absmax, mean = c.absmax, c.total / meta.numel if meta.numel else math.nan
+            digest = lattice_digest(tensor.dtype, tuple(tensor.shape), c.lanes)
+            out.append(Summary(meta.dtype, meta.shape, digest, absmax, mean))
+    return out

@@ -4,15 +4,24 @@ Guarantees:
 - Atomic at the directory level. A save writes `checkpoints/.step_NNNNNNNN.partial/` and renames it
   to `checkpoints/step_NNNNNNNN/` only after every file is written and synced; `hashes.json` is the
   last file written. A crash at any moment leaves the previous good checkpoint visible and intact.
-- Verified. `hashes.json` holds the fingerprint (audit.fingerprint, the full logical tensor) of
-  every model and optimizer tensor. `load` recomputes them after loading and refuses a checkpoint
-  whose bytes differ, which catches flipped bytes and truncated files; `load_latest(fallback=True)`
-  then falls back to the newest older checkpoint that verifies, says so on stderr (rank 0) and
-  moves the corrupt ones aside to `corrupt-step_NNNNNNNN` (kept, never deleted; the resumed run
-  writes its own `step_NNNNNNNN` again). With checkpoints present but none that verifies it
-  raises: a resume never silently restarts from step 0. Every error names the checkpoint in one
-  line (DCP's own errors carry the failed ranks' tracebacks in their text: `dcp_reason` keeps the
-  first exception's type and first line; the traceback is logged at DEBUG, -v).
+- Verified, by the rank that wrote or read each piece. `hashes.json` (format 2) holds, for every
+  model and optimizer tensor, its fingerprint (audit.fingerprint: the same string as its audit
+  record at any layout), its dtype and shape, and its pieces as the ranks held them at the save:
+  index runs, lattice lanes and holders (audit/by_piece.py). After the save each rank hashes only
+  its own share of what it wrote; after `dcp.load` each rank hashes its share of what it read,
+  against every recorded piece it overlaps, and the ranks of each mesh add up 16 bytes per piece
+  (lanes add up over any partition): so a checkpoint written at W = 4 under FSDP2 verifies at W
+  = 2, no tensor is gathered but those of at most C bytes to rank 0 at the save, and a flipped
+  byte is reported with its piece, its writers and the ranks that read it. A checkpoint of
+  format 1 (every tensor's whole xxh3) still loads and verifies, gathering DTensors. `load`
+  refuses a checkpoint whose bytes differ, which catches flipped bytes and truncated files;
+  `load_latest(fallback=True)` then falls back to the newest older checkpoint that verifies,
+  says so on stderr (rank 0) and moves the corrupt ones aside to `corrupt-step_NNNNNNNN` (kept,
+  never deleted; the resumed run writes its own `step_NNNNNNNN` again). With checkpoints
+  present but none that verifies it raises: a resume never silently restarts from step 0. Every
+  error names the checkpoint in one line (DCP's own errors carry the failed ranks' tracebacks in
+  their text: `dcp_reason` keeps the first exception's type and first line; the traceback is
+  logged at DEBUG, -v).
 - A save that fails (a full disk, a read-only run directory) removes its partial directory and
   raises an OSError naming the checkpoint and the errno: ENOSPC for a full device, whose symptom
   in DCP's writer is a RuntimeError 'unexpected pos'.
@@ -28,7 +37,9 @@ Guarantees:
 Layout of one checkpoint:
     step_NNNNNNNN/model_optim/    DCP files
     step_NNNNNNNN/trainer.json    rank-agnostic state (JSON)
-    step_NNNNNNNN/hashes.json     {"format": 1, "step": N, "tensors": {name: fingerprint}, ...}
+    step_NNNNNNNN/hashes.json     {"format": 2, "step": N, "whole_hash_bytes": C,
+                                   "tensors": {name: fingerprint}, "meta": {name: "float32[4, 8]"},
+                                   "pieces": {name: [{"index", "lanes", "ranks"}]}, "param_groups": [...]}
 """
 
 from __future__ import annotations
@@ -49,17 +60,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from titan_audit import faults
 from titan_audit.atomic import write_json_atomic
-from titan_audit.audit.fingerprint import fingerprint
+from titan_audit.audit.by_piece import digests_by_piece, verify_by_piece
+from titan_audit.audit.fingerprint import whole_digest, whole_hash_bytes, whole_hash_limit
 from titan_audit.log import get_logger
 from titan_audit.trainer.crash import crash_point
 
 log = get_logger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # trainer.json
+HASHES_FORMAT = 2  # hashes.json: 2 digests by piece; 1 (whole xxh3 of every tensor) still loads
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -124,19 +142,28 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
-def _tensor_hashes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, str], list[dict]]:
-    """Fingerprints of every model/optimizer tensor by FQN, plus the optimizer's scalar groups.
-
-    Collective under FSDP2 (DTensors hash as their full tensor): every rank must call it.
-    """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    hashes = {f"model.{name}": fingerprint(t) for name, t in model_sd.items() if isinstance(t, torch.Tensor)}
+def _named_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[list[tuple[str, torch.Tensor]], list[dict]]:
+    """Every model/optimizer tensor by FQN (`model.<fqn>`, `optim.<fqn>.<key>`, sorted), plus the
+    optimizer's scalar groups (optimizer None: the model's tensors only, no groups)."""
+    if optimizer is None:
+        model_sd, optim_sd = get_model_state_dict(model), {"state": {}, "param_groups": []}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    named = {f"model.{name}": t for name, t in model_sd.items() if isinstance(t, torch.Tensor)}
     for fqn, state in optim_sd["state"].items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                hashes[f"optim.{fqn}.{key}"] = fingerprint(value)
+                named[f"optim.{fqn}.{key}"] = value
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optim_sd["param_groups"]]
-    return dict(sorted(hashes.items())), json.loads(json.dumps(groups, default=str))
+    return sorted(named.items()), json.loads(json.dumps(groups, default=str))
+
+
+def _whole_hashes(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """hashes.json format 1's digests: xxh3-128 of every full tensor (a DTensor is gathered:
+    collective, every rank calls it). Only to check checkpoints written in that format."""
+    return {name: whole_digest(t) for name, t in named}
 
 
 class Checkpointer:
@@ -179,13 +206,12 @@ class Checkpointer:
                     checkpoint_id=partial / "model_optim",
                     no_dist=not _distributed(),
                 )
-            hashes, groups = _tensor_hashes(model, optimizer)
+            named, groups = _named_tensors(model, optimizer)
+            record = digests_by_piece(named)  # collective: each rank hashes the piece it wrote
             if _rank() == 0:
                 write_json_atomic(partial / "trainer.json", {"format": FORMAT_VERSION, "step": step, **trainer_state})
-                write_json_atomic(
-                    partial / "hashes.json",
-                    {"format": FORMAT_VERSION, "step": step, "tensors": hashes, "param_groups": groups},
-                )
+                hashes = {"format": HASHES_FORMAT, "step": step, "whole_hash_bytes": whole_hash_bytes(), **record}
+                write_json_atomic(partial / "hashes.json", {**hashes, "param_groups": groups})
                 _fsync_tree(partial)
                 crash_point("checkpoint.before_rename", step, partial)
                 os.replace(partial, final)
@@ -215,13 +241,19 @@ class Checkpointer:
             log.info("checkpoint retention (keep_last=%d): removing %s", self.keep_last, self.path(step))
             shutil.rmtree(self.path(step))
 
-    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Load checkpoint `step` into model and optimizer, verify every tensor, return trainer state."""
+    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Load checkpoint `step` into model and optimizer, verify every tensor, return trainer state.
+        optimizer None: the model's tensors only, read and verified (no optimizer is built)."""
         path = self.path(step)
         trainer_state = self._check_small_files(step)
         expected = self._read_json(path / "hashes.json")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+            expected["tensors"] = {k: v for k, v in expected["tensors"].items() if k.startswith("model.")}
+            expected["param_groups"] = []
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
         try:
             with _quiet_dcp():
                 dcp.load(state, checkpoint_id=path / "model_optim", no_dist=not _distributed())
@@ -229,17 +261,24 @@ class Checkpointer:
             log.debug("reading %s failed", path, exc_info=error)
             reason = dcp_reason(error)
             raise CorruptCheckpointError(f"{path}: cannot read model/optimizer tensors ({reason})") from error
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        actual, groups = _tensor_hashes(model, optimizer)
-        differing = sorted(
-            name
-            for name in expected["tensors"].keys() | actual.keys()
-            if expected["tensors"].get(name) != actual.get(name)
-        )
-        if differing:
-            raise CorruptCheckpointError(
-                f"{path}: {len(differing)} tensor(s) do not match hashes.json, first {differing[0]}"
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        named, groups = _named_tensors(model, optimizer)
+        if expected.get("format", 1) >= 2:  # each rank checks the pieces it read
+            with whole_hash_limit(int(expected.get("whole_hash_bytes", whole_hash_bytes()))):
+                differing = verify_by_piece(named, expected, str(path / "hashes.json"))
+        else:
+            actual = _whole_hashes(named)
+            differing = sorted(
+                name
+                for name in expected["tensors"].keys() | actual.keys()
+                if expected["tensors"].get(name) != actual.get(name)
             )
+        if differing:  # one line per problem, each starting with its tensor's name
+            tensors = len({line.split(": ", 1)[0] for line in differing})
+            raise CorruptCheckpointError(f"{path}: {tensors} tensor(s) do not match hashes.json, first {differing[0]}")
         if groups != expected["param_groups"]:
             raise CorruptCheckpointError(f"{path}: optimizer param_groups do not match hashes.json")
         return trainer_state
@@ -255,8 +294,11 @@ class Checkpointer:
                 raise CorruptCheckpointError(f"{required}: missing; the checkpoint is incomplete")
         expected = self._read_json(hashes_file)
         trainer_state = self._read_json(trainer_file)
-        if expected.get("format", 0) > FORMAT_VERSION or trainer_state.get("format", 0) > FORMAT_VERSION:
-            raise ValueError(f"{path}: written by a newer titan-audit (format > {FORMAT_VERSION})")
+        if expected.get("format", 0) > HASHES_FORMAT or trainer_state.get("format", 0) > FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: written by a newer titan-audit (hashes.json format > {HASHES_FORMAT} or "
+                f"trainer.json format > {FORMAT_VERSION})"
+            )
         if not isinstance(expected.get("tensors"), dict) or "param_groups" not in expected:
             raise CorruptCheckpointError(f"{hashes_file}: keys 'tensors' and 'param_groups' missing")
         if trainer_state.get("step") != step:

@@ -1,0 +1,190 @@
+"""The lattice digest above C bytes (audit/fingerprint.py): its kernel against a numpy rendering
+of the documented formula on every ISA variant and thread count, pieces of any layout adding up
+to the whole tensor's digest, today's xxh3 kept up to C, and the controls: a one-element change
+(any bits of any word) is always found, two swapped elements or the same bits under another
+dtype or shape give another digest."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from titan_audit.audit import shards
+from titan_audit.audit.fingerprint import (
+    WHOLE_HASH_BYTES,
+    fingerprint,
+    lattice_digest,
+    whole_digest,
+    whole_hash_bytes,
+    whole_hash_limit,
+)
+from titan_audit.audit.summary import stats, summarize
+from titan_audit.batch_invariant.cpu import _lib, lattice
+
+SMALL_C = 256  # bytes: every tensor here above it goes through the lattice path
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """The documented words of a contiguous tensor (unsigned, 1/2/4 bytes; 8- and 16-byte
+    elements as 4-byte words, low half first), built through numpy bytes."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    width = min(t.element_size(), 4)
+    return raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width])
+
+
+def _documented(t: torch.Tensor) -> str:
+    words = _words(t)
+    return lattice_digest(t.dtype, tuple(t.shape), lattice.reference_lanes(words, np.arange(words.size)))
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.float8_e4m3fn, torch.complex128]
+
+
+def _tensor(dtype, shape=(37, 29), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    return (torch.randn(shape, generator=g) * 7).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_above_c_the_digest_is_the_documented_sum_on_every_variant_and_thread_count(dtype):
+    t = _tensor(dtype)
+    expected = _documented(t)
+    with whole_hash_limit(SMALL_C):
+        for isa in _lib.available_isas():
+            with _lib.forced_isa(isa):
+                for threads in (1, 2):
+                    lanes = shards.lanes(t, shards.Piece.whole(t.shape), threads=threads)
+                    assert lattice_digest(t.dtype, tuple(t.shape), lanes) == expected, (isa, threads)
+                assert fingerprint(t) == expected
+                assert summarize(t, with_stats=True).hash == expected
+                assert summarize(t, with_stats=False).hash == expected
+
+
+def test_threads_split_a_long_tensor_without_changing_the_lanes():
+    t = torch.randn(1 << 20)  # several times the kernel's minimum words per thread
+    one = shards.lanes(t, shards.Piece.whole(t.shape), threads=1)
+    assert shards.lanes(t, shards.Piece.whole(t.shape), threads=2) == one
+    assert shards.lanes(t, shards.Piece.whole(t.shape), threads=3) == one
+
+
+def test_word_indices_past_2_to_the_32_follow_the_formula_on_every_variant():
+    words = torch.randint(0, 1 << 16, (3000,), dtype=torch.int32)
+    for start in ((1 << 32) - 1000, (5 << 32) + 7):
+        ref = lattice.reference_lanes(words.numpy().view(np.uint32), np.arange(start, start + 3000, dtype=np.uint64))
+        for isa in _lib.available_isas():
+            with _lib.forced_isa(isa):
+                out = lattice.new_lanes()
+                lattice.span(out, words.data_ptr(), 4, 3000, start)
+                assert (out[0], out[1]) == ref, (isa, start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pieces_of_any_layout_add_up_to_the_whole(dtype):
+    t = _tensor(dtype, (11, 13, 6))
+    whole = shards.lanes(t, shards.Piece.whole(t.shape))
+    cuts = {
+        "dim 0, uneven (torch.chunk of 4: 3, 3, 3, 2)": [
+            (slice(a, b), slice(None)) for a, b in ((0, 3), (3, 6), (6, 9), (9, 11))
+        ],
+        "dim 1": [(slice(None), slice(0, 7)), (slice(None), slice(7, 13))],
+        "dims 0 and 1": [(slice(a, b), slice(c, d)) for a, b in ((0, 6), (6, 11)) for c, d in ((0, 7), (7, 13))],
+    }
+    for what, blocks in cuts.items():
+        parts = []
+        for rows, cols in blocks:
+            index = (torch.arange(11)[rows], torch.arange(13)[cols], torch.arange(6))
+            parts.append(shards.lanes(t[rows, cols], shards.Piece(tuple(t.shape), index)))
+        assert shards.add_lanes(parts) == whole, what
+    # strided index sets (a _StridedShard's): even and odd rows, each a non-contiguous view
+    even, odd = torch.arange(0, 11, 2), torch.arange(1, 11, 2)
+    parts = [
+        shards.lanes(t[i], shards.Piece(tuple(t.shape), (i, torch.arange(13), torch.arange(6)))) for i in (even, odd)
+    ]
+    assert shards.add_lanes(parts) == whole
+    # positions: the elements of a piece inside another piece
+    full = shards.Piece.whole(t.shape)
+    top = shards.Piece(tuple(t.shape), (torch.arange(4), torch.arange(13), torch.arange(6)))
+    rest = shards.Piece(tuple(t.shape), (torch.arange(4, 11), torch.arange(13), torch.arange(6)))
+    pieces = [shards.lanes(t, full, full.positions_in(p)) for p in (top, rest)]
+    assert shards.add_lanes(pieces) == whole
+
+
+def test_strided_and_transposed_views_hash_as_their_logical_tensor():
+    t = torch.randn(64, 48)
+    with whole_hash_limit(SMALL_C):
+        expected = fingerprint(t.contiguous())
+        assert fingerprint(t.t().contiguous().t()) == expected  # column-major memory
+        assert fingerprint(torch.randn(64, 96)[:, ::2].copy_(t)) == expected  # a strided view
+        assert summarize(t.t().contiguous().t()).hash == expected
+
+
+def test_up_to_c_the_xxh3_fingerprint_is_unchanged_and_c_is_2_mib():
+    assert WHOLE_HASH_BYTES == whole_hash_bytes() == 2 << 20
+    at_c = torch.randn(2048, 256)  # the tiny goldens' largest record: exactly C bytes
+    assert at_c.nbytes == WHOLE_HASH_BYTES
+    assert fingerprint(at_c) == whole_digest(at_c)
+    above = torch.randn(2048 * 256 + 1)
+    assert fingerprint(above) == _documented(above) != whole_digest(above)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        with whole_hash_limit(-1):
+            pass
+
+
+def test_summary_statistics_above_c_are_those_of_the_whole_tensor():
+    t = torch.randn(300, 700)
+    t[3, 5] = -1e3
+    with whole_hash_limit(SMALL_C):
+        summary = summarize(t, with_stats=True)
+    absmax, mean = stats(t)
+    assert (summary.absmax, summary.mean) == (absmax, mean) and summary.absmax == 1e3
+
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _flip_bit(t: torch.Tensor, flat: int, bit: int) -> torch.Tensor:
+    """A copy of `t` with one bit of element `flat` flipped (through an integer view)."""
+    out = t.clone()
+    bits = out.view(-1).view(_INT_OF[t.element_size()])
+    bits[flat] = bits[flat] ^ (1 << bit) if bit < 8 * t.element_size() - 1 else bits[flat] ^ torch.iinfo(bits.dtype).min
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_control_a_one_element_change_is_always_found(dtype):
+    t = _tensor(dtype, (64, 33))
+    width = 8 * t.element_size()
+    with whole_hash_limit(SMALL_C):
+        base = fingerprint(t)
+        for flat in (0, 1, 1000, t.numel() - 1):
+            for bit in (0, 1, width // 2, width - 2, width - 1):  # lowest mantissa bit ... the sign
+                changed = _flip_bit(t, flat, bit)
+                assert not torch.equal(changed.view(_INT_OF[t.element_size()]), t.view(_INT_OF[t.element_size()]))
+                assert fingerprint(changed) != base, (flat, bit)
+        zeros = torch.zeros(4096, dtype=dtype)
+        negative = zeros.clone()
+        negative[77] = -0.0
+        assert fingerprint(zeros) != fingerprint(negative)  # -0.0 != +0.0
+        nan = torch.full((4096,), math.nan, dtype=torch.float32)
+        payload = nan.clone()
+        payload.view(torch.int32)[9] = 0x7FC00001  # another NaN payload
+        assert fingerprint(nan) != fingerprint(payload)
+
+
+def test_control_swapped_elements_and_another_dtype_or_shape_give_other_digests():
+    t = torch.randn(128, 64)
+    with whole_hash_limit(SMALL_C):
+        base = fingerprint(t)
+        for i, j in ((0, 1), (5, 4000), (0, t.numel() - 1)):
+            swapped = t.clone().view(-1)
+            swapped[i], swapped[j] = t.view(-1)[j], t.view(-1)[i]
+            assert fingerprint(swapped.view(128, 64)) != base, (i, j)
+        assert fingerprint(t.view(64, 128)) != base
+        assert fingerprint(t.view(torch.int32)) != base
+        rolled = t.roll(1, dims=1)  # every row shifted by one column
+        assert fingerprint(rolled) != base

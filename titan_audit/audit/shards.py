@@ -1,0 +1,509 @@
+"""Where a rank's elements of a logical tensor are, the lattice lanes of those elements, and the
+few collectives that combine what ranks computed over their own pieces (audit/fingerprint.py
+defines the digests built on them; summary.py, recorder.py and trainer/checkpoint.py use them).
+
+Guarantees:
+- `Piece`: the elements a local tensor holds, per dimension the ascending global indices of its
+  positions along it. `piece_of(dtensor)` follows the DTensor's placements as DTensor does
+  (torch.chunk sizes for `Shard`, uneven included, `_StridedShard`'s strided sets, several mesh
+  dimensions on one tensor dimension in mesh order); a plain tensor is one whole piece.
+- `lanes(local, piece, positions)`: the lattice lanes (batch_invariant/cpu/lattice.py) of the
+  elements at `positions` of `local` (all of them by default), each at its global word index in
+  the logical tensor. Every dtype goes through its bits: a word is the element (1, 2 or 4
+  bytes), an 8-byte element is 2 words and a 16-byte complex one 4 (little-endian halves, at
+  word indices q*i .. q*i+q-1 of element i). So the lanes of disjoint pieces add up, modulo
+  2^64, to the lanes of the whole tensor, whatever the layout. Memory is read in place: a
+  strided view costs nothing unless its last dimension is not contiguous (then one copy).
+- `replica(dtensor)`: this rank's share of its piece when a mesh dimension replicates it
+  (`Replicate`): the k ranks holding one piece hash dim-0 row ranges [p*R/k, (p+1)*R/k) each.
+- `gather(...)`: one collective over a mesh's process group (the default group when the mesh
+  spans every rank), to one rank or to all, of one fixed-size tensor per rank; every rank of
+  the group must call it in the same order.
+- `combine(items)`: what many DTensors' pieces add up to, on the rank that needs it: a tensor
+  of more than `whole_bytes` as the sum of the ranks' lanes (and their partial absmax / sum),
+  one of at most `whole_bytes` gathered whole; one gather per process group and destination for
+  all the items, and none in a group the destination is not part of.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_audit.batch_invariant.cpu import lattice as _kernel
+
+_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Per dimension, the global indices (int64, ascending) of a local tensor's positions."""
+
+    shape: tuple[int, ...]
+    index: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Piece:
+        return cls(tuple(shape), tuple(torch.arange(n) for n in shape))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(len(i) for i in self.index)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def rows(self, lo: int, hi: int) -> Piece:
+        """The sub-piece of local dim-0 positions [lo, hi) (of a piece with at least one dim)."""
+        assert self.index, "a 0-d piece has no rows"
+        return Piece(self.shape, (self.index[0][lo:hi], *self.index[1:]))
+
+    def runs(self) -> list[list[list[int]]]:
+        """Per dimension, the index set as [start, stop) runs (JSON: a checkpoint's metadata)."""
+        out = []
+        for idx in self.index:
+            if not len(idx):
+                out.append([])
+                continue
+            breaks = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+            starts, stops = [0, *breaks], [*breaks, len(idx)]
+            out.append([[int(idx[a]), int(idx[b - 1]) + 1] for a, b in zip(starts, stops)])
+        return out
+
+    @classmethod
+    def from_runs(cls, shape: Sequence[int], runs: Sequence[Sequence[Sequence[int]]]) -> Piece:
+        if len(runs) != len(shape):
+            raise ValueError(f"a piece of a {len(shape)}-d tensor needs {len(shape)} index runs, got {len(runs)}")
+        index = []
+        for n, dim_runs in zip(shape, runs):
+            parts = [torch.arange(int(a), int(b)) for a, b in dim_runs]
+            idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                raise ValueError(f"piece runs {list(dim_runs)} out of range for a dimension of size {n}")
+            index.append(idx)
+        return cls(tuple(shape), tuple(index))
+
+    def positions_in(self, other: Piece) -> tuple[torch.Tensor, ...]:
+        """Per dimension, the local positions of this piece whose global index `other` holds."""
+        return tuple(torch.nonzero(torch.isin(a, b)).flatten() for a, b in zip(self.index, other.index))
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+_COORDINATES: dict[tuple, list[int]] = {}
+
+
+def coordinate(mesh, rank: int) -> list[int]:
+    """The coordinate of global `rank` in `mesh` (ValueError when it is not in the mesh)."""
+    found = _COORDINATES.get((mesh, rank))
+    if found is None:
+        hits = torch.nonzero(mesh.mesh == rank)
+        if not len(hits):
+            raise ValueError(f"rank {rank} is not in the device mesh {mesh.mesh.tolist()}")
+        found = _COORDINATES.setdefault((mesh, rank), hits[0].tolist())
+    return found
+
+
+_PIECES: dict[tuple, Piece] = {}  # (shape, placements, mesh, coordinate) -> Piece: a step asks again
+
+
+def piece_of(tensor: torch.Tensor, coord: Sequence[int] | None = None) -> Piece:
+    """The piece a DTensor's local tensor holds on this rank (or at mesh coordinate `coord`); a
+    plain tensor's whole piece."""
+    if not is_dtensor(tensor):
+        return Piece.whole(tensor.shape)
+    mesh = tensor.device_mesh
+    if coord is None:
+        coord = mesh.get_coordinate()
+        assert coord is not None, "piece_of: this rank is not in the DTensor's mesh"
+    key = (tuple(tensor.shape), tuple(tensor.placements), mesh, tuple(coord))
+    piece = _PIECES.get(key)
+    if piece is None:
+        piece = _placed(tensor, mesh, coord)
+        if len(_PIECES) < 65536:
+            _PIECES[key] = piece
+    return piece
+
+
+def _placed(tensor: torch.Tensor, mesh, coord: Sequence[int]) -> Piece:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+
+    index = [torch.arange(n) for n in tensor.shape]
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, _StridedShard):
+            _, offsets = placement.local_shard_size_and_offset(
+                len(index[placement.dim]), mesh.size(mesh_dim), coord[mesh_dim], _StridedShardOffsetMode.ALL
+            )
+            index[placement.dim] = index[placement.dim][torch.tensor(offsets, dtype=torch.int64)]
+        elif isinstance(placement, Shard):
+            dim = placement.dim
+            size, offset = Shard.local_shard_size_and_offset(len(index[dim]), mesh.size(mesh_dim), coord[mesh_dim])
+            index[dim] = index[dim][offset : offset + size]
+        elif not placement.is_replicate():
+            raise ValueError(f"piece_of: placement {placement} holds no elements of the logical tensor (reduce it)")
+    return Piece(tuple(tensor.shape), tuple(index))
+
+
+def replica(tensor: torch.Tensor, coord: Sequence[int] | None = None) -> tuple[int, int]:
+    """(p, k): k ranks hold this rank's piece (the mesh's Replicate dimensions), this is the p-th."""
+    if not is_dtensor(tensor):
+        return 0, 1
+    mesh = tensor.device_mesh
+    coord = mesh.get_coordinate() if coord is None else coord
+    part, parts = 0, 1
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            part = part * mesh.size(mesh_dim) + coord[mesh_dim]
+            parts *= mesh.size(mesh_dim)
+    return part, parts
+
+
+def share(piece: Piece, part: int, parts: int) -> tuple[int, int]:
+    """Local dim-0 positions [lo, hi) that share `part` of `parts` of `piece` covers (a 0-d
+    piece counts as one row)."""
+    rows = piece.local_shape[0] if piece.index else 1
+    return rows * part // parts, rows * (part + 1) // parts
+
+
+def share_of(local: torch.Tensor, piece: Piece, part: int, parts: int) -> tuple[torch.Tensor, Piece] | None:
+    """(local rows, their piece) of share `part` of `parts` (module doc); None when it is empty."""
+    lo, hi = share(piece, part, parts)
+    if hi <= lo:
+        return None
+    if not piece.index:
+        return local, piece
+    return local[lo:hi], piece.rows(lo, hi)
+
+
+# ------------------------------------------------------------------ lanes of a piece
+
+
+def _words(local: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, Piece]:
+    """The local tensor as unsigned-word view (1, 2 or 4 bytes) and its piece over word indices."""
+    if local.layout is not torch.strided or local.is_quantized:
+        raise ValueError(f"cannot hash a tensor with layout {local.layout} (quantized: {local.is_quantized})")
+    if local.is_conj():
+        local = local.resolve_conj()
+    if local.is_neg():
+        local = local.resolve_neg()
+    index, shape = list(piece.index), list(piece.shape)
+    if local.dim() and local.stride(-1) != 1:
+        local = local.contiguous()
+    if local.dim() == 0:
+        local, index, shape = local.reshape(1), [torch.zeros(1, dtype=torch.int64)], [1]
+    if local.is_complex():
+        local = torch.view_as_real(local)
+        index, shape = [*index, torch.arange(2)], [*shape, 2]
+    itemsize = local.element_size()
+    if itemsize > 4:
+        q = itemsize // 4
+        local = local.view(torch.int32).unflatten(-1, (-1, q))
+        index, shape = [*index, torch.arange(q)], [*shape, q]
+    else:
+        local = local.view(_WORD_DTYPES[itemsize])
+    return local, Piece(tuple(shape), tuple(index))
+
+
+def _consecutive(idx: torch.Tensor) -> bool:
+    return len(idx) <= 1 or bool((idx[1:] - idx[:-1] == 1).all())
+
+
+def row_tables(
+    local_strides: Sequence[int], piece: Piece, positions: Sequence[torch.Tensor]
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(run, local word offsets, global word indices) of the rows the kernel walks: the trailing
+    dimensions that are consecutive both in memory and in the logical tensor merge into one run."""
+    ndim = len(positions)
+    global_strides = [math.prod(piece.shape[d + 1 :]) for d in range(ndim)]
+    glob = [idx if len(pos) == len(idx) else idx[pos] for idx, pos in zip(piece.index, positions)]
+    run, k = 1, ndim
+    while k > 0:
+        d = k - 1
+        if not (local_strides[d] == run and global_strides[d] == run):
+            break
+        if not (_consecutive(positions[d]) and _consecutive(glob[d])):
+            break
+        run *= len(positions[d])
+        k -= 1
+    local_off = torch.zeros((), dtype=torch.int64)
+    global_off = torch.zeros((), dtype=torch.int64)
+    for d in range(k, ndim):  # the run's start
+        local_off = local_off + positions[d][0] * local_strides[d]
+        global_off = global_off + glob[d][0] * global_strides[d]
+    for d in range(k):  # one row per position of the outer dimensions, row-major
+        view = [1] * k
+        view[d] = -1
+        local_off = local_off + (positions[d] * local_strides[d]).view(view)
+        global_off = global_off + (glob[d] * global_strides[d]).view(view)
+    shape = [len(p) for p in positions[:k]]
+    return run, local_off.expand(shape).reshape(-1).contiguous(), global_off.expand(shape).reshape(-1).contiguous()
+
+
+def lanes(
+    local: torch.Tensor, piece: Piece, positions: Sequence[torch.Tensor] | None = None, threads: int | None = None
+) -> tuple[int, int]:
+    """The lattice lanes of the elements at `positions` of `local` (default: all), which holds
+    `piece` of its logical tensor (module doc)."""
+    if tuple(local.shape) != piece.local_shape and not (local.dim() == 0 and piece.local_shape == ()):
+        raise ValueError(f"lanes: local shape {tuple(local.shape)} is not the piece's {piece.local_shape}")
+    if local.device.type != "cpu":
+        local = local.cpu()
+    if local.numel() == 0 or (positions is not None and any(len(p) == 0 for p in positions)):
+        return 0, 0
+    first = _row_block_start(local, piece) if positions is None else None
+    if first is not None:  # one run of row-major memory at consecutive global indices: no tables
+        out = _kernel.new_lanes()
+        flat_lanes(out, local, 0, local.numel(), threads or torch.get_num_threads(), first=first)
+        return out[0], out[1]
+    if positions is None:
+        positions = tuple(torch.arange(n) for n in piece.local_shape)
+    words, wpiece = _words(local.detach(), piece)
+    dims = max(local.dim(), 1)  # a 0-d tensor is hashed as its one element at index 0
+    given = tuple(positions) if local.dim() else (torch.zeros(1, dtype=torch.int64),)
+    positions = (*given, *(torch.arange(len(i)) for i in wpiece.index[dims:]))
+    run, local_off, global_off = row_tables(words.stride(), wpiece, positions)
+    out = _kernel.new_lanes()
+    threads = threads or torch.get_num_threads()
+    _kernel.rows(out, words.data_ptr(), words.element_size(), run, local_off, global_off, threads)
+    return out[0], out[1]
+
+
+def add_lanes(values: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Lanes of disjoint pieces -> lanes of their union (addition modulo 2^64)."""
+    return sum(v[0] for v in values) & _kernel.MASK, sum(v[1] for v in values) & _kernel.MASK
+
+
+def to_signed(value: int) -> int:
+    """A uint64 as the int64 with its bits (what an int64 tensor can carry)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def to_unsigned(value: int) -> int:
+    return value & _kernel.MASK
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def group_of(mesh) -> tuple[object | None, list[int]]:
+    """(process group, its global ranks in group order) of a DTensor's mesh: the default group
+    when the mesh spans every rank, the mesh's own group when it is 1-d."""
+    ranks = mesh.mesh.flatten().tolist()
+    if mesh.mesh.numel() == dist.get_world_size():
+        return None, list(range(dist.get_world_size()))
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        return group, dist.get_process_group_ranks(group)
+    raise ValueError(
+        f"a DTensor on a {mesh.ndim}-d mesh of {len(ranks)} of the {dist.get_world_size()} ranks: "
+        "its pieces cannot be combined without a process group over them"
+    )
+
+
+def gather(
+    tensor: torch.Tensor, group: object | None, ranks: Sequence[int], dst: int | None
+) -> list[torch.Tensor] | None:
+    """Every group rank's `tensor` (same shape and dtype on all), in group order: on `dst` only
+    (None elsewhere), or on every rank when dst is None. A group of one: no collective."""
+    if len(ranks) == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    if dst is None:
+        out = [torch.empty_like(tensor) for _ in ranks]
+        dist.all_gather(out, tensor, group=group)
+        return out
+    me = dist.get_rank()
+    out = [torch.empty_like(tensor) for _ in ranks] if me == dst else None
+    dist.gather(tensor, out, dst=dst, group=group)
+    return out
+
+
+# ------------------------------------------------------------------ combining pieces across ranks
+
+
+@dataclass
+class Combined:
+    """What the ranks' pieces of one logical tensor add up to, on the rank(s) that receive it:
+    the whole tensor (`full`: a tensor of at most `whole_bytes`, gathered) or the lanes of all its
+    elements with, when asked, absmax and the sum from per-rank partial statistics."""
+
+    full: torch.Tensor | None = None
+    lanes: tuple[int, int] | None = None
+    absmax: float | None = None
+    total: float | None = None
+
+
+def reduced(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor with Partial placements reduced (Replicate): its local pieces then hold the
+    logical tensor's elements (a collective over the mesh when there is a Partial)."""
+    if any(p.is_partial() for p in tensor.placements):
+        from torch.distributed.tensor import Replicate
+
+        placements = [Replicate() if p.is_partial() else p for p in tensor.placements]
+        tensor = tensor.redistribute(tensor.device_mesh, placements)
+    return tensor
+
+
+def _local_bytes(local: torch.Tensor) -> torch.Tensor:
+    flat = local.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype is not torch.uint8 else flat
+
+
+def _flat_index(piece: Piece) -> torch.Tensor:
+    """Row-major flat global index of every element of `piece`, in the local row-major order."""
+    flat = torch.zeros((), dtype=torch.int64)
+    for d, idx in enumerate(piece.index):
+        view = [1] * len(piece.index)
+        view[d] = -1
+        flat = flat + (idx * math.prod(piece.shape[d + 1 :])).view(view)
+    return flat.expand(piece.local_shape).reshape(-1)
+
+
+def _nan_max(values: list[float]) -> float:
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+_F64 = torch.float64
+
+
+def _stats_row(local: torch.Tensor, piece: Piece, part: int, parts: int, with_stats: bool, partial_stats) -> list:
+    """One rank's row for a large tensor: lanes, absmax and sum (float64 bits), elements hashed."""
+    picked = share_of(local, piece, part, parts)
+    if picked is None:
+        return [0, 0, 0, 0, 0]
+    a, b = lanes(*picked)
+    absmax = total = 0.0
+    if with_stats:
+        absmax, total = partial_stats(picked[0])
+    bits = torch.tensor([absmax, total], dtype=_F64).view(torch.int64).tolist()
+    return [to_signed(a), to_signed(b), *bits, picked[0].numel()]
+
+
+def _combine_large(rows: list[torch.Tensor], k: int, with_stats: bool) -> Combined:
+    """Rank rows (group order) of large tensor k -> lanes, and absmax / sum in rank order."""
+    mine = [r[k] for r in rows if int(r[k, 4]) > 0]
+    lane_pair = add_lanes([(to_unsigned(int(r[0])), to_unsigned(int(r[1]))) for r in mine])
+    if not with_stats:
+        return Combined(lanes=lane_pair)
+    stats = [r[2:4].view(_F64).tolist() for r in mine]
+    absmax = _nan_max([s[0] for s in stats]) if stats else math.nan
+    total = -0.0
+    for s in stats:  # the group's rank order: fixed for a layout
+        total = total + s[1]
+    return Combined(lanes=lane_pair, absmax=absmax, total=total)
+
+
+def combine(
+    items: Sequence[tuple[torch.Tensor, bool, int | None]], *, whole_bytes: int, partial_stats
+) -> list[Combined | None]:
+    """For each (DTensor, with_stats, dst): its Combined on rank `dst` (every rank when dst is
+    None), None elsewhere. Collective: every rank of each tensor's mesh calls it with the same
+    items in the same order. One gather per (process group, dst) of the lanes of the large
+    tensors (5 int64 per tensor per rank), one of the pieces of the tensors of at most
+    `whole_bytes` bytes (sent by the first of their replicas); a group without `dst` skips
+    both. `partial_stats(local)` -> (absmax, sum) of a rank's share (as floats)."""
+    tensors = [reduced(t) for t, _, _ in items]
+    batches: dict[tuple[tuple[int, ...], int | None], list[int]] = {}
+    groups: dict[tuple[int, ...], object | None] = {}
+    for i, (t, (_, _, dst)) in enumerate(zip(tensors, items)):
+        group, ranks = group_of(t.device_mesh)
+        groups[tuple(ranks)] = group
+        batches.setdefault((tuple(ranks), dst), []).append(i)
+    out: list[Combined | None] = [None] * len(items)
+    for (ranks, dst), batch in batches.items():
+        if dst is not None and dst not in ranks:
+            continue  # nobody here receives: no collective, no hashing
+        group = groups[ranks]
+        small = [i for i in batch if tensors[i].numel() * tensors[i].element_size() <= whole_bytes]
+        large = [i for i in batch if tensors[i].numel() * tensors[i].element_size() > whole_bytes]
+        if large:
+            rows = []
+            for i in large:
+                t = tensors[i]
+                rows.append(_stats_row(t.to_local(), piece_of(t), *replica(t), items[i][1], partial_stats))
+            gathered = gather(torch.tensor(rows, dtype=torch.int64), group, ranks, dst)
+            if gathered is not None:
+                for k, i in enumerate(large):
+                    out[i] = _combine_large(gathered, k, items[i][1])
+        if small:
+            for i, full in zip(small, _gather_small([tensors[i] for i in small], group, ranks, dst)):
+                out[i] = None if full is None else Combined(full=full)
+    return out
+
+
+def _gather_small(tensors: list[torch.Tensor], group, ranks: Sequence[int], dst: int | None) -> list:
+    """The whole logical tensors of small DTensors on dst (or all): each first replica sends its
+    piece's bytes; one gather of a buffer padded to the largest rank's total."""
+    layout = []  # per tensor: per group rank, its piece (None: not the sender) and byte count
+    for t in tensors:
+        per_rank = []
+        for r in ranks:
+            coord = coordinate(t.device_mesh, r)
+            piece = piece_of(t, coord) if replica(t, coord)[0] == 0 else None
+            per_rank.append((piece, 0 if piece is None else piece.numel * t.element_size()))
+        layout.append(per_rank)
+    totals = [sum(per_rank[j][1] for per_rank in layout) for j in range(len(ranks))]
+    me = ranks.index(dist.get_rank())
+    buffer = torch.zeros(max(totals), dtype=torch.uint8)
+    at = 0
+    for t, per_rank in zip(tensors, layout):
+        if per_rank[me][0] is not None and per_rank[me][1]:
+            data = _local_bytes(t.to_local())
+            buffer[at : at + len(data)] = data
+            at += len(data)
+    gathered = gather(buffer, group, ranks, dst)
+    if gathered is None:
+        return [None] * len(tensors)
+    fulls = []
+    offsets = [0] * len(ranks)
+    for t, per_rank in zip(tensors, layout):
+        size = t.element_size()
+        full = torch.zeros(t.numel(), size, dtype=torch.uint8)
+        for j, (piece, nbytes) in enumerate(per_rank):
+            if piece is not None and nbytes:
+                data = gathered[j][offsets[j] : offsets[j] + nbytes]
+                full[_flat_index(piece)] = data.view(-1, size)
+                offsets[j] += nbytes
+        fulls.append(full.reshape(-1).view(t.dtype).reshape(t.shape))
+    return fulls
+
+
+def flat_lanes(out: object, tensor: torch.Tensor, start: int, count: int, threads: int = 1, first: int = 0) -> None:
+    """out (kernel lanes) += the lanes of elements [start, start + count) of a plain contiguous
+    CPU tensor, at global element indices first + start, ... (first = 0: the tensor is the whole
+    logical tensor, as `lanes` gives it)."""
+    itemsize = tensor.element_size()
+    q, width = (itemsize // 4, 4) if itemsize > 4 else (1, itemsize)
+    _kernel.span(out, tensor.data_ptr() + start * itemsize, width, count * q, (first + start) * q, threads)
+
+
+def _row_block_start(local: torch.Tensor, piece: Piece) -> int | None:
+    """The global element index of `local`'s first element when it is a block of whole dim-0
+    rows in plain row-major memory (a whole tensor, an FSDP2 shard), else None."""
+    if local.layout is not torch.strided or local.is_quantized or local.is_conj() or local.is_neg():
+        return None
+    if not local.is_contiguous():
+        return None
+    if not piece.index:  # 0-d: its one element
+        return 0
+    if piece.local_shape[1:] != piece.shape[1:]:
+        return None
+    rows = piece.index[0]
+    start = int(rows[0])
+    if int(rows[-1]) - start + 1 != len(rows):  # ascending and distinct: consecutive iff this
+        return None
+    return start * math.prod(piece.shape[1:])
+
+
+def new_lanes() -> object:
+    return _kernel.new_lanes()
