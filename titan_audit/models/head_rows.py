@@ -20,6 +20,8 @@ what it did. `rows` must be distinct (a row's gradient is written, not accumulat
 Elsewhere (native ops, a tensor-parallel DTensor head, a cast weight) the full head runs and the
 rows are selected after it (`select_rows`: index_select forward, a zero-filled index_copy
 backward, both exact), so the values are the full head's there too.
+Log-probs of chosen targets need not even the [N, V] logits: models/chunked_head.py computes them
+(and these gradients) in row chunks and vocabulary slices, the same bits.
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ def head_at_rows(
     """(x_MD @ weight.T)[rows] as [N, V] (see the module doc); `link`: the forward's TiedLink
     when the weight is a tied embedding on the linked path, else None."""
     assert x_MD.dim() == 2 and rows.dim() == 1 and rows.dtype == torch.int64, (x_MD.shape, rows.shape, rows.dtype)
-    if _direct(x_MD, weight):
+    if runs_direct(x_MD, weight):
         return _HeadAtRows.apply(x_MD, weight, rows, link)
     full_MV = tied.head(x_MD, weight, link) if link is not None else ops.linear(x_MD, weight, gather_output=True)
     return select_rows(full_MV, rows)
 
 
-def _direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def runs_direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the head at rows runs its own gemms (BI mode, a float32 plain-tensor weight with a
+    batch-invariant backend) rather than the full head followed by `select_rows`."""
     if not ops.bi_mode() or isinstance(weight, DTensor) or weight.dtype != torch.float32 or x.dtype != weight.dtype:
         return False
     return tied.has_backend(weight)  # x is on weight's device (the forward's own activations)

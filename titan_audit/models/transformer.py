@@ -2,6 +2,7 @@
 
     logits = model(tokens, positions=None, cache=None, doc_ids=None)
     logits_NV = model(tokens, logits_rows=rows_N)   # only the token rows b * T + t in rows_N
+    logprobs_N = model(tokens, logits_rows=rows_N, logprob_targets=targets_N, temperature=t)
 
 One forward for every use:
 - training / scoring: `tokens` [B, T]; positions default to 0..T-1;
@@ -14,6 +15,9 @@ One forward for every use:
 `logits_rows` (int64 [N], distinct, indices into the B * T token rows, row b * T + t) computes
 the LM head at those rows only and returns [N, V]: the full forward's rows, bit for bit in BI
 mode, gradients included (models/head_rows.py); log-probs and prefills need few of the rows.
+With `logprob_targets` (int [N], in [0, V)) it returns instead the float32 log-probs [N] of those
+targets under log_softmax(logits / temperature), the bits of computing them from those logits,
+gradients included; in BI mode on CPU without ever holding [N, V] (models/chunked_head.py).
 
 Guarantees (batch-invariant mode, `titan_audit.batch_invariant.enabled()`): every op but
 attention acts on one token's row through `ops` (BI matmuls/norms/softmax, position-independent
@@ -52,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from titan_audit.models import head_rows, ops, tied
+from titan_audit.models import chunked_head, head_rows, ops, tied
 from titan_audit.models.attention import Attention
 from titan_audit.models.config import ModelConfig
 from titan_audit.models.mlp import FeedForward
@@ -187,10 +191,14 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         return_aux_loss: bool = False,
         logits_rows: torch.Tensor | None = None,
+        logprob_targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, T, V] (in the compute dtype), or [N, V] at `logits_rows`; with
-        `return_aux_loss`, (logits, the MoE load-balancing loss of this call's real tokens: a
-        float32 scalar, 0 without MoE layers)."""
+        """Logits [B, T, V] (in the compute dtype), or [N, V] at `logits_rows` (float32 log-probs
+        [N] with `logprob_targets`); with `return_aux_loss`, (logits, the MoE load-balancing loss
+        of this call's real tokens: a float32 scalar, 0 without MoE layers)."""
+        if logprob_targets is not None and logits_rows is None:
+            raise ValueError("logprob_targets needs logits_rows (the rows whose targets they are)")
         squeeze = tokens.dim() == 1
         tokens_BT = self._check_tokens(tokens)
         batch, seq = tokens_BT.shape
@@ -248,7 +256,12 @@ class Transformer(nn.Module):
         if logits_rows is not None:
             normed_MD = call(self.norm, h_BTD).reshape(batch * seq, -1)
             rows_N = self._check_rows(logits_rows, batch * seq).to(normed_MD.device)
-            logits_BTV = head_rows.head_at_rows(normed_MD, output_weight, rows_N, link)
+            if logprob_targets is not None:
+                logits_BTV = chunked_head.logprobs_at_rows(
+                    normed_MD, output_weight, rows_N, logprob_targets, temperature, link
+                )
+            else:
+                logits_BTV = head_rows.head_at_rows(normed_MD, output_weight, rows_N, link)
             squeeze = False  # already [N, V]
         elif link is not None:
             logits_BTV = tied.head(call(self.norm, h_BTD), output_weight, link)

@@ -12,10 +12,13 @@ causal attention keeps padding invisible to real tokens. In batch-invariant mode
 (`batch_invariant=True`, the default: the call runs inside `titan_audit.batch_invariant.enabled()`)
 every op is row-invariant, so each sample's log-probs are bitwise those of running it alone,
 whatever the other samples and the padded length, and bitwise equal to the built-in generator's
-(guarantee G4; tests/rl/test_builtin_generator.py). The LM head runs only at the positions whose
-logits give a completion token (the model's `logits_rows`, the full head's bits and gradients in
-BI mode: models/head_rows.py). With `batch_invariant=False` the call runs in
-whatever mode the caller is in (native ops outside BI mode: no bitwise promise).
+(guarantee G4; tests/rl/test_builtin_generator.py). The LM head, the log-softmax and the gather
+run as one step at the positions whose logits give a completion token, for all samples at once
+(the model's `logits_rows` with `logprob_targets`: the bits of the full head's rows, gradients
+included). In BI mode on CPU that step runs in row chunks and vocabulary slices
+(models/chunked_head.py): no [tokens, vocab] tensor is ever held, forward or backward; elsewhere
+it holds the [tokens, vocab] logits and their log-softmax. With `batch_invariant=False` the call
+runs in whatever mode the caller is in (native ops outside BI mode: no bitwise promise).
 
 Autograd: nothing here disables it; call it under `torch.no_grad()` to score only, or with grad
 enabled to get the policy-gradient graph (the BI forward kernels, hence the bits, are the same
@@ -30,9 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from titan_audit import batch_invariant as bi
-from titan_audit.models.logprobs import token_logprobs
 from titan_audit.models.transformer import Transformer
-from titan_audit.rl.sampling import scale_logits
 
 
 def sequence_logprobs(
@@ -67,22 +68,20 @@ def sequence_logprobs(
         tokens_NL[i, : len(row)] = torch.tensor(row, dtype=torch.long)
     tokens_NL = tokens_NL.to(device)
     # the head runs at the completion positions only: row i * max_len + t for t in
-    # [start - 1, start - 1 + count) (models/head_rows.py: the same bits as the full logits' rows)
-    spans, head_rows = [], []  # (first head row, start, count) per sample; flat token rows of the head
+    # [start - 1, start - 1 + count), whose target is the token at t
+    head_rows, targets = [], []  # flat token rows of the head; their targets
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        start, count = len(prompt), len(completion)
-        spans.append((len(head_rows), start, count))
-        head_rows.extend(range(i * max_len + start - 1, i * max_len + start - 1 + count))
+        start = len(prompt)
+        head_rows.extend(range(i * max_len + start - 1, i * max_len + start - 1 + len(completion)))
+        targets.extend(rows[i][start:])
+    if not head_rows:
+        return [torch.zeros(0, dtype=torch.float32, device=device) for _ in prompts]
     mode = bi.enabled() if batch_invariant else contextlib.nullcontext()
     with mode:
-        if not head_rows:
-            return [torch.zeros(0, dtype=torch.float32, device=device) for _ in prompts]
-        logits_RV = model(tokens_NL, logits_rows=torch.tensor(head_rows, dtype=torch.long, device=device))
-        out = []
-        for i, (first, start, count) in enumerate(spans):
-            if count == 0:
-                out.append(torch.zeros(0, dtype=torch.float32, device=device))
-                continue
-            scaled_TV = scale_logits(logits_RV[first : first + count], temperature)
-            out.append(token_logprobs(scaled_TV, tokens_NL[i, start : start + count]))
-    return out
+        logprobs_R = model(
+            tokens_NL,
+            logits_rows=torch.tensor(head_rows, dtype=torch.long, device=device),
+            logprob_targets=torch.tensor(targets, dtype=torch.long, device=device),
+            temperature=temperature,
+        )
+    return list(logprobs_R.split([len(c) for c in completions]))
