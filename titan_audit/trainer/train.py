@@ -256,7 +256,10 @@ def train(
             microbatches = next(batches)
             # step `oplog_step` (bisect --step) runs under DebugMode: every aten op hashed, in order
             with op_log(run.out, f"step_{step}") if step == oplog_step else contextlib.nullcontext():
-                figures = [_forward_backward(kit, model, mb, aux_scale) for mb in microbatches]
+                # popped: each microbatch's tensors are freed once its backward is done
+                figures = [
+                    _forward_backward(kit, model, microbatches.pop(0), aux_scale) for _ in range(len(microbatches))
+                ]
                 grad_norm = kit.finish()
             # [V, 1 or 2]: loss (and aux) of every microbatch in index order, summed by the fixed tree
             step_sums = tree_sum(kit.gather_in_index_order(torch.stack(figures)))
