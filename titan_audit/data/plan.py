@@ -5,8 +5,8 @@ microbatches of `microbatch_size` (M) sequences. In epoch e, step s, microbatch 
 sequences perm_e(s*B + m*M + i) for i in [0, M), where perm_e is the epoch's Feistel permutation
 of all packed sequences (permutation.py). An epoch has floor(N / B) steps; the N mod B sequences
 left over differ from epoch to epoch. Rank r of W processes microbatches [r*V/W, (r+1)*V/W)
-(or, interleaved, r, r + W, ...). Nothing here depends on W except which microbatches a rank takes, so every W dividing V sees the same
-global batches. Invalid numbers are ValueErrors that name them.
+(or, interleaved, r, r + W, ...). Nothing here depends on W except which microbatches a rank
+takes, so every W dividing V sees the same global batches. Invalid numbers are ValueErrors that name them.
 """
 
 from __future__ import annotations
