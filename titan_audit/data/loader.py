@@ -9,7 +9,8 @@
 Guarantees:
 - Step s of epoch e delivers, on rank r of W, microbatches [r*V/W, (r+1)*V/W) of the global batch
   defined in plan.py (`interleaved`: r, r + W, ...); the concatenation over ranks is the global
-  batch, bit for bit, for every W dividing V, because each microbatch is a pure function of (epoch, step, index) (batches.py).
+  batch, bit for bit, for every W dividing V, because each microbatch is a pure function of
+  (epoch, step, index) (batches.py).
 - `state()` is the next step not yet fully delivered; a loader built with that state (any W
   dividing V) continues with exactly the microbatches an uninterrupted run would deliver. Resume
   costs O(1) in the step: nothing is replayed, the permutation is evaluated where needed.
