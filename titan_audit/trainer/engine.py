@@ -255,7 +255,8 @@ def check_backend(config: Any) -> None:
 def check_run_dir(
     config: Any, out: Path, *, kind: str, mutable: frozenset[str], resume: bool, overwrite: bool | str
 ) -> None:
-    """The run directory against the request (ValueError; no compute, nothing written): --resume
+    """The run directory against the request (ValueError; no compute; nothing written but the
+    audit index's `checked` marks of a resume that passes every check): --resume
     and --overwrite exclude each other; a resume needs a run of the same kind whose saved config
     differs only in `mutable` keys, checkpoints whose small files verify, an audit log whose parts
     all read, and a step to run; a new
@@ -273,12 +274,13 @@ def check_run_dir(
             raise ValueError(f"{out}: the config differs from the run's saved config: {'; '.join(differences)}")
         checkpointer = Checkpointer(out, keep_last=config.checkpoint.keep_last)
         start, _ = checkpointer.preflight(fallback=config.checkpoint.fallback)
-        check_audit_log(out, after_step=start)  # the parts it appends to, and after its checkpoint
         if start >= config.steps:
             raise ValueError(
                 f"{out}: already at step {start} of steps={config.steps}; nothing to run "
                 f"(--steps N or --set steps=N with N > {start} extends it)"
             )
+        # the parts it appends to, and after its checkpoint; last, since it marks what it read
+        check_audit_log(out, after_step=start)
     else:
         check_out_path(out, overwrite=overwrite)
 
