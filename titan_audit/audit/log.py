@@ -16,7 +16,7 @@ Guarantees:
   one line: "RUN/audit/part-...parquet: unreadable (...); the audit log of this run is damaged: ...".
   Parts are written with Parquet page checksums (CRC32), verified whenever they are read, so a
   flipped byte in a data page is caught too (a part written before checksums is read unverified).
-- Each committed part gets an entry in the index RUN/audit/index/ (audit.log_index): its size,
+- Each committed part gets an entry in the index RUN/audit/_index/ (audit.log_index): its size,
   records, steps and the xxh3-128 digest of its bytes, in files of bounded size written
   atomically. What checks the log, and what it costs:
   - `check_audit_log(run, after_step=S)`, a resume's check (before any rank starts): per rank,
@@ -236,7 +236,7 @@ def _entry(part: int, reading: PartReading) -> PartEntry:
 
 
 def open_index(run_dir: str | os.PathLike, check: LogCheck, ranks: Sequence[int] = ()) -> None:
-    """Make sure RUN/audit/index/ exists: a run without one (written before it existed) has every
+    """Make sure RUN/audit/_index/ exists: a run without one (written before it existed) has every
     part read in full (`check` counts them) and the index of every rank built from what was read;
     `ranks` get an (empty) head if they have no part yet."""
     directory = audit_dir(run_dir)
@@ -322,7 +322,7 @@ class LogVerification:
     parts: int = 0
     records: int = 0
     bytes: int = 0
-    indexed: bool = False  # the run has an index (audit/index/)
+    indexed: bool = False  # the run has an index (audit/_index/)
     unindexed: list[str] = field(default_factory=list)  # parts after the index: the next open indexes them
     problems: list[str] = field(default_factory=list)
 

@@ -2,8 +2,8 @@
 xxh3-128 digest of its bytes), kept in files of bounded size so that a resume reads a constant
 amount of it, however long the run.
 
-    RUN/audit/index/r00000.json               the head: the newest entries of rank 0 (<= SEGMENT)
-    RUN/audit/index/r00000/seg-00000000.json  sealed segments: SEGMENT entries each, oldest first
+    RUN/audit/_index/r00000.json               the head: the newest entries of rank 0 (<= SEGMENT)
+    RUN/audit/_index/r00000/seg-00000000.json  sealed segments: SEGMENT entries each, oldest first
 
 Guarantees:
 - Every index file is written atomically (temp file, rename: titan_audit.atomic), so a kill
@@ -14,7 +14,7 @@ Guarantees:
   segment at a time (`RankIndex.newest_first`). The head is not fsynced at each commit (that
   would double the cost of a flush): after a power loss it may lack its last entries, whose parts
   are then found after it and read back (below), or be unreadable, which stops a resume naming
-  it (moving RUN/audit/index/ aside makes the next resume read every part once and rebuild it).
+  it (moving RUN/audit/_index/ aside makes the next resume read every part once and rebuild it).
 - An entry is committed after its part is renamed into place, so a crash between the two leaves a
   part beyond the index (never an entry without its part): `unindexed_parts` finds those by
   probing the part names after the last entry (no directory listing).
@@ -40,7 +40,7 @@ from typing import Any
 
 from titan_audit.atomic import atomic_output_file, current_umask, write_bytes_atomic
 
-INDEX_DIR = "index"
+INDEX_DIR = "_index"  # "_": dataset readers of RUN/audit (pyarrow) skip it
 FORMAT = "titan-audit-audit-index"
 VERSION = 1
 SEGMENT = 64  # entries per sealed segment, and at most in the head
@@ -238,7 +238,7 @@ def index_ranks(audit_dir: Path) -> list[int]:
 
 
 def ensure_index(audit_dir: Path, build: dict[int, list[PartEntry]]) -> bool:
-    """Create RUN/audit/index/ atomically with one complete index (segments and head) per rank of
+    """Create RUN/audit/_index/ atomically with one complete index (segments and head) per rank of
     `build` (entries oldest first), unless it exists; True when this call created it."""
     root = index_dir(audit_dir)
     if root.is_dir():

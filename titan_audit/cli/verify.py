@@ -1,7 +1,7 @@
 """`titan-audit verify RUN`: read every part of a run's audit log in full and check it.
 
 Thin wrapper over `titan_audit.audit.log.verify_log`: each part's Parquet page checksums and
-schema, its size and xxh3-128 digest against the index (RUN/audit/index/), and every index entry
+schema, its size and xxh3-128 digest against the index (RUN/audit/_index/), and every index entry
 against a part that exists. A resume reads only the newest parts; this reads them all. Reads
 only. Exit 0 intact, 1 a problem found (each named, one line each), 2 bad input (no such run, no
 audit log). `--json` prints one object: run, ok, parts, records, bytes, indexed, unindexed,
