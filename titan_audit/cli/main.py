@@ -20,7 +20,7 @@ COMMANDS = {
     "env": ("titan_audit.cli.env:env", "Print the numerics fingerprint of this machine."),
     "bench": ("titan_audit.cli.bench:bench", "Time a bench suite against plain PyTorch."),
     "compare": ("titan_audit.cli.compare:compare", "Compare two runs' audit logs; name the first divergence."),
-    "verify": ("titan_audit.cli.verify:verify", "Read every part of a run's audit log; check it against its index."),
+    "verify": ("titan_audit.cli.verify:verify", "Read a run's whole audit log back against its index."),
     "bisect": ("titan_audit.cli.bisect:bisect", "First aten op at which two DebugMode op logs differ."),
     "data": ("titan_audit.cli.data:data", "Tokenize, synthesize and inspect training data."),
     "demo": ("titan_audit.cli.demo:demo", "The main job: every guarantee proven here; a report."),

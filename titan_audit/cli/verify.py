@@ -19,7 +19,7 @@ from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 
 
-@click.command(short_help="Read every part of a run's audit log; check it against its index.")
+@click.command(short_help="Read a run's whole audit log back against its index.")
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def verify(run: Path, as_json: bool) -> None:
