@@ -10,6 +10,8 @@ def test_bench_audit_quick_reports_both_levels():
     data = run_suite("audit", BenchOptions(quick=True, repeats=1, min_batch_s=0.001)).to_dict()
     assert torch.get_num_threads() == threads, "the suite restores the thread count"
     cases = {c["case"]: c for c in data["cases"]}
+    resume = cases.pop("resume check of the audit log, 10000 steps vs 20")  # --quick: 10^4 steps
+    assert resume["long_parts_read"] == resume["short_parts_read"] and resume["long_parts"] > 100
     assert set(cases) == {"small-transformer step, audit params vs off", "small-transformer step, audit full vs off"}
     for case in cases.values():
         assert case["baseline"] == "Recorder level off"

@@ -53,7 +53,7 @@ def test_quick_runs_leave_the_real_width_cases_out(monkeypatch):
 
     monkeypatch.setattr(train_suite, "_step_seconds", fake_step_seconds)
     cases = train_suite.train_suite(BenchOptions(quick=True, repeats=1), lambda _: None)
-    assert [c.case.split(":")[0] for c in cases] == ["train tiny-dense W=2 V=8"] * 3
+    assert [c.case.split(":")[0] for c in cases] == ["train tiny-dense W=2 V=8"] * 4  # three DP, one FSDP2
     assert all(world == train_suite.WORLD_SIZE for _, world in calls)
     calls.clear()
     cases = train_suite.train_suite(BenchOptions(quick=False, repeats=1), lambda _: None)
