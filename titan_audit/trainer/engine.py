@@ -42,8 +42,9 @@ Guarantees:
   use at once when V/W is a power of two, none allocated after the first step), the fixed-tree
   reduction over the V microbatch gradients (reduce.py; the same bits on every rank and for every
   W; over the dp ranks: a TP rank's buffer holds its local shards, reduced elementwise like the
-  full vector's slices), grad-norm clipping on the full reduced vector (under TP its shards
-  gathered in the TP=1 order), the optimizer step, the audit records of a step. With
+  full vector's slices; under FSDP2 the sharded tree of fsdp.py), grad-norm clipping by a norm
+  with the same bits at every layout (grad_norm.py: from the rows each rank holds), the optimizer
+  step, the audit records of a step. With
   `determinism.enabled = false` (train only) it is a conventional trainer: gradients accumulated in
   .grad and one plain all_reduce (or FSDP2's own reduce-scatter), the negative control.
 - Checkpoints: `end_step` saves a verified checkpoint every `checkpoint.interval` steps and at the

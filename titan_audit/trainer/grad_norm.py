@@ -28,14 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_audit.batch_invariant.backend import backend_for
 from titan_audit.batch_invariant.order import tree_blocks, tree_combine
 from titan_audit.trainer.reduce import all_gather_single
-
-GRAD_NORM_ORDERS = ("v1", "v2")
 
 
 @dataclass(frozen=True)
@@ -144,13 +141,3 @@ def tp_dim(param: torch.Tensor) -> int | None:
 def full_norm_v1(flat_full: torch.Tensor) -> torch.Tensor:
     """Order v1: the norm of the whole flat gradient (every rank holds it)."""
     return torch.linalg.vector_norm(flat_full, 2.0)
-
-
-def check_grad_norm_order(order: object, key: str = "determinism.grad_norm") -> str:
-    if order not in GRAD_NORM_ORDERS:
-        raise ValueError(f"{key} must be one of {', '.join(GRAD_NORM_ORDERS)}, got {order!r}")
-    return str(order)
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
