@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from distributed import run_ranks
 
 from titan_audit.audit import compare_runs
 from titan_audit.live_bytes import MAPPED, LiveBytes, run_tracked
@@ -119,16 +120,23 @@ class FlipsOneBit(LiveBytes):
         return out
 
 
-def _run(out, overrides, mode=None):
+def _run_rank(rank, world_size, out, overrides, mode_name):
     config = load_config(
         "tiny-dense", ["steps=2", "data.global_batch_size=2", "checkpoint.interval=0", "audit.level='full'", *overrides]
     )
-    if mode is None:
+    if mode_name is None:
         train(config, out, quiet=True)
         return None
+    mode = {"tracker": LiveBytes, "flip": FlipsOneBit}[mode_name]()
     with mode:
         train(config, out, quiet=True)
-    return mode
+    return {"peak": mode.peak.get("cpu", 0), "flipped": getattr(mode, "flipped", False)}
+
+
+def _run(out, overrides, mode_name=None):
+    """One training run in a fresh process (a run leaves its process group and, under FSDP2, the
+    packed-weight cache switched off behind it: neither may leak into this test process)."""
+    return run_ranks(_run_rank, 1, args=(str(out), overrides, mode_name))[0]
 
 
 @pytest.mark.parametrize(
@@ -138,14 +146,14 @@ def _run(out, overrides, mode=None):
 )
 def test_a_tracked_run_has_every_bit_of_an_untracked_one(tmp_path, overrides):
     _run(tmp_path / "plain", overrides)
-    tracker = _run(tmp_path / "tracked", overrides, LiveBytes())
+    tracker = _run(tmp_path / "tracked", overrides, "tracker")
     result = compare_runs(tmp_path / "plain", tmp_path / "tracked")
     assert result.identical and result.compared > 0, result.first_divergence
-    assert tracker.peak["cpu"] > 0
+    assert tracker["peak"] > 0
 
 
 def test_control_a_mode_that_flips_one_bit_is_caught(tmp_path):
     _run(tmp_path / "plain", [])
-    mode = _run(tmp_path / "flipped", [], FlipsOneBit())
-    assert mode.flipped
+    mode = _run(tmp_path / "flipped", [], "flip")
+    assert mode["flipped"]
     assert not compare_runs(tmp_path / "plain", tmp_path / "flipped").identical

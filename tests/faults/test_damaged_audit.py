@@ -126,9 +126,14 @@ def test_negative_control_resume_of_an_intact_copy_appends(base, tmp_path):
     assert sorted(set(read_audit_log(run, columns=["step"])["step"].to_pylist())) == [1, 2, 3, 4]
 
 
-def test_a_resume_reads_each_part_it_checks_once(base, tmp_path, monkeypatch):
-    """The launcher's check, rank 0's check and the Recorder: each part read back once, not W + 2
-    times; only the part the resume appends to (the run stopped at its checkpoint, step 2)."""
+def test_a_resume_reads_only_the_tail_it_appends_to(base, tmp_path, monkeypatch):
+    """The launcher's check, rank 0's check and the Recorder each read back only the part the
+    resume appends to (the run stopped at its checkpoint, step 2): part 0 stands on its digest,
+    whatever the run's length. The two pre-checks write nothing (a refused resume leaves the run
+    as it was); the Recorder marks what it read. Control: without an index (a run written before
+    it), every part is read."""
+    import shutil
+
     from titan_audit.audit import log
 
     run = _copy(base, tmp_path)
@@ -137,14 +142,15 @@ def test_a_resume_reads_each_part_it_checks_once(base, tmp_path, monkeypatch):
     monkeypatch.setattr(log, "verify_part", lambda part, entry=None: (reads.append(part.name), real(part, entry))[1])
     result = _invoke("train", "--out", run, "--resume")
     assert result.exit_code == 0, result.output
-    assert reads == [part_files(run)[1].name]  # part 0 (step 1) stands on its digest
+    tail = part_files(run)[1].name
+    assert reads == [tail] * 3  # launcher, rank 0, recorder
     assert verify_audit_log(run) == read_audit_log(run).num_rows
-    # control: with the `checked` marks not kept, every check reads it again (launcher, rank 0, recorder)
     reads.clear()
-    monkeypatch.setattr(log.RankIndex, "mark_checked", lambda self, entry: None)
-    result = _invoke("train", "--out", _copy(base, tmp_path, "control"), "--resume")
+    control = _copy(base, tmp_path, "control")
+    shutil.rmtree(control / "audit" / "_index")
+    result = _invoke("train", "--out", control, "--resume")
     assert result.exit_code == 0, result.output
-    assert reads == [part_files(run)[1].name] * 3
+    assert part_files(control)[0].name in reads
 
 
 def test_compare_golden_check_and_report_name_the_damaged_part(base, tmp_path):

@@ -22,11 +22,13 @@ Guarantees:
   - `check_audit_log(run, after_step=S)`, a resume's check (before any rank starts): per rank,
     the parts committed after the index, the newest part (what the resume appends to), and every
     part whose records go past step S (the checkpoint it resumes from, back to the newest part
-    that does not) are read in full and against their digests. A part read back once is marked
-    `checked` in the index and not read again, so the ranks' writers after the check read
-    nothing. The parts and index bytes read do not grow with the run's length; older parts
-    stand on their digests.
-  - `AuditLogWriter(..., verify=True)` (the Recorder's): the same for its own rank, without S.
+    that does not) are read in full and against their digests. With `mark` a part read back is
+    marked `checked` in the index and not read again; the trainer's pre-checks (the launcher's
+    and rank 0's) pass mark=False, so a resume refused later (a damaged checkpoint) leaves the
+    run's files as they were. The parts and index bytes read do not grow with the run's length;
+    older parts stand on their digests.
+  - `AuditLogWriter(..., verify=True)` (the Recorder's, once the checkpoint has loaded): the same
+    for its own rank, without S, marking what it read.
   - `verify_log` / `verify_audit_log` (`titan-audit verify RUN`): every part in full against its
     digest, every index entry against an existing part.
   A run without an index (written before it existed) has every part read in full once, at its

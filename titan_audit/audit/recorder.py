@@ -48,9 +48,10 @@ Guarantees:
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
 - Opening a run whose audit log already has parts (a resume appends to it) reads back in full
   the parts of its rank that it appends to (the newest, and any committed after the log's index)
-  unless a check already read them back since they were committed (the launcher's resume check,
-  audit.log.check_audit_log, reads every rank's, and the parts since the checkpoint it resumes
-  from, once): a damaged one raises ValueError naming it ("RUN/audit/part-...: unreadable (...);
+  unless a check already read them back and marked them since they were committed (the
+  launcher's resume check, audit.log.check_audit_log, reads every rank's and the parts since the
+  checkpoint it resumes from, without marking, so a refused resume writes nothing): a damaged one
+  raises ValueError naming it ("RUN/audit/part-...: unreadable (...);
   the audit log of this run is damaged: ...") before anything is appended. Older parts stand on
   their digests in the index; `titan-audit verify RUN` reads every part. So the cost of opening
   does not grow with the run's length (a run written before the index has every part read once).

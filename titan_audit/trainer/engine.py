@@ -256,8 +256,7 @@ def check_backend(config: Any) -> None:
 def check_run_dir(
     config: Any, out: Path, *, kind: str, mutable: frozenset[str], resume: bool, overwrite: bool | str
 ) -> None:
-    """The run directory against the request (ValueError; no compute; nothing written but the
-    audit index's `checked` marks of a resume that passes every check): --resume
+    """The run directory against the request (ValueError; no compute, nothing written): --resume
     and --overwrite exclude each other; a resume needs a run of the same kind whose saved config
     differs only in `mutable` keys, checkpoints whose small files verify, an audit log whose parts
     all read, and a step to run; a new
@@ -280,8 +279,9 @@ def check_run_dir(
                 f"{out}: already at step {start} of steps={config.steps}; nothing to run "
                 f"(--steps N or --set steps=N with N > {start} extends it)"
             )
-        # the parts it appends to, and after its checkpoint; last, since it marks what it read
-        check_audit_log(out, after_step=start)
+        # the parts it appends to, and after its checkpoint; nothing written (marks come from the
+        # writers, once the checkpoint has loaded: a resume that fails leaves the run as it was)
+        check_audit_log(out, after_step=start, mark=False)
     else:
         check_out_path(out, overwrite=overwrite)
 
