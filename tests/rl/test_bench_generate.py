@@ -1,4 +1,5 @@
-"""`bench generate --quick --json` runs the built-in generator (native and BI) and HF transformers
+"""`bench generate --quick --json` runs the built-in generator (native and BI), HF transformers and
+a BI decode step with the paged cache gathered and read in place (whose logits are the same bits),
 and follows the bench schema (a smoke run: the figures are not checked)."""
 
 import json
@@ -18,7 +19,12 @@ def test_bench_generate_quick_json_schema():
     data = json.loads(result.stdout)
     assert data["suite"] == "generate"
     cases = {c["case"]: c for c in data["cases"]}
-    assert list(cases) == ["generate B=8", "generate B=8 vs HF transformers"]
+    assert list(cases) == ["generate B=8", "generate B=8 vs HF transformers", "decode S=256 B=2"]
+    decode = cases.pop("decode S=256 B=2")
+    assert decode["baseline"] == "paged cache, dense gather" and decode["candidate"] == "paged cache, read in place"
+    assert decode["target"] is None and decode["logits_bitwise_equal"] is True
+    assert (decode["cached_tokens"], decode["decode_batch"], decode["new_tokens"]) == (256, 2, 2)
+    assert decode["candidate_ms_per_token"] == pytest.approx(1e3 * decode["candidate_s"] / 2)
     bi_case, hf_case = cases.values()
     assert bi_case["target"] == 1.25 and hf_case["target"] is None
     assert bi_case["baseline"] == "builtin generator, native ops"

@@ -142,7 +142,7 @@ def test_equal_length_prompts_prefill_in_one_call_with_the_bits_of_each_alone(sy
 
     def recording(self, *args):
         plan(self, *args)
-        run_sizes.extend(count for _start, _q_len, count, _blocks, _positions in self.prefills)
+        run_sizes.extend(count for _start, _q_len, count, _blocks, _positions, _lens in self.prefills)
 
     monkeypatch.setattr(attention._Plan, "__init__", recording)
     with one_thread():
@@ -150,6 +150,54 @@ def test_equal_length_prompts_prefill_in_one_call_with_the_bits_of_each_alone(sy
         alone = [synced.generate([r], PARAMS)[0] for r in requests]
     assert max(run_sizes) == 5  # the batch's prompts were one call
     assert same_samples(batch, alone) == []
+
+
+def test_the_cache_is_read_in_place_with_the_bits_of_the_gather(synced, model, monkeypatch):
+    """In BI mode attention reads vLLM's cache through its block table (the paged kernel runs,
+    `_gather` never does) and the samples are bitwise those of the dense gather (`_attend` forced
+    onto `_gather` + `_attention`: the read before the paged kernel), with zero gap. Control
+    (constructed): the in-place read with blocks 0 and 1 of every long-enough request swapped in
+    its table gives other samples."""
+    from titan_audit.batch_invariant import cpu
+    from titan_audit.rl.vllm import attention
+
+    requests = random_requests(41, 512, prompts=4, max_len=100)
+    impl, kernel, calls = attention.TitanAttentionImpl, cpu.paged_attention, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    def no_gather(*args):
+        raise AssertionError("_gather ran in BI mode")
+
+    def gathered(self, cache_BNHCD, q_RHTD, blocks_RB, seq_lens_R, positions_RT):
+        return attention._attention(q_RHTD, *self._gather(cache_BNHCD, blocks_RB), positions_RT)
+
+    real_attend = impl._attend
+
+    def swapped(self, cache_BNHCD, q_RHTD, blocks_RB, seq_lens_R, positions_RT):
+        table = blocks_RB.clone()
+        rows = seq_lens_R > 2 * cache_BNHCD.shape[1]  # requests holding blocks 0 and 1 in full
+        if bool(rows.any()):
+            table[rows, 0], table[rows, 1] = blocks_RB[rows, 1], blocks_RB[rows, 0]
+        return real_attend(self, cache_BNHCD, q_RHTD, table, seq_lens_R, positions_RT)
+
+    with one_thread():
+        with monkeypatch.context() as m:
+            m.setattr(cpu, "paged_attention", counted)
+            m.setattr(impl, "_gather", no_gather)
+            in_place = synced.generate(requests, PARAMS)
+        assert calls
+        with monkeypatch.context() as m:
+            m.setattr(impl, "_attend", gathered)
+            dense = synced.generate(requests, PARAMS)
+        with monkeypatch.context() as m:
+            m.setattr(impl, "_attend", swapped)
+            control = synced.generate(requests, PARAMS)
+    assert same_samples(in_place, dense) == []
+    assert gaps(model, in_place) == []
+    assert same_samples(in_place, control) != []
 
 
 # ----------------------------------------------------------------------------------- weight sync

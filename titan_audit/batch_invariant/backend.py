@@ -36,6 +36,10 @@ class Backend(Protocol):
     def rms_norm(self, x, weight, eps): ...  # noqa: ANN001, ANN201
     def rms_norm_backward(self, grad, x, weight, rstd): ...  # noqa: ANN001, ANN201
     def attention_forward(self, q, k, v, scale, causal, q_positions, doc_ids, extra_mask=None): ...  # noqa: ANN001, ANN201, E501
+    # forward only, over a paged KV cache: the bits of attention_forward over the same keys gathered
+    def paged_attention(
+        self, q, k_cache, v_cache, block_table, seq_lens, q_positions, scale, *, causal=True, max_seq_len=None
+    ): ...  # noqa: ANN001, ANN201, E501
     def embedding_backward(
         self, grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int = -1
     ) -> torch.Tensor: ...

@@ -21,6 +21,15 @@ Cases per decode batch B in {8, 32, 64}:
   128, vocab 151936 tied, with 2 layers, deterministic init seed 0; `REAL_WIDTH`): the built-in
   generator BI mode against native ops on the same workload at B = 8. Target: TARGET_RATIO.
   Left out of `--quick` (the init of the ~187M-parameter model alone takes seconds).
+- `decode S=<S> B=<B>` for S in {256, 1024, 4096} cached tokens (`DECODE_LENGTHS`), B = 8
+  (`--quick`: S = 256, B = 2): one BI decode step of B sequences of S cached tokens each in the
+  paged KV cache (tiny-dense widths, max_position_embeddings raised to fit), the cache truncated
+  back to S after each step. Baseline `paged cache, dense gather` (each layer copies the rows'
+  blocks into dense k/v, `PagedKeys.gather()`, then BI attention: the read before the paged
+  kernel), candidate `paged cache, read in place` (`ops.paged_attention`: the kernel reads the
+  blocks through the block table); no target. Extra keys `cached_tokens`, `decode_batch`,
+  `baseline_ms_per_token`, `candidate_ms_per_token` and `logits_bitwise_equal` (both sides'
+  logits of one step compared as bits: true by construction).
 Extra keys: `baseline_tokens_per_s`, `candidate_tokens_per_s` (new tokens per second of each side),
 `new_tokens` (per call), and on the HF case `builtin_native_tokens_per_s`.
 The three sides of one B are timed interleaved (bench/core.py), so noise hits them alike. A BI
@@ -40,6 +49,7 @@ import torch
 
 from titan_audit import batch_invariant, models
 from titan_audit.bench.core import BenchOptions, Case, time_interleaved
+from titan_audit.models.kv_cache import PagedKVCache
 from titan_audit.models.presets import get_preset
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
 from titan_audit.rl.generator import GenerationRequest, SampleKey, SamplingParams
@@ -52,6 +62,10 @@ QUICK_PROMPT_LEN, QUICK_NEW_TOKENS = 8, 4
 REAL_WIDTH = {"preset": "qwen3-0.6b", "num_hidden_layers": 2}  # the preset's widths, 2 layers
 REAL_WIDTH_BATCH = 8
 NATIVE, BI, HF = "builtin generator, native ops", "builtin generator, BI mode", "HF transformers generate"
+DECODE_LENGTHS, DECODE_BATCH = [256, 1024, 4096], 8
+QUICK_DECODE_LENGTHS, QUICK_DECODE_BATCH = [256], 2
+DECODE_BLOCK_SIZE = 16  # the built-in generator's default
+GATHER, IN_PLACE = "paged cache, dense gather", "paged cache, read in place"
 # The BI sides run with the mode installed around each timed batch (bench/core.time_interleaved):
 # a run installs it once, while a side alternating with a native one would pay an install and a
 # removal (6-13 ms on the 2-core EPYC, `bi_mode_install_s` of the vLLM cases) on every call.
@@ -154,6 +168,7 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
                 case.extra["builtin_native_tokens_per_s"] = tokens / seconds[NATIVE]
                 cases.append(case)
                 progress(name)
+    cases.extend(decode_cases(options, progress))
     if options.quick:
         return cases
     real = models.build(real_width_config(), seed=0)
@@ -165,6 +180,79 @@ def generate_suite(options: BenchOptions, progress: Callable[[str], None]) -> li
     name = f"generate {REAL_WIDTH['preset']} widths L={REAL_WIDTH['num_hidden_layers']} B={REAL_WIDTH_BATCH}"
     cases.append(_case(name, NATIVE, BI, seconds, REAL_WIDTH_BATCH * new_tokens, TARGET_RATIO))
     progress(name)
+    return cases
+
+
+class _GatheredKeys:
+    """A paged-cache batch whose steps give attention dense copies of the keys (`PagedKeys.gather()`
+    per layer), so the model runs the dense attention on them: the decode cases' baseline."""
+
+    def __init__(self, batch: object) -> None:
+        self.batch = batch
+
+    def begin(self, num_tokens: int) -> _GatheredStep:
+        return _GatheredStep(self.batch.begin(num_tokens))
+
+
+class _GatheredStep:
+    def __init__(self, step: object) -> None:
+        self.step = step
+        self.q_pos_BT = step.q_pos_BT
+
+    def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.step.update(layer, k_BHTD, v_BHTD).gather()
+
+    def commit(self) -> None:
+        self.step.commit()
+
+
+def decode_cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
+    """The `decode S=<S> B=<B>` cases (module doc): one prompt of S tokens prefilled (native ops:
+    only the cache's presence matters here) and forked into B sequences, then BI decode steps
+    timed with the dense gather and with the in-place read, interleaved."""
+    lengths = QUICK_DECODE_LENGTHS if options.quick else DECODE_LENGTHS
+    batch = QUICK_DECODE_BATCH if options.quick else DECODE_BATCH
+    timing = BenchOptions(
+        quick=options.quick, repeats=1 if options.quick else options.repeats, min_batch_s=options.min_batch_s
+    )
+    config = dataclasses.replace(get_preset("tiny-dense"), max_position_embeddings=max(lengths) + 1)
+    model = models.build(config, seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+    cases: list[Case] = []
+    for length in lengths:
+        blocks = -(-(length + 1) // DECODE_BLOCK_SIZE)
+        cache = PagedKVCache(config, batch * blocks, DECODE_BLOCK_SIZE)
+        seqs = list(range(batch))
+        cache.add(0)
+        with torch.no_grad():
+            model(torch.randint(0, config.vocab_size, (1, length), generator=g), cache=cache.batch([0]))
+        for seq in seqs[1:]:
+            cache.fork(0, seq)
+        new_B1 = torch.randint(0, config.vocab_size, (batch, 1), generator=g)
+
+        def step(view: object) -> torch.Tensor:
+            with torch.no_grad():
+                logits = model(new_B1, cache=view)
+            for seq in seqs:
+                cache.truncate(seq, length)  # the next step decodes at the same length
+            return logits
+
+        in_place, gathered = cache.batch(seqs), _GatheredKeys(cache.batch(seqs))
+        with BI_MODE():
+            same = torch.equal(step(in_place).view(torch.int32), step(gathered).view(torch.int32))
+        sides = {GATHER: lambda: step(gathered), IN_PLACE: lambda: step(in_place)}
+        seconds = dict(zip(sides, time_interleaved(list(sides.values()), timing, [BI_MODE, BI_MODE])))
+        name = f"decode S={length} B={batch}"
+        case = _case(name, GATHER, IN_PLACE, seconds, batch, None)
+        case.extra.update(
+            cached_tokens=length,
+            decode_batch=batch,
+            baseline_ms_per_token=1e3 * seconds[GATHER] / batch,
+            candidate_ms_per_token=1e3 * seconds[IN_PLACE] / batch,
+            logits_bitwise_equal=same,
+        )
+        cases.append(case)
+        progress(name)
     return cases
 
 

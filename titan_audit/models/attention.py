@@ -2,7 +2,8 @@
 
 One forward for every use; the caller picks where keys come from:
 - `cache_step` (prefill / decode): new k/v are written to the KV cache and attention runs over
-  the row's cached keys, the queries at their absolute positions `cache_step.q_pos_BT`;
+  the row's cached keys, the queries at their absolute positions `cache_step.q_pos_BT` (a paged
+  cache's keys through its block table: `ops.paged_attention`);
 - `packing` (packed training rows): per-document attention, see `packing.py`;
 - neither: plain causal attention over the T tokens at positions 0..T-1.
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_audit.models import ops
+from titan_audit.models.kv_cache import PagedKeys
 from titan_audit.models.norm import RMSNorm
 from titan_audit.models.packing import PackedLayout
 from titan_audit.models.rope import apply_rope
@@ -64,8 +66,11 @@ class Attention(nn.Module):
         v_BHTd = v_BTHd.transpose(1, 2)
 
         if cache_step is not None:
-            k_BHSd, v_BHSd = cache_step.update(layer, k_BHTd, v_BHTd)
-            out_BHTd = ops.attention(q_BHTd, k_BHSd, v_BHSd, cache_step.q_pos_BT)
+            keys = cache_step.update(layer, k_BHTd, v_BHTd)
+            if isinstance(keys, PagedKeys):
+                out_BHTd = ops.paged_attention(q_BHTd, keys, cache_step.q_pos_BT)
+            else:
+                out_BHTd = ops.attention(q_BHTd, *keys, cache_step.q_pos_BT)
             out_BTHd = out_BHTd.transpose(1, 2)
         elif packing is not None:
             out_BTHd = packing.attention(q_BHTd.transpose(1, 2), k_BHTd.transpose(1, 2), v_BHTd.transpose(1, 2))

@@ -3,14 +3,21 @@
 How the model uses a cache (the same three calls for both kinds):
 
     step = cache.begin(num_new_tokens)     # reserve room; step.q_pos_BT = absolute positions
-    k_BHSD, v_BHSD = step.update(layer, k_new_BHTD, v_new_BHTD)   # per layer: write, then read
+    keys = step.update(layer, k_new_BHTD, v_new_BHTD)   # per layer: write, then the keys to read
     step.commit()                          # after all layers: the new tokens count as cached
 
+`update` returns the keys and values to attend over: for a contiguous cache a pair (k_BHSD,
+v_BHSD) for `models.ops.attention`; for a paged cache a `PagedKeys` (the layer's blocks as views
+of the store, the rows' block tables and lengths) for `models.ops.paged_attention`, which in BI
+mode reads them through the block table with no dense copy (`PagedKeys.gather()` gives the same
+keys as a dense pair, what native mode and autograd attend over).
+
 Guarantees:
-- Key `j` of the tensors `update` returns is the token at absolute position `j` of that row's
-  sequence, for every `j` up to the row's length after this step; entries beyond a row's length
-  (other rows are longer, or block padding) hold arbitrary values and are invisible to that row's
-  queries by causality. So attention over them gives exactly what a full forward would see.
+- Key `j` of what `update` returns (of the pair; of a `PagedKeys` through its table, and of its
+  `gather()`) is the token at absolute position `j` of that row's sequence, for every `j` up to
+  the row's length after this step; entries beyond a row's length (other rows are longer, or
+  block padding) hold arbitrary values and are invisible to that row's queries by causality. So
+  attention over them gives exactly what a full forward would see.
 - Rows of one step may have different lengths; every row gets `num_new_tokens` new tokens.
 - A step that is never committed leaves lengths unchanged (its writes sit beyond the lengths).
 - Running out of room (`max_len`, free blocks) raises `ValueError` before anything is written.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -133,8 +141,9 @@ class PagedKVCache:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # token-major blocks [block, slot, kv_head, head_dim]: a batch's keys are then one
-        # index_select of its blocks, viewed (not copied) as [B, heads, S, head_dim]
+        # token-major blocks [block, slot, kv_head, head_dim]: a new token is one row of a block;
+        # the paged attention kernels read the [block, kv_head, slot, head_dim] view in place, and
+        # a gather is one index_select of a batch's blocks, viewed as [B, heads, S, head_dim]
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.k, self.v = _buffers(config, shape, dtype, device)
         self._free: list[int] = list(range(num_blocks))  # a heap: lowest free block first
@@ -227,6 +236,30 @@ class PagedKVCache:
                 self.block_tables[seq].append(heapq.heappop(self._free))
 
 
+@dataclass(frozen=True)
+class PagedKeys:
+    """One layer's keys and values in a paged cache, as a step leaves them: key j of row b at
+    block `table_BN[b, j // block_size]`, slot `j % block_size` of `k_NHSD` / `v_NHSD`."""
+
+    k_NHSD: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]: a strided view of the store
+    v_NHSD: torch.Tensor
+    table_BN: torch.Tensor  # long; a row's entries past its own blocks are block 0 (keys past its length)
+    seq_lens_B: torch.Tensor  # long: the keys each row holds after the step
+    max_seq_len: int  # the longest row's length
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' blocks in table order as dense k, v [B, kv_heads, blocks * block_size, head_dim]:
+        one copy each (index_select of the store's token-major blocks), then a transposed view."""
+        batch, num_table_blocks = self.table_BN.shape
+        flat = self.table_BN.reshape(-1)
+        dense = []
+        for view_NHSD in (self.k_NHSD, self.v_NHSD):
+            blocks_NSHD = view_NHSD.transpose(1, 2).index_select(0, flat)
+            _, block_size, heads, head_dim = blocks_NSHD.shape
+            dense.append(blocks_NSHD.view(batch, num_table_blocks * block_size, heads, head_dim).transpose(1, 2))
+        return dense[0], dense[1]
+
+
 class _PagedBatch:
     def __init__(self, cache: PagedKVCache, seqs: list[Hashable]) -> None:
         self.cache = cache
@@ -252,23 +285,18 @@ class _PagedStep:
         self.table_BN = torch.tensor(
             [t + [0] * (num_table_blocks - len(t)) for t in tables], dtype=torch.long, device=device
         )
-        self.table_flat = self.table_BN.reshape(-1)
         self.block_BT = self.table_BN.gather(1, self.q_pos_BT // block_size)
         self.offset_BT = self.q_pos_BT % block_size
+        self.seq_lens_B = start_B + num_tokens
+        self.num_keys = max(cache.lengths[s] for s in seqs) + num_tokens
 
-    def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k_store, v_store = self.cache.k[layer], self.cache.v[layer]
+    def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> PagedKeys:
+        k_store, v_store = self.cache.k[layer], self.cache.v[layer]  # [block, slot, kv_head, head_dim]
         k_store[self.block_BT, self.offset_BT] = k_BHTD.transpose(1, 2).to(k_store.dtype)
         v_store[self.block_BT, self.offset_BT] = v_BHTD.transpose(1, 2).to(v_store.dtype)
-        return self._gather(k_store), self._gather(v_store)
-
-    def _gather(self, store_NKHD: torch.Tensor) -> torch.Tensor:
-        """The rows' blocks in table order as [B, heads, blocks * block_size, head_dim]: one copy
-        (index_select), then a transposed view (attention takes strided keys; same values)."""
-        batch, num_table_blocks = self.table_BN.shape
-        _, block_size, heads, head_dim = store_NKHD.shape
-        blocks = store_NKHD.index_select(0, self.table_flat)
-        return blocks.view(batch, num_table_blocks * block_size, heads, head_dim).transpose(1, 2)
+        return PagedKeys(
+            k_store.transpose(1, 2), v_store.transpose(1, 2), self.table_BN, self.seq_lens_B, self.num_keys
+        )
 
     def commit(self) -> None:
         for seq in self.seqs:

@@ -11,10 +11,11 @@ Guarantee in BI mode: a row's result depends only on that row's inputs (and, for
 its visible keys/values and their positions), never on the batch size or on other rows. Outside
 BI mode nothing beyond torch's own behaviour is promised.
 
-Attention semantics (both modes): queries `q_BHTD` sit at absolute positions `q_pos`; key `j`
-sits at absolute position `j`; key `j` is visible to a query at position `p` iff `j <= p` and,
-with `key_doc_ids`, `key_doc_ids[b, j] == key_doc_ids[b, p] >= 0`. A query with no visible key
-(a padding position) outputs zeros.
+Attention semantics (both modes; `paged_attention` the same over a paged cache's keys): queries
+`q_BHTD` sit at absolute positions `q_pos`; key `j` sits at absolute position `j`; key `j` is
+visible to a query at position `p` iff `j <= p` and, with `key_doc_ids`,
+`key_doc_ids[b, j] == key_doc_ids[b, p] >= 0`. A query with no visible key (a padding position)
+outputs zeros.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_audit import batch_invariant
 from titan_audit.models import pointwise, tensor_parallel
+from titan_audit.models.kv_cache import PagedKeys
 from titan_audit.models.rope import apply_rope
 
 
@@ -153,6 +155,40 @@ def sum_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     if bi_mode():
         return batch_invariant.sum(x, -1, keepdim=keepdim)
     return x.sum(-1, keepdim=keepdim)
+
+
+def paged_attention(q_BHTD: torch.Tensor, keys: PagedKeys, q_pos_BT: torch.Tensor) -> torch.Tensor:
+    """`attention` over one layer's keys in a paged KV cache (`kv_cache.PagedKeys`): the same result.
+
+    In BI mode outside autograd, on plain tensors, the backend's paged kernel reads the keys
+    through the block table in place (CPU and Triton kernels alike change only addresses, never
+    the order: the bits are `attention`'s over the gathered keys). Otherwise (native mode, a
+    gradient to record, tensor-parallel DTensors) the keys are gathered (`keys.gather()`) and
+    `attention` runs on them, as a dense cache's would.
+    """
+    plain = not any(isinstance(t, DTensor) for t in (q_BHTD, keys.k_NHSD, keys.v_NHSD))
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHTD, keys.k_NHSD, keys.v_NHSD))
+    if bi_mode() and plain and not recording:
+        return _bi_paged_attention(q_BHTD, keys, q_pos_BT)
+    return attention(q_BHTD, *keys.gather(), q_pos_BT)
+
+
+@torch.compiler.disable
+def _bi_paged_attention(q_BHTD: torch.Tensor, keys: PagedKeys, q_pos_BT: torch.Tensor) -> torch.Tensor:
+    # Opaque to torch.compile, as _bi_attention: a forward-only kernel reading a cache in place.
+    backend = batch_invariant.backend_for(q_BHTD, keys.k_NHSD, keys.v_NHSD)
+    out, _ = backend.paged_attention(
+        q_BHTD,
+        keys.k_NHSD,
+        keys.v_NHSD,
+        keys.table_BN,
+        keys.seq_lens_B,
+        q_pos_BT,
+        q_BHTD.shape[-1] ** -0.5,
+        causal=True,
+        max_seq_len=keys.max_seq_len,
+    )
+    return out.to(q_BHTD.dtype)
 
 
 @torch.compiler.disable

@@ -20,7 +20,7 @@ version); `KernelLibraryError` is what a missing, stale or foreign build raises.
 
 from titan_audit.batch_invariant.cpu import _lib as kernel_library
 from titan_audit.batch_invariant.cpu import pointwise
-from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backward, attention_forward
+from titan_audit.batch_invariant.cpu.attention import KEY_CHUNK, attention_backward, attention_forward, paged_attention
 from titan_audit.batch_invariant.cpu.embedding import embedding_backward
 from titan_audit.batch_invariant.cpu.matmul import backend_bmm as bmm
 from titan_audit.batch_invariant.cpu.matmul import backend_mm as mm
@@ -72,6 +72,7 @@ __all__ = [
     "log_softmax",
     "log_softmax_backward",
     "mm",
+    "paged_attention",
     "pointwise",
     "rms_norm",
     "rms_norm_backward",

@@ -23,6 +23,13 @@ j <= pos; doc_ids [B, Tk]: doc_ids[b, j] >= 0 and equal to the query's document
 doc_ids[b, min(pos, Tk - 1)]; extra_mask (SDPA's attn_mask as bool [B|1, Hq|1, Tq, Tk]): true.
 A row that sees no key gets zeros and lse = -inf.
 
+Paged KV cache (`paged_attention`, forward only: decode and prefill from a cache): k_cache,
+v_cache [num_blocks, Hkv, block_size, D] (any strides, last dim contiguous), key j of row b at
+block block_table[b, j // block_size], slot j % block_size, row b holding seq_lens[b] keys. The
+kernel is the forward above with only the addresses its keys and values are read from changed
+(a pointer per key of a chunk instead of a stride), so a row's bits equal the dense forward's on
+the same keys at the same positions, by construction: no dense copy of the cache is made.
+
 Dispatch: eager calls go straight to the kernel through ctypes; under torch.compile the same
 kernel runs as the custom ops `titan_audit::attention_fwd` / `titan_audit::attention_bwd`
 (register_fake gives their shapes), so compiled graphs keep these bits.
@@ -43,7 +50,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 for _t, _f in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
     _lib.declare(f"attention_fwd_{_t}", None, [_P, _P, _P, _P, _P, _P, _P, _f, _P, _P, _I])
     _lib.declare(f"attention_bwd_{_t}", None, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _f, _f, _P, _P, _P, _I])
+    _lib.declare(f"attention_paged_fwd_{_t}", ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _f, _P, _P, _I])
 _PROBLEM = ctypes.c_int64 * 21
+_PAGED_PROBLEM = ctypes.c_int64 * 24
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -177,6 +186,98 @@ def _backward_eager(
         _lib.num_threads(),
     )
     return dq, dk, dv
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = True,
+    max_seq_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Hq, Tq, D], lse [B, Hq, Tq]) in the compute dtype over a paged KV cache, with the
+    bits of `attention_forward` over the same keys gathered densely (see the module doc).
+
+    q [B, Hq, Tq, D]; k_cache, v_cache [num_blocks, Hkv, block_size, D] of q's dtype (strided
+    views of a cache are read in place; a float32/float64 cache is never copied, a
+    bfloat16/float16 one has the blocks its table names converted); block_table [B, n] int;
+    seq_lens [B] int (keys present per row, at most n * block_size); q_positions [B, Tq] (or
+    broadcastable) long; max_seq_len: an upper bound of seq_lens (checked). The same call as the
+    Triton backend's `paged_attention`. Forward only: a call that autograd would record raises.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise ValueError(
+            "paged_attention is forward-only (decode, prefill from a cache); gather the keys and use "
+            "attention_forward / batch_invariant.attention where a gradient is needed, or call it under torch.no_grad()"
+        )
+    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"paged_attention: expected q [B, Hq, Tq, D] and k_cache, v_cache [blocks, Hkv, block_size, D], got "
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"paged_attention: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}")
+    batch, hq, tq, dim = q.shape
+    num_blocks, hkv, block_size, _ = k_cache.shape
+    if k_cache.shape[3] != dim or hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"paged_attention: q {tuple(q.shape)} does not fit a cache of {hkv} kv heads of head_dim {k_cache.shape[3]}"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] != batch or tuple(seq_lens.shape) != (batch,):
+        raise ValueError(
+            f"paged_attention: expected block_table [{batch}, n] and seq_lens [{batch}], got "
+            f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
+        )
+    dtype = _compute_dtype(q.dtype)
+    table = block_table.to(torch.int64).contiguous()
+    if k_cache.dtype != dtype:  # only the blocks in the table, converted (the values, exactly)
+        if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
+            raise ValueError(f"paged_attention: block_table entries must lie in [0, {num_blocks})")
+        used, table = torch.unique(table, return_inverse=True)
+        k_cache, v_cache = (c.index_select(0, used) for c in (k_cache, v_cache))
+        num_blocks = used.numel()
+    q, k_cache, v_cache = (_operand(x, dtype) for x in (q, k_cache, v_cache))
+    width = table.shape[1]
+    tk = width * block_size if max_seq_len is None else int(max_seq_len)
+    positions = q_positions.to(torch.int64).expand(batch, tq).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    out = _lib.output((batch, hq, tq, dim), dtype)
+    lse = _lib.output((batch, hq, tq), dtype)
+    if out.numel() == 0:
+        return out, lse
+    strides = [s for x in (q, k_cache, v_cache) for s in x.stride()[:3]]
+    problem = _PAGED_PROBLEM(batch, hq, hkv, tq, tk, dim, dim, int(bool(causal)), *strides, 0, 0, 0, 0)
+    problem[21], problem[22], problem[23] = width, block_size, num_blocks
+    score_scale = scale * LOG2_E if dtype == torch.float32 else scale  # float32 scores are base 2
+    suffix = "f64" if dtype == torch.float64 else "f32"
+    p = _Call.ptr
+    rc = _lib.kernel(f"attention_paged_fwd_{suffix}")(
+        problem,
+        p(q),
+        p(k_cache),
+        p(v_cache),
+        p(positions),
+        p(table),
+        p(lens),
+        score_scale,
+        p(out),
+        p(lse),
+        _lib.num_threads(),
+    )
+    if rc == 1:
+        raise ValueError(
+            f"paged_attention: seq_lens {lens.tolist()} must lie in [0, min(max_seq_len {tk}, "
+            f"table width {width} * block_size {block_size})]"
+        )
+    if rc == 2:
+        raise ValueError(f"paged_attention: a block_table entry of a present key lies outside [0, {num_blocks})")
+    assert rc == 0, rc
+    return out, lse
 
 
 @torch.library.custom_op("titan_audit::attention_fwd", mutates_args=())

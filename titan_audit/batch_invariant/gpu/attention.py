@@ -33,7 +33,9 @@ the backward consumes).
 Paged KV cache: k_cache / v_cache [num_pages, Hkv, PAGE, D], block_table [B, pages] (int32),
 key j of sequence b at page block_table[b, j // PAGE], slot j % PAGE. The dense API
 (`attention_forward`, k [B, Hkv, Tk, D]) is the one-page-per-sequence case. The page layout
-changes only addresses, never the order.
+changes only addresses, never the order. The paged caches call `paged_attention` in place: the
+model's `PagedKVCache` (its [block, slot, kv_head, D] store as a strided [block, kv_head, slot, D]
+view, through `models.ops.paged_attention`) and the vLLM backend (rl/vllm/attention.py).
 """
 
 from __future__ import annotations

@@ -8,23 +8,26 @@ vLLM hands a layer the new tokens of every scheduled request as one flat batch (
    write and the read, so the layout inside a block is ours: the block `[block_size, kv_heads,
    2, D]` holds, per token and kv head, its key then its value; one `index_copy_` per layer,
    the token's slot being its row in the cache viewed as [num_blocks * block_size, ...]);
-2. per request, gathers its keys and values in absolute position order from its blocks (whole
-   blocks, one `index_select` for keys and values together: the keys beyond seq_len are
-   invisible to its queries) as strided [R, Hkv, S, D] views that the kernel reads in place, and
-   runs `batch_invariant.attention` (what `models.ops.attention` runs in BI mode; natively
-   `models.ops.attention`) with the request's queries at their absolute positions
-   seq_len - q_len .. seq_len - 1.
+2. per request, attends over its keys and values in absolute position order (key j at block
+   block_table[j // block_size], slot j % block_size; keys beyond seq_len are invisible to its
+   queries), its queries at their absolute positions seq_len - q_len .. seq_len - 1. In BI mode
+   the backend's paged kernel (`paged_attention`: ours on CPU, Triton's on CUDA) reads them in
+   place through vLLM's block table, no copy: it is the dense kernel with only the addresses
+   changed, so its bits are those of `batch_invariant.attention` (what `models.ops.attention`
+   runs in BI mode) over the gathered keys. Natively (or where autograd records) whole blocks
+   are gathered (one `index_select` for keys and values together) as strided [R, Hkv, S, D]
+   views and `models.ops.attention` runs on them.
 So a query row sees exactly the keys a full forward of its sequence gives it, at the same key
-indices, and `batch_invariant.attention` reduces over keys in fixed chunks aligned to absolute
-key positions: a token's attention output is bitwise the same from a whole-prompt prefill, a
-chunked prefill, a prefix-cache hit (its keys were written by an earlier request with the same
-bits) or a decode step, alone or with any other requests, and equal to the trainer's full
-forward (guarantee G4). Decode requests (one new token) run together in one call, their keys
-right-padded to the longest: padding keys lie beyond each query's position, so they are
-invisible and (BI attention contract) do not change its bits. Prefilling requests run in runs:
-consecutive requests with the same query and sequence lengths (a batch of fresh prompts of one
-length) are one call, their queries a view of consecutive rows; a row's bits do not depend on
-the other rows of its call.
+indices, and the BI kernel reduces over keys in fixed chunks aligned to absolute key positions:
+a token's attention output is bitwise the same from a whole-prompt prefill, a chunked prefill, a
+prefix-cache hit (its keys were written by an earlier request with the same bits) or a decode
+step, alone or with any other requests, and equal to the trainer's full forward (guarantee G4).
+Decode requests (one new token) run together in one call, their block tables cut to the
+longest: keys past a request's seq_len lie beyond its query's position, so they are invisible
+and (BI attention contract) do not change its bits. Prefilling requests run in runs: consecutive
+requests with the same query and sequence lengths (a batch of fresh prompts of one length) are
+one call, their queries a view of consecutive rows; a row's bits do not depend on the other rows
+of its call.
 In a step where every request decodes, the queries are read in place and the call's output is
 the layer's output (no copy in or out).
 
@@ -134,22 +137,50 @@ class TitanAttentionImpl(AttentionImpl):
             kv_NHCD = kv_NHCD.index_select(0, plan.write_rows)
         cache_BNHCD.view(-1, self.num_kv_heads, 2, dim).index_copy_(0, plan.slots, kv_NHCD)
         if plan.all_decode:  # the common step: every request decodes, its token at row r
-            k_BHSD, v_BHSD = self._gather(cache_BNHCD, plan.decode_blocks)
             q_BH1D = query_NHD[:n, :, None]
-            return _attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions).view(n, -1)
+            out_BH1D = self._attend(cache_BNHCD, q_BH1D, plan.decode_blocks, plan.decode_lens, plan.decode_positions)
+            return out_BH1D.view(n, -1)
         out_NHD = query_NHD.new_empty((n, self.num_heads, dim))
         if plan.decodes:
-            k_BHSD, v_BHSD = self._gather(cache_BNHCD, plan.decode_blocks)
             q_BH1D = query_NHD.index_select(0, plan.decode_rows)[:, :, None]
-            out_BH1D = _attention(q_BH1D, k_BHSD, v_BHSD, plan.decode_positions)
+            out_BH1D = self._attend(cache_BNHCD, q_BH1D, plan.decode_blocks, plan.decode_lens, plan.decode_positions)
             out_NHD.index_copy_(0, plan.decode_rows, out_BH1D[:, :, 0])
-        for start, q_len, count, blocks_RB, positions_RT in plan.prefills:
-            k_RHSD, v_RHSD = self._gather(cache_BNHCD, blocks_RB)
+        for start, q_len, count, blocks_RB, positions_RT, seq_lens_R in plan.prefills:
             rows = slice(start, start + count * q_len)  # the run's queries: consecutive rows, q_len each
             q_RHTD = query_NHD[rows].view(count, q_len, self.num_heads, dim).transpose(1, 2)
-            out_RHTD = _attention(q_RHTD, k_RHSD, v_RHSD, positions_RT)
+            out_RHTD = self._attend(cache_BNHCD, q_RHTD, blocks_RB, seq_lens_R, positions_RT)
             out_NHD[rows] = out_RHTD.transpose(1, 2).reshape(count * q_len, self.num_heads, dim)
         return out_NHD.view(n, -1)
+
+    def _attend(
+        self,
+        cache_BNHCD: torch.Tensor,
+        q_RHTD: torch.Tensor,
+        blocks_RB: torch.Tensor,
+        seq_lens_R: torch.Tensor,
+        positions_RT: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of R requests' queries over their keys, the blocks of blocks_RB (long), key j
+        at block blocks_RB[r, j // block_size]: in BI mode outside autograd the backend's paged
+        kernel reads them in place (the bits of the dense kernel over the gathered keys); otherwise
+        `_gather` then `_attention`."""
+        if bi.is_enabled() and not (torch.is_grad_enabled() and q_RHTD.requires_grad):
+            k_NHSD = cache_BNHCD[:, :, :, 0].transpose(1, 2)  # [blocks, Hkv, block_size, D] views
+            v_NHSD = cache_BNHCD[:, :, :, 1].transpose(1, 2)
+            out, _ = bi.backend_for(q_RHTD).paged_attention(
+                q_RHTD,
+                k_NHSD,
+                v_NHSD,
+                blocks_RB,
+                seq_lens_R,
+                positions_RT,
+                self.scale,
+                causal=True,
+                max_seq_len=blocks_RB.shape[1] * cache_BNHCD.shape[1],
+            )
+            return out
+        k_RHSD, v_RHSD = self._gather(cache_BNHCD, blocks_RB)
+        return _attention(q_RHTD, k_RHSD, v_RHSD, positions_RT)
 
     def _gather(self, cache_BNHCD: torch.Tensor, blocks_RB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of R requests whose blocks are the rows of blocks_RB (long), [R, Hkv,
@@ -163,7 +194,8 @@ class TitanAttentionImpl(AttentionImpl):
 
 
 def _attention(q_BHTD, k_BHSD, v_BHSD, positions_BT) -> torch.Tensor:
-    """`models.ops.attention` without key documents: in BI mode the kernel call it makes
+    """`models.ops.attention` without key documents (where the paged kernel does not run, see
+    `TitanAttentionImpl._attend`): in BI mode the kernel call it makes
     (`batch_invariant.attention`'s, causal, at the given query positions), without its torch.compile
     barrier (vLLM runs this model eagerly) and, outside autograd, without its argument checks (what
     they check holds by construction here: `_Plan` builds the long [R, T] positions, `_gather`
@@ -210,7 +242,8 @@ class _Plan:
                     end += 1
                 blocks = table[r:end, : -(-seq_lens[r] // block_size)]
                 positions_RT = torch.arange(seq_lens[r] - q_lens[r], seq_lens[r], device=device).expand(end - r, -1)
-                self.prefills.append((starts[r], q_lens[r], end - r, blocks, positions_RT))
+                lens_R = torch.full((end - r,), seq_lens[r], dtype=torch.long, device=device)
+                self.prefills.append((starts[r], q_lens[r], end - r, blocks, positions_RT, lens_R))
             r = end
         if self.decodes:
             longest = max(seq_lens[r] for r in self.decodes)
@@ -218,6 +251,7 @@ class _Plan:
             self.decode_blocks = table.index_select(0, reqs)[:, : -(-longest // block_size)]
             self.decode_rows = torch.tensor([starts[r] for r in self.decodes], device=device)
             self.decode_positions = torch.tensor([[seq_lens[r] - 1] for r in self.decodes], device=device)
+            self.decode_lens = torch.tensor([seq_lens[r] for r in self.decodes], device=device)
 
 
 def _plan(metadata: CPUAttentionMetadata, block_size: int) -> _Plan:

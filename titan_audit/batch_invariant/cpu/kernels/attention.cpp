@@ -34,6 +34,10 @@
 //     over (query position index i ascending, then the G heads of the kv head ascending) and
 //     only rows that see some key of j's chunk enter; such a row that does not see key j adds
 //     p = ds = 0 exactly (at most a zero's sign changes, and the final + 0.0 canonicalises it).
+// Paged forward (attention_paged_fwd_*, decode and prefill from a paged KV cache): key j of row b
+//   is read at block table[b, j / bs], slot j % bs, and row b holds seqlen[b] keys. It is the
+//   forward above with only the key/value addresses changed (Strided -> Listed, built per chunk),
+//   so its bits equal the dense forward's on the same keys at the same positions.
 // Threads: forward and dq split (b, kv head, query block) tasks, dk/dv split (b, kv head, key
 //   chunk) tasks; a task writes only its own outputs and no reduction is split.
 // Every fma is explicit (std::fma / _mm*_fmadd_*), -ffp-contract=off: each variant performs the
@@ -161,11 +165,30 @@ inline double lse_of(double m, double l) { return m + ta::log_f64(l); }
 inline float lse_to_b(float lse) { return lse * 1.44269504088896341f; }
 inline double lse_to_b(double lse) { return lse; }
 
+// ---------------------------------------------------------------- addressing (addresses only)
+// Where row j (a key, or in the dk/dv pass a query row) of a run lives: Strided for a dense
+// [.., T, D] operand, Listed for keys read through a paged cache's block table (a pointer per
+// key, built once per chunk). The kernels below take either and read the same values through it
+// in the same order, so the addressing never changes a bit.
+
+template <typename T>
+struct Strided {
+    const T* base;
+    int64_t ld;
+    const T* operator()(int64_t j) const { return base + j * ld; }
+};
+
+template <typename T>
+struct Listed {
+    const T* const* row;
+    const T* operator()(int64_t j) const { return row[j]; }
+};
+
 // ---------------------------------------------------------------- packing (copies only)
 
-// dst[d * KC + j] = src[j * ld + d] for j < nk, 0 for nk <= j < ntop; d < D.
-template <typename T>
-void pack_t(const T* src, int64_t ld, int nk, int ntop, int64_t D, T* dst) {
+// dst[d * KC + j] = src(j)[d] for j < nk, 0 for nk <= j < ntop; d < D.
+template <typename T, typename X>
+void pack_t(X src, int nk, int ntop, int64_t D, T* dst) {
     int j = 0;
 #if defined(TA_ISA_AVX512)
     if constexpr (std::is_same<T, float>::value) {
@@ -173,7 +196,7 @@ void pack_t(const T* src, int64_t ld, int nk, int ntop, int64_t D, T* dst) {
             int64_t d = 0;
             for (; d + 16 <= D; d += 16) {
                 __m512 r[16], t[16];
-                for (int x = 0; x < 16; ++x) r[x] = _mm512_loadu_ps(src + (j + x) * ld + d);
+                for (int x = 0; x < 16; ++x) r[x] = _mm512_loadu_ps(src(j + x) + d);
                 for (int x = 0; x < 16; x += 2) {
                     t[x] = _mm512_unpacklo_ps(r[x], r[x + 1]);
                     t[x + 1] = _mm512_unpackhi_ps(r[x], r[x + 1]);
@@ -198,7 +221,7 @@ void pack_t(const T* src, int64_t ld, int nk, int ntop, int64_t D, T* dst) {
                 for (int o = 0; o < 16; ++o) _mm512_storeu_ps(dst + (d + o) * KC + j, r[o]);
             }
             for (; d < D; ++d)
-                for (int x = 0; x < 16; ++x) dst[d * KC + j + x] = src[(j + x) * ld + d];
+                for (int x = 0; x < 16; ++x) dst[d * KC + j + x] = src(j + x)[d];
         }
     }
 #elif defined(TA_ISA_AVX2)
@@ -207,7 +230,7 @@ void pack_t(const T* src, int64_t ld, int nk, int ntop, int64_t D, T* dst) {
             int64_t d = 0;
             for (; d + 8 <= D; d += 8) {
                 __m256 r[8], t[8];
-                for (int x = 0; x < 8; ++x) r[x] = _mm256_loadu_ps(src + (j + x) * ld + d);
+                for (int x = 0; x < 8; ++x) r[x] = _mm256_loadu_ps(src(j + x) + d);
                 for (int x = 0; x < 8; x += 2) {
                     t[x] = _mm256_unpacklo_ps(r[x], r[x + 1]);
                     t[x + 1] = _mm256_unpackhi_ps(r[x], r[x + 1]);
@@ -225,12 +248,12 @@ void pack_t(const T* src, int64_t ld, int nk, int ntop, int64_t D, T* dst) {
                 for (int o = 0; o < 8; ++o) _mm256_storeu_ps(dst + (d + o) * KC + j, t[o]);
             }
             for (; d < D; ++d)
-                for (int x = 0; x < 8; ++x) dst[d * KC + j + x] = src[(j + x) * ld + d];
+                for (int x = 0; x < 8; ++x) dst[d * KC + j + x] = src(j + x)[d];
         }
     }
 #endif
     for (; j < nk; ++j)
-        for (int64_t d = 0; d < D; ++d) dst[d * KC + j] = src[j * ld + d];
+        for (int64_t d = 0; d < D; ++d) dst[d * KC + j] = src(j)[d];
     for (; j < ntop; ++j)
         for (int64_t d = 0; d < D; ++d) dst[d * KC + j] = T(0);
 }
@@ -289,16 +312,16 @@ void dot_any(const T* const* a, int rows, const T* bt, int64_t D, int ntop, T* c
 }
 
 // axpy_tile: acc[r][n*W + w] = fma(w[r][j], x_j[n*W + w], acc[r][...]) for j = idx[0..cnt)
-// in that (ascending) order, x_j = xb + j * ld. Lanes: d. The p @ v and ds @ k order.
-template <typename V, int RT, int NV, typename T>
-inline void axpy_tile(const T* const* w, const int* idx, int cnt, const T* xb, int64_t ld, T* const* acc) {
+// in that (ascending) order, x_j = xs(j) + d0. Lanes: d. The p @ v and ds @ k order.
+template <typename V, int RT, int NV, typename T, typename X>
+inline void axpy_tile(const T* const* w, const int* idx, int cnt, X xs, int64_t d0, T* const* acc) {
     using R = typename V::R;
     R a[RT][NV];
     for (int r = 0; r < RT; ++r)
         for (int n = 0; n < NV; ++n) a[r][n] = V::load(acc[r] + n * V::W);
     for (int t = 0; t < cnt; ++t) {
         const int j = idx[t];
-        const T* xr = xb + j * ld;
+        const T* xr = xs(j) + d0;
         R x[NV];
         for (int n = 0; n < NV; ++n) x[n] = V::load(xr + n * V::W);
         for (int r = 0; r < RT; ++r) {
@@ -310,36 +333,36 @@ inline void axpy_tile(const T* const* w, const int* idx, int cnt, const T* xb, i
         for (int n = 0; n < NV; ++n) V::store(acc[r] + n * V::W, a[r][n]);
 }
 
-template <typename V, int RT, typename T>
-inline void axpy_rows(const T* const* w, const int* idx, int cnt, const T* xb, int64_t ld, int64_t Dv, T* const* acc) {
+template <typename V, int RT, typename T, typename X>
+inline void axpy_rows(const T* const* w, const int* idx, int cnt, X xs, int64_t Dv, T* const* acc) {
     constexpr int NV = Tile<V>::VECS, W = V::W;
     int64_t d = 0;
     for (; d + NV * W <= Dv; d += NV * W) {
         T* o[RT];
         for (int r = 0; r < RT; ++r) o[r] = acc[r] + d;
-        axpy_tile<V, RT, NV>(w, idx, cnt, xb + d, ld, o);
+        axpy_tile<V, RT, NV>(w, idx, cnt, xs, d, o);
     }
     for (; d + W <= Dv; d += W) {
         T* o[RT];
         for (int r = 0; r < RT; ++r) o[r] = acc[r] + d;
-        axpy_tile<V, RT, 1>(w, idx, cnt, xb + d, ld, o);
+        axpy_tile<V, RT, 1>(w, idx, cnt, xs, d, o);
     }
     for (; d < Dv; ++d) {  // the tail: one lane, the same fma
         T* o[RT];
         for (int r = 0; r < RT; ++r) o[r] = acc[r] + d;
-        axpy_tile<VS<T>, RT, 1>(w, idx, cnt, xb + d, ld, o);
+        axpy_tile<VS<T>, RT, 1>(w, idx, cnt, xs, d, o);
     }
 }
 
-template <typename V, typename T>
-void axpy_any(const T* const* w, int rows, const int* idx, int cnt, const T* xb, int64_t ld, int64_t Dv, T* const* acc) {
+template <typename V, typename T, typename X>
+void axpy_any(const T* const* w, int rows, const int* idx, int cnt, X xs, int64_t Dv, T* const* acc) {
     switch (rows) {
-        case 6: axpy_rows<V, 6>(w, idx, cnt, xb, ld, Dv, acc); break;
-        case 5: axpy_rows<V, 5>(w, idx, cnt, xb, ld, Dv, acc); break;
-        case 4: axpy_rows<V, 4>(w, idx, cnt, xb, ld, Dv, acc); break;
-        case 3: axpy_rows<V, 3>(w, idx, cnt, xb, ld, Dv, acc); break;
-        case 2: axpy_rows<V, 2>(w, idx, cnt, xb, ld, Dv, acc); break;
-        default: axpy_rows<V, 1>(w, idx, cnt, xb, ld, Dv, acc); break;
+        case 6: axpy_rows<V, 6>(w, idx, cnt, xs, Dv, acc); break;
+        case 5: axpy_rows<V, 5>(w, idx, cnt, xs, Dv, acc); break;
+        case 4: axpy_rows<V, 4>(w, idx, cnt, xs, Dv, acc); break;
+        case 3: axpy_rows<V, 3>(w, idx, cnt, xs, Dv, acc); break;
+        case 2: axpy_rows<V, 2>(w, idx, cnt, xs, Dv, acc); break;
+        default: axpy_rows<V, 1>(w, idx, cnt, xs, Dv, acc); break;
     }
 }
 
@@ -352,6 +375,12 @@ struct Problem {
     const int64_t* qpos;          // [B, Tq]
     const int64_t* doc;           // [B, Tk] or null
     const uint8_t* mask;          // bool, or null
+    // A paged cache (table non-null): k, v are [blocks, Hkv, bs, D], ks/vs their (block, head,
+    // slot) strides; key j of row b at block table[b * tw + j / bs], slot j % bs; row b holds
+    // seqlen[b] keys (keys past it are absent, as keys past Tk are).
+    const int64_t* table = nullptr;
+    const int64_t* seqlen = nullptr;
+    int64_t tw = 0, bs = 0;
     int64_t G() const { return Hq / Hkv; }
 };
 
@@ -371,9 +400,10 @@ struct Row {
 };
 
 inline Row make_row(const Problem& pr, int64_t b, int64_t h, int64_t i) {
-    Row r{b, h, i, pr.Tk, 0};
+    const int64_t tk = pr.seqlen ? std::min(pr.seqlen[b], pr.Tk) : pr.Tk;  // keys present in the row
+    Row r{b, h, i, tk, 0};
     const int64_t pos = pr.qpos[b * pr.Tq + i];
-    if (pr.causal) r.limit = std::min<int64_t>(pos + 1, pr.Tk);
+    if (pr.causal) r.limit = std::min<int64_t>(pos + 1, tk);
     if (pr.doc && pr.Tk > 0) r.qdoc = pr.doc[b * pr.Tk + std::min<int64_t>(std::max<int64_t>(pos, 0), pr.Tk - 1)];
     return r;
 }
@@ -422,16 +452,15 @@ inline int common_prefix(int* const* idx, const int* cnt, int n) {
 
 // Weighted rows in tiles of up to 4: the keys all rows of a tile share, jointly, then each row's
 // remaining keys alone; each row's chain stays in ascending key order.
-template <typename V, typename T>
-void axpy_grouped(T* const* w, int* const* idx, const int* cnt, int rows, const T* xb, int64_t ld, int64_t Dv,
-                  T* const* acc) {
+template <typename V, typename T, typename X>
+void axpy_grouped(T* const* w, int* const* idx, const int* cnt, int rows, X xs, int64_t Dv, T* const* acc) {
     constexpr int RT = Tile<V>::ROWS;
     for (int r0 = 0; r0 < rows; r0 += RT) {
         const int n = std::min(RT, rows - r0);
         const int common = common_prefix(idx + r0, cnt + r0, n);
-        if (common > 0) axpy_any<V>(w + r0, n, idx[r0], common, xb, ld, Dv, acc + r0);
+        if (common > 0) axpy_any<V>(w + r0, n, idx[r0], common, xs, Dv, acc + r0);
         for (int r = r0; r < r0 + n; ++r)
-            if (cnt[r] > common) axpy_any<V>(w + r, 1, idx[r] + common, cnt[r] - common, xb, ld, Dv, acc + r);
+            if (cnt[r] > common) axpy_any<V>(w + r, 1, idx[r] + common, cnt[r] - common, xs, Dv, acc + r);
     }
 }
 
@@ -570,8 +599,8 @@ void block_dots(int nrows, const int* cnt, const int* top, const T* a, int64_t l
     flush();
 }
 
-template <typename V, typename T>
-void block_axpy(int nrows, Work<T>& w, T* wts, const T* xb, int64_t ld, int64_t Dv, T* acc, int64_t ldacc) {
+template <typename V, typename T, typename X>
+void block_axpy(int nrows, Work<T>& w, T* wts, X xs, int64_t Dv, T* acc, int64_t ldacc) {
     T* wp[60];  // a multiple of every tile's row count
     int* ip[60];
     int cn[60];
@@ -580,14 +609,29 @@ void block_axpy(int nrows, Work<T>& w, T* wts, const T* xb, int64_t ld, int64_t 
     for (int r = 0; r < nrows; ++r) {
         if (!w.cnt[r]) continue;
         wp[n] = wts + r * KC, ip[n] = w.idx.data() + r * KC, cn[n] = w.cnt[r], ap[n] = acc + r * ldacc;
-        if (++n == 60) axpy_grouped<V>(wp, ip, cn, n, xb, ld, Dv, ap), n = 0;
+        if (++n == 60) axpy_grouped<V>(wp, ip, cn, n, xs, Dv, ap), n = 0;
     }
-    if (n) axpy_grouped<V>(wp, ip, cn, n, xb, ld, Dv, ap);
+    if (n) axpy_grouped<V>(wp, ip, cn, n, xs, Dv, ap);
 }
 
 int64_t query_block(const Problem& pr) { return std::max<int64_t>(1, QROWS / pr.G()); }
 
 // ---------------------------------------------------------------- forward
+
+// Paged keys [j0, j0 + n) of row b, kv head hk: kp[j], vp[j] point at key j0 + j (block
+// table[b, (j0 + j) / bs], slot (j0 + j) % bs). Keys at or past `limit` (no row of the task sees
+// them: packed, then hidden, their values never reach a result) point at key j0 instead, so the
+// table is read only where the row has blocks.
+template <typename T>
+void paged_rows(const Problem& pr, int64_t b, int64_t hk, int64_t j0, int n, int64_t limit, const T* k, const T* v,
+                const T** kp, const T** vp) {
+    const int64_t* tb = pr.table + b * pr.tw;
+    for (int j = 0; j < n; ++j) {
+        const int64_t key = j0 + j < limit ? j0 + j : j0, blk = tb[key / pr.bs], slot = key % pr.bs;
+        kp[j] = k + blk * pr.ks[0] + hk * pr.ks[1] + slot * pr.ks[2];
+        vp[j] = v + blk * pr.vs[0] + hk * pr.vs[1] + slot * pr.vs[2];
+    }
+}
 
 template <typename T>
 void forward(const Problem& pr, const T* q, const T* k, const T* v, T sscale, T* out, T* lse, int nt) {
@@ -599,6 +643,8 @@ void forward(const Problem& pr, const T* q, const T* k, const T* v, T sscale, T*
         thread_local Work<T> w;
         w.size(QB * G, pr.D, pr.Dv);
         std::vector<T> m(QB * G), l(QB * G);
+        const T* kp[KC];  // a paged chunk's key and value addresses
+        const T* vp[KC];
         for (int64_t task = t0; task < t1; ++task) {
             const int64_t qb = task % nqb, bh = task / nqb, hk = bh % pr.Hkv, b = bh / pr.Hkv;
             const int64_t i0 = qb * QB, i1 = std::min(pr.Tq, i0 + QB);
@@ -608,13 +654,11 @@ void forward(const Problem& pr, const T* q, const T* k, const T* v, T sscale, T*
             std::fill(m.begin(), m.begin() + nrows, ninf);
             std::fill(l.begin(), l.begin() + nrows, T(0));
             std::fill(w.acc.begin(), w.acc.begin() + nrows * pr.Dv, T(0));
-            const T* kb = k + b * pr.ks[0] + hk * pr.ks[1];
-            const T* vb = v + b * pr.vs[0] + hk * pr.vs[1];
-            for (int64_t j0 = 0; j0 < kmax; j0 += KC) {
-                int max_top;
-                if (!block_chunk_keys(pr, nrows, j0, w, &max_top)) continue;
-                const int nk = (int)std::min<int64_t>(KC, pr.Tk - j0);
-                pack_t(kb + j0 * pr.ks[2], pr.ks[2], std::min(nk, max_top), max_top, pr.D, w.kt.data());
+            // One chunk of keys, read through `keys` / `values` (Strided: a dense k, v; Listed: a
+            // paged cache): the same code, so the same operations on the same values in the same
+            // order whichever addressing; a paged call's bits are the dense call's on its keys.
+            auto chunk = [&](int n, int max_top, auto keys, auto values) {  // keys [0, n) present
+                pack_t(keys, n, max_top, pr.D, w.kt.data());
                 block_dots<V>(nrows, w.cnt.data(), w.top.data(), w.qs.data(), pr.D, w.kt.data(), pr.D, w.s.data());
                 for (int r = 0; r < nrows; ++r) {  // the online-softmax update of each row
                     if (!w.cnt[r]) continue;
@@ -640,7 +684,21 @@ void forward(const Problem& pr, const T* q, const T* k, const T* v, T sscale, T*
                     }
                     m[r] = mn;
                 }
-                block_axpy<V>(nrows, w, w.s.data(), vb + j0 * pr.vs[2], pr.vs[2], pr.Dv, w.acc.data(), pr.Dv);
+                block_axpy<V>(nrows, w, w.s.data(), values, pr.Dv, w.acc.data(), pr.Dv);
+            };
+            for (int64_t j0 = 0; j0 < kmax; j0 += KC) {
+                int max_top;
+                if (!block_chunk_keys(pr, nrows, j0, w, &max_top)) continue;
+                const int nk = (int)std::min<int64_t>(KC, pr.Tk - j0);
+                const int n = std::min(nk, max_top);  // every visible key of the chunk is below n
+                if (pr.table) {
+                    paged_rows(pr, b, hk, j0, n, kmax, k, v, kp, vp);
+                    chunk(n, max_top, Listed<T>{kp}, Listed<T>{vp});
+                } else {
+                    const T* kb = k + b * pr.ks[0] + hk * pr.ks[1] + j0 * pr.ks[2];
+                    const T* vb = v + b * pr.vs[0] + hk * pr.vs[1] + j0 * pr.vs[2];
+                    chunk(n, max_top, Strided<T>{kb, pr.ks[2]}, Strided<T>{vb, pr.vs[2]});
+                }
             }
             for (int r = 0; r < nrows; ++r) {
                 const Row& row = w.rows[r];
@@ -738,12 +796,12 @@ void backward(const Problem& pr, const T* q, const T* k, const T* v, const T* g,
                 int max_top;
                 if (!block_chunk_keys(pr, nrows, j0, w, &max_top)) continue;
                 const int nk = std::min((int)std::min<int64_t>(KC, pr.Tk - j0), max_top);
-                pack_t(kb + j0 * pr.ks[2], pr.ks[2], nk, max_top, pr.D, w.kt.data());
-                pack_t(vb + j0 * pr.vs[2], pr.vs[2], nk, max_top, pr.Dv, w.vt.data());
+                pack_t(Strided<T>{kb + j0 * pr.ks[2], pr.ks[2]}, nk, max_top, pr.D, w.kt.data());
+                pack_t(Strided<T>{vb + j0 * pr.vs[2], pr.vs[2]}, nk, max_top, pr.Dv, w.vt.data());
                 block_dots<V>(nrows, w.cnt.data(), w.top.data(), w.qs.data(), pr.D, w.kt.data(), pr.D, w.s.data());
                 block_dots<V>(nrows, w.cnt.data(), w.top.data(), gr.data(), pr.Dv, w.vt.data(), pr.Dv, w.dp.data());
                 probs_and_ds(nrows, w, lb.data(), dl.data());
-                block_axpy<V>(nrows, w, w.dp.data(), kb + j0 * pr.ks[2], pr.ks[2], pr.D, w.acc.data(), pr.D);
+                block_axpy<V>(nrows, w, w.dp.data(), Strided<T>{kb + j0 * pr.ks[2], pr.ks[2]}, pr.D, w.acc.data(), pr.D);
             }
             for (int r = 0; r < nrows; ++r) {
                 const Row& row = w.rows[r];
@@ -778,8 +836,8 @@ void backward(const Problem& pr, const T* q, const T* k, const T* v, const T* g,
                 if (!block_chunk_keys(pr, nrows, j0, w, &max_top)) continue;
                 if (!packed) {  // every present key of the chunk, once per task
                     const int ntop = (nk + L - 1) / L * L;
-                    pack_t(kb + j0 * pr.ks[2], pr.ks[2], nk, ntop, pr.D, w.kt.data());
-                    pack_t(vb + j0 * pr.vs[2], pr.vs[2], nk, ntop, pr.Dv, w.vt.data());
+                    pack_t(Strided<T>{kb + j0 * pr.ks[2], pr.ks[2]}, nk, ntop, pr.D, w.kt.data());
+                    pack_t(Strided<T>{vb + j0 * pr.vs[2], pr.vs[2]}, nk, ntop, pr.Dv, w.vt.data());
                     packed = true;
                 }
                 load_bwd_rows(pr, nrows, w, lse, delta.data(), lb.data(), dl.data());
@@ -819,8 +877,8 @@ void backward(const Problem& pr, const T* q, const T* k, const T* v, const T* g,
                         wp[t] = pt.data() + (j + t) * RMAX, ws[t] = st.data() + (j + t) * RMAX;
                         dvp[t] = dva.data() + (j + t) * pr.Dv, dkp[t] = dka.data() + (j + t) * pr.D;
                     }
-                    axpy_any<V>(wp, nj, seq.data(), na, w.acc.data(), pr.Dv, pr.Dv, dvp);
-                    axpy_any<V>(ws, nj, seq.data(), na, qr.data(), pr.D, pr.D, dkp);
+                    axpy_any<V>(wp, nj, seq.data(), na, Strided<T>{w.acc.data(), pr.Dv}, pr.Dv, dvp);
+                    axpy_any<V>(ws, nj, seq.data(), na, Strided<T>{qr.data(), pr.D}, pr.D, dkp);
                 }
             }
             for (int j = 0; j < nk; ++j) {
@@ -831,6 +889,24 @@ void backward(const Problem& pr, const T* q, const T* k, const T* v, const T* g,
             }
         }
     });
+}
+
+// The paged forward: checks the table, then `forward` (see Problem for the addressing). Returns 0,
+// or before any work 1 (a row's seqlen outside [0, min(Tk, tw * bs)]) or 2 (a block of a present
+// key outside [0, num_blocks)).
+template <typename T>
+int paged_forward(const int64_t* prob, const T* q, const T* k, const T* v, const int64_t* qpos, const int64_t* table,
+                  const int64_t* seqlen, T sscale, T* out, T* lse, int nt) {
+    Problem pr = read_problem(prob, qpos, nullptr, nullptr);
+    pr.table = table, pr.seqlen = seqlen, pr.tw = prob[21], pr.bs = prob[22];
+    const int64_t num_blocks = prob[23];
+    for (int64_t b = 0; b < pr.B; ++b) {
+        if (seqlen[b] < 0 || seqlen[b] > std::min(pr.Tk, pr.tw * pr.bs)) return 1;
+        for (int64_t n = 0; n < (seqlen[b] + pr.bs - 1) / pr.bs; ++n)
+            if (table[b * pr.tw + n] < 0 || table[b * pr.tw + n] >= num_blocks) return 2;
+    }
+    forward<T>(pr, q, k, v, sscale, out, lse, nt);
+    return 0;
 }
 
 }  // namespace
@@ -852,6 +928,22 @@ TA_EXPORT(void, attention_fwd_f64)(const int64_t* prob, const double* q, const d
                                    const int64_t* qpos, const int64_t* doc, const uint8_t* mask, double sscale,
                                    double* out, double* lse, int nt) {
     forward<double>(read_problem(prob, qpos, doc, mask), q, k, v, sscale, out, lse, nt);
+}
+
+// Paged forward: prob int64[24] = the first 21 as above (mask strides unused; k and v strides are
+// over (block, kv head, slot) of k, v [num_blocks, Hkv, block_size, D]), then table width, block
+// size, num_blocks; table [B, width], seqlen [B]. Returns 0, or an error code (paged_forward).
+
+TA_EXPORT(int, attention_paged_fwd_f32)(const int64_t* prob, const float* q, const float* k, const float* v,
+                                        const int64_t* qpos, const int64_t* table, const int64_t* seqlen,
+                                        float sscale, float* out, float* lse, int nt) {
+    return paged_forward<float>(prob, q, k, v, qpos, table, seqlen, sscale, out, lse, nt);
+}
+
+TA_EXPORT(int, attention_paged_fwd_f64)(const int64_t* prob, const double* q, const double* k, const double* v,
+                                        const int64_t* qpos, const int64_t* table, const int64_t* seqlen,
+                                        double sscale, double* out, double* lse, int nt) {
+    return paged_forward<double>(prob, q, k, v, qpos, table, seqlen, sscale, out, lse, nt);
 }
 
 TA_EXPORT(void, attention_bwd_f32)(const int64_t* prob, const float* q, const float* k, const float* v,
