@@ -47,6 +47,7 @@ ADDED_KEY_DEFAULTS: dict[str, Any] = {
     "determinism.bi_kernels": "v1",
     "determinism.grad_norm": "v1",  # the clip norm's order (trainer/grad_norm.py): v1 before v2 existed
     "parallel.device": "cpu",  # every run before the key existed ran on the CPU (issue 27)
+    "parallel.mode": "dp",  # rl: every run before the key existed ran data parallel
 }
 
 

@@ -3,10 +3,18 @@
     gen = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=True))
     samples = gen.generate(requests, SamplingParams(temperature=0.7, max_new_tokens=32))
     gen.load_weights(trainer_model.state_dict(), policy_version=step)
+    gen = BuiltinGenerator(model, config, share=True)    # generates with `model` itself, no copy
 
 What it guarantees (on top of the `Generator` contract, rl/generator.py):
 - Its own model copy: the constructor copies the given model's weights; only `load_weights`
-  changes them afterwards (the trainer may keep updating its own model).
+  changes them afterwards (the trainer may keep updating its own model). A sharded source (TP or
+  FSDP2 DTensors) is copied parameter by parameter, each one's full tensor gathered in turn
+  (collective: every rank of its mesh loads together), never the whole model at once.
+- `share=True`: no copy; it generates with the given module itself (under no_grad, never
+  inference mode: tensors a forward caches must stay usable by the trainer's autograd), and
+  `load_weights` accepts only that module's own tensors (it marks the version; anything else is
+  a ValueError, since copying it in would overwrite the trainer's weights). For a caller that
+  changes no weight while a rollout runs (the RL loop at lag 0, rl/weights.py).
 - In batch-invariant mode (`batch_invariant=True`: every model call runs inside
   `titan_audit.batch_invariant.enabled()`) each reported log-prob is bitwise equal to the
   trainer's recomputation `rl.logprobs.sequence_logprobs(model, prompts, completions,
@@ -48,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_audit import batch_invariant as bi
 from titan_audit.audit import fingerprint
@@ -56,8 +65,8 @@ from titan_audit.models.kv_cache import PagedKVCache
 from titan_audit.models.transformer import Transformer
 from titan_audit.rl.generator import FinishReason, GenerationRequest, Sample, SamplingParams, check_weights
 from titan_audit.rl.requests import check_requests
-from titan_audit.rl.rollouts import snapshot
 from titan_audit.rl.sampling import sample_rows, scale_logits, stream_key, uniform_from_stream
+from titan_audit.rl.weights import full_weight, shares_storage
 
 
 @dataclass(frozen=True)
@@ -125,21 +134,31 @@ class BuiltinGenerator:
         config: BuiltinGeneratorConfig | None = None,
         *,
         policy_version: int = 0,
+        share: bool = False,
     ) -> None:
         if not isinstance(model, Transformer):
             raise ValueError(f"BuiltinGenerator needs a models.Transformer, got {type(model).__name__}")
         self.config = config or BuiltinGeneratorConfig()
+        self.shared = share
+        self._lock = threading.Lock()
+        self._cache: PagedKVCache | None = None
+        self._policy_version = 0
+        self.last_schedule: list[Iteration] = []
+        if share:
+            if any(isinstance(p, DTensor) for p in model.parameters()):
+                raise ValueError(
+                    "BuiltinGenerator(share=True) needs an unsharded model: a sharded forward communicates"
+                )
+            self.model = model
+            self._policy_version = policy_version
+            return
         weight = model.output_weight
         with torch.device("meta"):
             own = Transformer(model.config)
         own = own.to_empty(device=weight.device).to(weight.dtype)
         own.set_compute_dtype(model.compute_dtype)
         self.model = own.eval().requires_grad_(False)
-        self._lock = threading.Lock()
-        self._cache: PagedKVCache | None = None
-        self._policy_version = 0
-        self.last_schedule: list[Iteration] = []
-        self.load_weights(snapshot(model), policy_version)  # full tensors of a tensor-parallel trainer
+        self.load_weights(model.state_dict(), policy_version)  # parameter by parameter (full tensors)
 
     # -- weights -------------------------------------------------------------------------------
     @property
@@ -147,13 +166,23 @@ class BuiltinGenerator:
         return self._policy_version
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
-        """Copy a full state dict of the models/ model (same names, shapes, dtypes) into the
-        generator's model; ValueError naming the first offending tensor."""
+        """Copy a state dict of the models/ model (same names, shapes, dtypes; full tensors or
+        DTensors, each gathered in turn) into the generator's model; ValueError naming the first
+        offending tensor. Shared (`share=True`): only the module's own tensors, nothing copied."""
         own = self.model.state_dict()
         check_weights(state_dict, {name: (t.dtype, tuple(t.shape)) for name, t in own.items()}, policy_version)
+        if self.shared:
+            if not shares_storage(self.model, state_dict):
+                raise ValueError(
+                    "load_weights: this generator shares the trainer's module (share=True) and cannot load other "
+                    "weights; build one with its own copy"
+                )
+            with self._lock:
+                self._policy_version = policy_version
+            return
         with self._lock, torch.no_grad():
             for name, target in own.items():
-                target.copy_(state_dict[name])
+                target.copy_(full_weight(state_dict[name]))  # one parameter's full tensor at a time
             self._policy_version = policy_version
 
     def weights_fingerprint(self) -> dict[str, str]:
@@ -174,7 +203,8 @@ class BuiltinGenerator:
             cache = self._cache_for(requests, params)
             mode = bi.enabled() if self.config.batch_invariant else contextlib.nullcontext()
             try:
-                with torch.inference_mode(), mode:
+                grad_mode = torch.no_grad() if self.shared else torch.inference_mode()
+                with grad_mode, mode:
                     return _Run(self, cache, requests, params, prompts).run()
             except BaseException:
                 self._cache = None  # sequences may be left in it

@@ -14,7 +14,8 @@ Guarantees (as trainer/config.py, whose machinery this reuses):
   tokenizer (the byte tokenizer, or an HF tokenizer file / directory), sampling (temperature,
   top_p, top_k, max_new_tokens), loss (clip_eps,
   kl_coef: the k3 KL to the frozen initial policy), optimizer, schedule, rollout (lag, buffer),
-  parallel (threads, backend, tp: the trainer's tensor-parallel degree), checkpoint, audit,
+  parallel (threads, backend, tp: the trainer's tensor-parallel degree, mode: "dp" or "fsdp", the
+  trainer's FSDP2 with the policy and its KL reference sharded, rl/init.py), checkpoint, audit,
   determinism (batch_invariant on by default: the zero-gap guarantee needs it; bi_kernels: the
   gemm order, "v2" default, the trainer's and the generator's alike), logging (the train loop's:
   metrics.jsonl, TensorBoard); top-level `seed` (prompt sets,
@@ -43,7 +44,7 @@ from titan_audit.trainer.config import (
     CheckpointSection,
     LoggingSection,
     ModelSection,
-    ProcessSection,
+    ParallelSection,
 )
 from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
 
@@ -231,7 +232,7 @@ class RLConfig:
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4, weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_steps=0, min_lr_ratio=1.0))
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    parallel: ProcessSection = field(default_factory=ProcessSection)  # dp x tp (the generator: TP=1)
+    parallel: ParallelSection = field(default_factory=ParallelSection)  # dp x tp, mode (the generator: TP=1)
     checkpoint: CheckpointSection = field(default_factory=lambda: CheckpointSection(interval=10, keep_last=2))
     audit: AuditSection = field(default_factory=AuditSection)
     determinism: RLDeterminismSection = field(default_factory=RLDeterminismSection)

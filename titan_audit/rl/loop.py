@@ -10,7 +10,8 @@ exception. What is RL's own, a step k on rank r of W (P prompts = V microbatches
   1. the rollouts of step k (rl/rollout_schedule.py: generated in a background thread by the
      built-in generator, or with `generator = "vllm"` by our model inside vLLM, from policy
      version max(0, k-1-lag), after a weight sync checked by fingerprints): rank r serves its block
-     [r*P/W, (r+1)*P/W) of the step's prompt set; sample j of prompt i is keyed (seed, k, i, j);
+     [r*P/W, (r+1)*P/W) of the step's prompt set, under FSDP2 the prompts k*W + r (rl/init.py);
+     sample j of prompt i is keyed (seed, k, i, j);
   2. rewards (the task's: built-in, or the user's prompts file and reward functions, rl/user_task.py;
      checked: a raising or non-finite reward stops the run naming task and sample) and
      group-normalised advantages, per prompt;
@@ -26,6 +27,10 @@ exception. What is RL's own, a step k on rank r of W (P prompts = V microbatches
      `seconds_logprobs` (trainer forwards), `seconds_backward`, `seconds_optimizer` (`kit.finish`);
   5. submit the rollouts of step k + 1 + lag (policy version k); a checkpoint's blob holds the
      finished rollouts of steps k+1 .. k+lag.
+
+Layout (rl/init.py): data parallel (the policy whole, or over `parallel.tp` ranks), or FSDP2
+(`parallel.mode = "fsdp"`: the trainer's sharding and gradient tree, the KL reference sharded too).
+Which copies of the weights a setting keeps (the generator's, snapshots): rl/weights.py.
 
 Device (`parallel.device = "cuda"`): the policy (and the KL reference) is built and loaded on the
 CPU, its digest recorded, then moved to the rank's GPU; the built-in generator copies it there
@@ -50,21 +55,20 @@ from pathlib import Path
 
 import torch
 
-from titan_audit.models import build
 from titan_audit.rl.config import RESUME_MUTABLE_KEYS, RLConfig
-from titan_audit.rl.init import load_initial_model
+from titan_audit.rl.init import build_policy, prompt_ids
 from titan_audit.rl.logprobs import sequence_logprobs
 from titan_audit.rl.loss import combine_gap, gap_figures, group_advantages, policy_loss
 from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator, check_prompts
 from titan_audit.rl.rollouts import RolloutResult, random_delay
 from titan_audit.rl.step_metrics import group_stats, metrics_row
 from titan_audit.rl.user_task import build_task, input_differences
+from titan_audit.rl.weights import WeightPlan, rollout_mesh
 from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
-from titan_audit.trainer.init import check_init, check_resume_init, digest_tensor, init_record, record_init_weights
+from titan_audit.trainer.init import check_init, check_resume_init, digest_tensor, init_record
 from titan_audit.trainer.optim import build_optimizer
-from titan_audit.trainer.reduce import gather_in_index_order, rank_block
 from titan_audit.trainer.run_dir import read_manifest
-from titan_audit.trainer.tensor_parallel import check_tensor_parallel, parallelize
+from titan_audit.trainer.tensor_parallel import check_tensor_parallel
 
 
 @dataclass
@@ -92,10 +96,11 @@ def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: i
         from titan_audit.rl import vllm as rl_vllm
 
         rl_vllm.require()  # one line: how to install the extra
-        if world_size > 1:
+        if world_size > 1 or config.parallel.mode == "fsdp":
             raise ValueError(
                 f"generator = 'vllm' runs on one rank (its in-process engine owns torch.distributed); "
-                f"got world size {world_size}: use --nproc 1 or generator = 'builtin'"
+                f"got world size {world_size}, parallel.mode = {config.parallel.mode!r}: use --nproc 1 and "
+                f"parallel.mode = 'dp', or generator = 'builtin'"
             )
     check_init(init, config.model)  # files and shape (the launcher gave the config the init's shape)
     task = build_task(config)  # the tokenizer against the model, the user's prompts and rewards
@@ -142,36 +147,29 @@ def rl_train(
         inputs = checked["task"].inputs
         return {"init": init_record(init), **({"task_inputs": inputs} if inputs is not None else {})}
 
-    run = Run(config, out, kind="rl", check=check, resume=resume, overwrite=overwrite, extra=extra, quiet=quiet)
+    fsdp = config.parallel.mode == "fsdp"
+    kwargs = {"resume": resume, "overwrite": overwrite, "extra": extra, "quiet": quiet, "single_group": fsdp}
+    run = Run(config, out, kind="rl", check=check, **kwargs)
     with run:
         task = checked.get("task") or build_task(config)  # other ranks: rank 0 checked the same inputs
         W, bi = run.mesh.world_size, config.determinism.batch_invariant
-        dp, dp_rank, dp_group = run.mesh.dp, run.mesh.dp_rank, run.mesh.dp_group  # TP peers: the same prompts
-        init = run.manifest["init"]["source"]
-        model = load_initial_model(config, init)  # on the CPU: the initial bits are the CPU's
-        record_init_weights(run, model)
-        reference = _frozen_copy(config, model) if config.loss.kl_coef > 0 else None
-        device = run.mesh.device
-        model.to(device)  # on cpu: nothing moves
-        if reference is not None:
-            reference.to(device)
-        parallelize(model, run.mesh.tp_mesh)  # at tp > 1; the generator keeps a TP=1 copy
+        dp, dp_group, device = run.mesh.dp, run.mesh.dp_group, run.mesh.device  # TP peers: the same prompts
+        policy = build_policy(config, run, run.manifest["init"]["source"])  # digest recorded (checked on resume)
+        model, reference = policy.model, policy.reference
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=bi)
         blob = run.restore(model, optimizer)
 
-        lo, hi = rank_block(config.task.prompts_per_step, dp, dp_rank)
-        slots = max(1, (hi - lo) * config.task.samples_per_prompt)
-        factory = generator_factory or (lambda m, b: build_generator(config.generator, m, b, slots))
-        schedule = run.closing(
-            RolloutSchedule(
-                config, factory(model, bi), task, rank_block=(lo, hi), world_size=dp, group=dp_group, device=device
-            )
-        )
+        ids = prompt_ids(config, dp, run.mesh.dp_rank)
+        plan = WeightPlan.of(config)  # which copies of the weights this setting keeps
+        slots = max(1, len(ids) * config.task.samples_per_prompt)
+        factory = generator_factory or (lambda m, b: build_generator(config.generator, m, b, slots, share=plan.share))
+        where = {"world_size": dp, "group": dp_group, "device": device, "mesh": rollout_mesh(plan, device.type)}
+        schedule = run.closing(RolloutSchedule(config, factory(model, bi), task, prompt_ids=ids, plan=plan, **where))
         schedule.start(run.start_step, model, [RolloutResult.from_state(s) for s in (blob or {}).get("pending", [])])
         run.begin(model, optimizer)
 
-        kit = StepKit(run, params, optimizer)
+        kit = StepKit(run, params, optimizer, policy.sharded)
         rewards, max_differing = [], None
         for step in run.steps():
             t0 = time.perf_counter()
@@ -195,7 +193,7 @@ def rl_train(
 def _train_step(config, run, kit, model, reference, schedule, task, result, step: int, lr: float) -> dict:
     """Rewards, per-group loss and backward into the tree, the update; the step's metrics row."""
     W, G = run.mesh.world_size, config.task.samples_per_prompt
-    dp, dp_group = run.mesh.dp, run.mesh.dp_group  # figures are gathered over the dp ranks
+    gather = kit.gather_in_index_order  # over the dp ranks, in prompt order whichever prompts a rank serves
     run.recorder.record_rollout("generator_weights", digest_tensor(result.generator_fingerprint))
     run.recorder.record_rollout("policy_version", torch.tensor([result.version], dtype=torch.int64))
     timer = time.perf_counter
@@ -206,7 +204,7 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
         for p, samples in groups
     ]
     local_tokens = torch.tensor([[sum(len(s.tokens) for s in samples)] for _, samples in groups], dtype=torch.int64)
-    denominator = max(int(gather_in_index_order(local_tokens, dp, dp_group).sum()), 1)  # the step's global token count
+    denominator = max(int(gather(local_tokens).sum()), 1)  # the step's global token count
     seconds = {"reward": timer() - t, "logprobs": 0.0, "backward": 0.0}  # timing only: never compared
 
     stats_rows, ratio_rows, gap_rows = [], [], []
@@ -233,11 +231,10 @@ def _train_step(config, run, kit, model, reference, schedule, task, result, step
     grad_norm = kit.finish()  # the tree reduction, clipping and the optimizer step
     seconds["optimizer"] = timer() - t
 
-    stats = gather_in_index_order(torch.stack(stats_rows), dp, dp_group)
-    ratios = gather_in_index_order(torch.stack(ratio_rows), dp, dp_group)
+    stats, ratios = gather(torch.stack(stats_rows)), gather(torch.stack(ratio_rows))
     row = metrics_row(step, stats, ratios, lr, grad_norm, result.version, W)
     if config.verify:
-        row.update(combine_gap(gather_in_index_order(torch.stack(gap_rows), dp, dp_group), "gap"))
+        row.update(combine_gap(gather(torch.stack(gap_rows)), "gap"))
     row.update({f"seconds_{phase}": value for phase, value in seconds.items()})
     return row
 
@@ -269,13 +266,6 @@ def _group_loss(config, recorder, model, reference, prompt, samples, reward, den
     loss, parts = policy_loss(lp, gen_lp, token_adv, denominator, config.loss.clip_eps, ref_lp, config.loss.kl_coef)
     recorder.record_loss(loss)
     return lp, gen_lp, loss, parts
-
-
-def _frozen_copy(config: RLConfig, model: torch.nn.Module) -> torch.nn.Module:
-    """The KL reference: the initial policy, frozen."""
-    reference = build(config.model.model_config(), seed=config.seed)
-    reference.load_state_dict(model.state_dict())
-    return reference.requires_grad_(False)
 
 
 def _pending(schedule: RolloutSchedule, step: int) -> dict:

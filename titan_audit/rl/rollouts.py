@@ -6,20 +6,23 @@ With lag L the rollouts of RL step k (steps count from 1) are generated from ver
 the weights it is about to update). The trainer (main thread) drives everything:
 
     start:        submit the jobs of steps 1 .. L+1 (all version 0)
-    after step k: snapshot the weights (version k, a clone + its fingerprints) and submit the job
+    after step k: the weights of version k (rl/weights.py `job_weights`: at L = 0 the trainer's
+                  live tensors, at L > 0 a snapshot) with their fingerprints, and submit the job
                   of step k + 1 + L, whose version is k
     at step k:    take(k) blocks until the rollouts of step k are done
 
-A job carries everything its result depends on: its step, the weight snapshot and its version,
-the requests (prompt ids + SampleKeys) and the sampling params. The worker thread runs jobs one at
-a time in submission order: load the snapshot into the generator (weight sync), fingerprint the
-generator's weights against the snapshot's (a mismatch fails the job with a `WeightSyncError`
-naming the first differing tensor), generate. (A constructed control run, rl/control.py, sends
-the generator a perturbed copy instead, `RolloutJob.generator_weights`, fingerprinted as sent.)
-Generation is a pure function of (weights, requests, params) (keyed sampling, batch-invariant
-generator), so a job's result never depends on when it ran, how long the trainer took, or what
-ran concurrently: the trajectory is fixed by (config, L) alone. At most L + 1 jobs are in
-flight, holding at most L + 1 snapshots; the config bounds L by `rollout.buffer`.
+A job carries everything its result depends on: its step, the weights and their version, the
+requests (prompt ids + SampleKeys) and the sampling params. The worker thread runs jobs one at a
+time in submission order: load the weights into the generator (weight sync; a generator that
+shares the trainer's module only marks the version), fingerprint the generator's weights against
+the trainer's (computed when the job was made, from the shards each rank holds: rl/weights.py
+`shard_fingerprints`; a mismatch fails the job with a `WeightSyncError` naming the first
+differing tensor), generate. (A constructed control run, rl/control.py, sends the generator a
+perturbed copy instead, `RolloutJob.generator_weights`, fingerprinted as sent.) Generation is a
+pure function of (weights, requests, params) (keyed sampling, batch-invariant generator), so a
+job's result never depends on when it ran, how long the trainer took, or what ran concurrently:
+the trajectory is fixed by (config, L) alone. At most L + 1 jobs are in flight, holding at most
+L + 1 snapshots (none at L = 0); the config bounds L by `rollout.buffer`.
 
 L = 0 runs unthreaded (`threaded=False`, what RolloutSchedule picks): the trainer would wait for
 each job right after submitting it, so `take` runs the submitted jobs itself, in the trainer's
@@ -45,6 +48,11 @@ Device: on `parallel.device = "cuda"` the worker thread makes the rank's GPU its
 (CUDA's current device is per thread; kernels launched on the current device must find the
 weights there). Snapshots stay on the trainer's device; fingerprints copy their bytes.
 
+Collectives: a weight sync from sharded weights gathers each parameter over its mesh. At L = 0
+that runs in the trainer's thread (unthreaded), every rank at the same point; at L > 0 from the
+shard snapshots' own process group (rl/weights.py `rollout_mesh`), every rank's worker in the
+same job order, never the trainer's groups.
+
 Errors: an exception inside a job (bad request, generator failure, weight mismatch) is kept and
 re-raised in the trainer's thread by `take`, so the run stops with it; nothing is written by the
 worker thread, so a failed rollout cannot touch the run directory.
@@ -61,10 +69,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from titan_audit.audit.fingerprint import fingerprint_many
 from titan_audit.rl.generator import GenerationRequest, Generator, Sample, SampleKey, SamplingParams
+from titan_audit.rl.weights import shard_fingerprints
 from titan_audit.trainer.crash import crash_point
 
 DELAY_ENV = "TITAN_AUDIT_RL_TEST_DELAY_MS"
@@ -87,16 +94,6 @@ def random_delay() -> None:
         time.sleep(_DELAY_RNG.uniform(0.0, float(spec)) / 1000.0)
 
 
-def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of the model's full state dict (what a weight sync ships): a tensor-parallel
-    trainer's DTensors are gathered to full tensors (collective over their mesh: every TP rank
-    calls this at the same point), so a TP=1 generator gets the weights it would get from TP=1."""
-    return {
-        name: t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-        for name, t in model.state_dict().items()
-    }
-
-
 def first_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> str | None:
     """The first tensor name (sorted) whose fingerprint differs or is missing on one side."""
     for name in sorted(expected.keys() | actual.keys()):
@@ -109,7 +106,9 @@ def first_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> 
 class RolloutJob:
     step: int
     version: int
-    weights: dict[str, torch.Tensor] | None  # the trainer's; None: the generator already holds `version`
+    # the trainer's (rl/weights.py: live tensors at lag 0, a snapshot at lag > 0, DTensors when
+    # sharded); None: the generator already holds `version`
+    weights: dict[str, torch.Tensor] | None
     fingerprint: dict[str, str]  # the fingerprints of the weights the generator is sent
     requests: list[GenerationRequest]
     params: SamplingParams
@@ -316,4 +315,6 @@ class RolloutWorker:
 
 
 def trainer_fingerprint(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    return dict(fingerprint_many(dict(weights)))
+    """The fingerprints of the weights a job sends, from the pieces each rank holds (collective
+    when some are DTensors: the trainer's thread, every rank at the same point)."""
+    return shard_fingerprints(weights)
