@@ -104,17 +104,26 @@ def test_a_world_size_not_a_power_of_two_keeps_the_bits_with_a_deeper_stack():
 
 
 @pytest.mark.control
-def test_a_negative_zero_leaf_reduces_as_zero_plus_g():
+def test_the_root_plus_zero_has_the_bits_of_zero_plus_g_leaves():
+    # leaves of signed zeros and a few values, as a sparse gradient gives them
+    rng = np.random.default_rng(7)
+    choices = np.array([-0.0, 0.0, 1.5, -2.25], dtype=np.float32)
+    leaves = [torch.from_numpy(rng.choice(choices, size=(1, 256), p=[0.55, 0.25, 0.1, 0.1])) for _ in range(V)]
+    normalised = TreeStack(V)  # DP: each leaf is 0 + g
+    for leaf in leaves:
+        normalised.push(leaf[0] + 0.0)
+    expected = normalised.take()[0][2]
     group = _Group("g", [], 1)
-    group.stack = TreeStack(2, 0, group.give)
-    for _ in range(2):
-        group.push_round(torch.tensor([[-0.0]]))
-    ((_, _, root),) = group.stack.take()
-    assert root.view(torch.int32).item() == 0  # +0.0, as 0 + g leaves give in DP
-    raw = TreeStack(2)  # control: the pieces as copied, without 0 + g
-    for _ in range(2):
-        raw.push(torch.tensor([-0.0]))
-    assert raw.take()[0][2].view(torch.int32).item() != 0
+    group.stack = TreeStack(V, 0, group.give)
+    for leaf in leaves:
+        group.push_round(leaf.clone())
+    assert torch.equal(group.root().view(torch.int32), expected.view(torch.int32))
+    raw = TreeStack(V)  # control: the raw leaves' root without the + 0.0 keeps some -0.0
+    for leaf in leaves:
+        raw.push(leaf[0].clone())
+    raw_root = raw.take()[0][2]
+    assert not torch.equal(raw_root.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(raw_root, expected)  # they differ only in the sign of zeros
 
 
 def _wide(shape: tuple[int, ...], seed: int) -> torch.Tensor:

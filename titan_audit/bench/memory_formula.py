@@ -10,7 +10,7 @@ two; otherwise 2 floor(log2(V/W)) + 1, the pool's bound, reduce.py), c the compu
 P_max the largest parameter, P_L the largest FSDP2 group (a block, or the root: embedding, head
 and final norm):
 
-    peak = static + max(backward, reduce, optimizer)
+    peak = static + max(backward, pack, reduce, optimizer)
     data parallel  static    = 4P params + 8P AdamW (2 fp32 states) + g 4P gradient buffers
                                (+ the exchange's receive buffer 4P (W-1)/W across hosts)
     FSDP2          static    = (4P + 8P) / W shards and their states
@@ -22,10 +22,16 @@ and final norm):
     both                     + the RoPE tables, 2 x 4 max_positions head_dim
     backward  = activations of one microbatch + its logits' gradient
                 + data parallel: the largest parameter's fresh gradient, 4 P_max
-                + FSDP2: the largest group's unsharded gradients (or parameters), c P_L
+                + FSDP2: the largest group's unsharded gradients (or parameters), c P_L,
+                  and at W > 1 a block's exchange in flight (see pack), 2 x 4 P_B, less the
+                  head's log-probs and their gradient, freed before the first exchange starts
     reduce    = FSDP2 at W > 1, while the largest group reduces (after its last backward op):
                 its packed gradient 4 P_L, the pieces it receives 4 P_L, and the largest
                 parameter's gradient, which autograd holds while FSDP's hook runs, 4 P_max
+    pack      = FSDP2 at W > 1, while the largest group packs its gradient: its unsharded
+                gradients c P_L, its packed gradient 4 P_L, and the exchange still in flight
+                from the group before (a block of P_B parameters: its packed gradient and the
+                pieces received), 2 x 4 P_B
     optimizer = torch's AdamW (foreach off): two temporaries of the largest parameter
                 (sqrt, then / bias correction), 2 x 4 P_max (FSDP2: its shard, / W);
                 the fused PortableAdamW: none.
@@ -165,10 +171,10 @@ def slots_per_rank(microbatches: int, world_size: int) -> int:
 @dataclass(frozen=True)
 class Estimate:
     """Bytes per rank, term by term; `peak` = sum(static) + the largest phase's sum (backward,
-    reduce, optimizer: transients that are never alive together)."""
+    pack, reduce, optimizer: transients that are never alive together)."""
 
     static: dict[str, int]
-    phases: dict[str, dict[str, int]]  # "backward", "reduce", "optimizer" -> their terms
+    phases: dict[str, dict[str, int]]  # "backward", "pack", "reduce", "optimizer" -> their terms
     exchange_per_host: int  # the same-host exchange file, mapped by every rank of the host
 
     @property
@@ -228,23 +234,37 @@ def estimate(shape: Shape, layout: Layout) -> Estimate:
     b, s = layout.microbatch_size, layout.seq_len
     backward = {f"activations_{k}": v for k, v in activations(shape, layout).items()}
     backward["logits_gradient"] = b * s * FP32 * shape.vocab
-    reduce = {}
+    reduce, pack = {}, {}
     if layout.mode == "dp":
         backward["largest_gradient"] = FP32 * shape.largest_param
     else:
         L = shape.largest_group
         backward["unsharded_group"] = DTYPE_BYTES[layout.compute_dtype] * L
         if W > 1:  # at W = 1 FSDP copies instead of reducing, into what becomes a partial
+            in_flight = 2 * FP32 * shape.block_params  # the group before's exchange: a block's
+            # it starts after the head's backward freed the log-probs and their gradient
+            head = backward["activations_head_logprobs"] + backward["logits_gradient"]
+            backward["block_exchange_in_flight"] = max(0, in_flight - head)
             reduce = {
                 "packed_group_gradient": FP32 * L,
                 "received_group_pieces": FP32 * L,
                 "held_gradient": FP32 * shape.largest_param,
             }
+            pack = {
+                "unsharded_group": DTYPE_BYTES[layout.compute_dtype] * L,
+                "packed_group_gradient": FP32 * L,
+                "block_exchange_in_flight": in_flight,
+            }
     temporaries = 0 if layout.fused_adamw else 2 * FP32 * math.ceil(shape.largest_param / shards)
     exchange = 0
     if layout.mode == "dp" and W > 1 and layout.one_host:
         exchange = (W * slots_per_rank(V, W) + 1) * FP32 * P
-    phases = {"backward": backward, "reduce": reduce, "optimizer": {"adamw_temporaries": temporaries}}
+    phases = {
+        "backward": backward,
+        "pack": pack,
+        "reduce": reduce,
+        "optimizer": {"adamw_temporaries": temporaries},
+    }
     return Estimate(static, phases, exchange)
 
 
@@ -296,7 +316,8 @@ def paper_table() -> str:
             for world_size in PAPER_WORLD_SIZES:
                 layout = paper_layout(mode, world_size)
                 e = estimate(shape, layout)
-                cells = [sum(e.static.values()), *(e.phase(n) for n in ("backward", "reduce", "optimizer")), e.peak]
+                reduce = max(e.phase("pack"), e.phase("reduce"))
+                cells = [sum(e.static.values()), e.phase("backward"), reduce, e.phase("optimizer"), e.peak]
                 lines.append(
                     f"| {name} | {shape.params / 1e9:.2f}B | {mode} | {world_size} | {layout.microbatches} | "
                     + " | ".join(f"{c / GB:,.1f} GB" for c in cells)

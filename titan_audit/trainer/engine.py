@@ -657,6 +657,8 @@ class StepKit:
         yield
         if self.reducer is not None:
             self.reducer.add(index, self._leaf)
+        if self.interleaved:
+            self.sharded.end_backward()
         if self.deterministic:  # FSDP2: what FSDP wrote into .grad is not the tree's; drop it
             self.optimizer.zero_grad(set_to_none=True)
 

@@ -18,15 +18,22 @@ Guarantees:
   In round k FSDP hands each parameter group's gradient, packed rank-major by dim-0 shard
   (`set_custom_reduce_scatter`), to `_Exchange`, which moves the pieces without adding them (one
   all_to_all_single): rank q receives shard q of the leaves k*W .. k*W + W - 1, in index order.
-  Each piece becomes 0 + piece (so a -0.0 leaf is +0.0, as autograd's accumulation into zeros
-  makes it in DP) and is pushed onto the group's `TreeStack`: the leaves arrive in index order,
-  so the stack merges siblings as soon as both are there and holds the maximal nodes so far.
+  The pieces are pushed onto the group's `TreeStack` as they are: the leaves arrive in index
+  order, so the stack merges siblings as soon as both are there and holds the maximal nodes so
+  far. In DP a leaf is 0 + g (autograd accumulates into zeros), so a -0.0 leaf is +0.0 there; a
+  sum of raw leaves differs from the sum of normalised ones only where every leaf under it is
+  -0.0 (-0.0 + -0.0 = -0.0, +0.0 + +0.0 = +0.0; -0.0 + x = +0.0 + x for every other x), so
+  the root gets the same `0 +` once, over the shard, instead of every leaf.
   FSDP's AVG op is ignored (fp32 and bf16 reduce dtypes have no pre/post division), and what it
   writes into the sharded .grad is dropped by the caller's zero_grad after each backward.
   At W = 1 FSDP calls no reduce-scatter (it copies); the all-reduce hook then gets the copy.
+- The exchange overlaps the backward: it runs asynchronously and completes (wait, push) when the
+  next group's exchange starts or the microbatch's backward ends (`_InFlight`); the stacks see
+  the same pushes in the same order.
 - Memory per rank: W a power of two makes each round one subtree, so a group's stack holds at most
   floor(log2(V/W)) + 1 shard-sized partials (recycled between steps), plus, while one group
-  reduces, its packed gradient and the received pieces (one layer's unsharded gradient each).
+  reduces, its packed gradient and the received pieces (one layer's unsharded gradient each), and
+  the previous group's, still in flight, while the next one packs.
   Any other W (3, 6, ...) works with the same bits and a deeper stack (at most the canonical
   tree's depth + 1 partials, e.g. V = 6, W = 3: 2).
 - bf16 compute (`param_dtype`): the unsharded gradient is bf16; FSDP packs it into the fp32
@@ -78,10 +85,19 @@ class _Group:
             self.lent = [b for b in self.lent if b is not buf]
             self.free.append(buf)
 
+    def root(self) -> torch.Tensor:
+        """The step's reduced shard: the tree's root, + 0.0 (the leaves' 0 + g, once: module doc)."""
+        nodes = self.stack.take() if self.stack is not None else []
+        if len(nodes) != 1 or nodes[0][:2] != (0, self.stack.num_leaves):
+            raise RuntimeError(
+                f"FSDP group {self.name}: the gradient tree is incomplete after {self.rounds} rounds "
+                f"({[(lo, hi) for lo, hi, _ in nodes]}); every rank must run all its microbatches"
+            )
+        return nodes[0][2].add_(0.0)
+
     def push_round(self, pieces: torch.Tensor) -> None:
         """Round `rounds`: pieces [W, S] are this rank's shards of the leaves rounds*W .. +W-1."""
         assert self.stack is not None, "start_step() before the backward"
-        pieces.add_(0.0)  # 0 + g: a -0.0 leaf becomes +0.0, as accumulating into zeros does in DP
         for piece in pieces:
             self.stack.push(piece)
         # Partials still on the stack that live in this round's buffer move to recycled buffers
@@ -93,20 +109,40 @@ class _Group:
         self.rounds += 1
 
 
+class _InFlight:
+    """At most one exchange in flight per rank: started by a group's reduce-scatter step, it
+    completes (wait, then the push onto that group's stack) when the next group's step starts or
+    the microbatch's backward is over, so the move overlaps the backward of the layer before."""
+
+    def __init__(self) -> None:
+        self.pending: tuple | None = None  # (work, group, received, sent)
+
+    def start(self, sent: torch.Tensor, pg, group: _Group) -> None:
+        self.complete()
+        received = torch.empty_like(sent)
+        work = dist.all_to_all_single(received, sent, group=pg, async_op=True)  # equal splits: rank-major
+        self.pending = (work, group, received, sent)  # `sent` stays referenced until the move is done
+
+    def complete(self) -> None:
+        if self.pending is None:
+            return
+        work, group, received, _sent = self.pending
+        self.pending = None
+        work.wait()
+        group.push_round(received.view(group.world_size, -1))
+
+
 class _Exchange(ReduceScatter):
     """FSDP's reduce-scatter for one group, replaced by a move of the pieces (no addition)."""
 
-    def __init__(self, group: _Group) -> None:
-        self.group = group
+    def __init__(self, group: _Group, in_flight: _InFlight) -> None:
+        self.group, self.in_flight = group, in_flight
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):  # noqa: ANN001
-        world_size = dist.get_world_size(group)
-        received = torch.empty_like(input_tensor)
-        dist.all_to_all_single(received, input_tensor, group=group)  # equal splits: rank-major shards
-        self.group.push_round(received.view(world_size, -1))
+        self.in_flight.start(input_tensor, group, self.group)
         return None
 
 
@@ -128,6 +164,7 @@ class ShardedTree:
     def __init__(self, model: torch.nn.Module, world_size: int) -> None:
         self.world_size = world_size
         self.groups: list[_Group] = []
+        self.in_flight = _InFlight()
         for name, module in model.named_modules():
             if not isinstance(module, FSDPModule):
                 continue
@@ -138,7 +175,7 @@ class ShardedTree:
             group = _Group(name or "<root>", fsdp_params, world_size)
             self.groups.append(group)
             if world_size > 1:
-                module.set_custom_reduce_scatter(_Exchange(group))
+                module.set_custom_reduce_scatter(_Exchange(group, self.in_flight))
             else:  # FSDP copies instead of reducing at W = 1; its hook sees the copy
                 module.set_all_reduce_hook(lambda output, group=group: group.push_round(output.view(1, -1)))
         assert self.groups, "no FSDP-managed parameters"
@@ -156,16 +193,15 @@ class ShardedTree:
             group.stack = TreeStack(num_microbatches, 0, group.give)
             group.rounds = 0
 
+    def end_backward(self) -> None:
+        """The microbatch's last exchange is done and pushed (call after each backward)."""
+        self.in_flight.complete()
+
     def finish(self) -> None:
         """Every parameter's .grad = its reduced shard (views of the group's root partial)."""
+        self.in_flight.complete()
         for group in self.groups:
-            nodes = group.stack.take() if group.stack is not None else []
-            if len(nodes) != 1 or nodes[0][:2] != (0, group.stack.num_leaves):
-                raise RuntimeError(
-                    f"FSDP group {group.name}: the gradient tree is incomplete after {group.rounds} rounds "
-                    f"({[(lo, hi) for lo, hi, _ in nodes]}); every rank must run all its microbatches"
-                )
-            root = nodes[0][2]
+            root = group.root()
             offset = 0
             for fsdp_param in group.fsdp_params:
                 shard = torch.as_strided(
