@@ -63,6 +63,16 @@ Guarantees:
 - Per record, the Python cost is a few microseconds: the row is one tuple (columns are built at
   flush), plain tensors skip the DTensor check, and the summary's per-(dtype, shape) text is
   cached (audit.summary).
+- A call that records many tensors (record_grads, record_params, record_optimizer, record_many)
+  takes each plain contiguous CPU tensor of at most C bytes without statistics into one batch,
+  hashed when the call returns by one kernel call on every intra-op thread
+  (summary.summarize_batch): the same rows, in the same order with the same `seq`, as one call
+  per tensor. Nothing but the Recorder's own loop runs between a tensor's record and its hash.
+  If a record of the call raises, the plain records made before it are written, as unbatched.
+- `counters` (audit.shards.DigestCounters) adds up, for this rank's records since construction,
+  the tensor bytes hashed (a summary reused by a hook record hashes nothing) and the bytes
+  received from other ranks by the DTensor exchanges (lanes rows, gathered pieces): a few integer
+  additions per record.
 - A hook record of a tensor object another hook recorded in the same (step, microbatch), with
   its version counter unchanged, reuses that summary instead of reading the bytes again (a
   model returning its head's output; one gradient reaching a block's output and its residual
@@ -87,7 +97,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from titan_audit.audit.dumps import DumpWriter
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
-from titan_audit.audit.summary import Summary, summarize, summarize_sharded
+from titan_audit.audit.shards import DigestCounters
+from titan_audit.audit.summary import Summary, batch_meta, summarize, summarize_batch, summarize_sharded
 
 LEVELS = ("off", "params", "full")
 ROOT_NAME = "<root>"
@@ -164,6 +175,10 @@ class Recorder:
         # DTensor records of the current batch (slot in _rows or None, the row's fields, the item
         # for summarize_sharded), summarised together when the batch ends
         self._pending: list[tuple[int | None, tuple, tuple]] | None = None
+        # plain records of the current batch that summary.summarize_batch takes (slot in _rows,
+        # the row's fields, the tensor, its batch_meta), hashed together when the batch ends
+        self._deferred: list[tuple[int, tuple, torch.Tensor, Any]] | None = None
+        self.counters = DigestCounters()  # bytes this rank hashed and received for its records
         self._seq: dict[int, int] = {}
         self._calls: dict[tuple[int, str], int] = {}
         self._steps_since_flush = 0
@@ -341,11 +356,18 @@ class Recorder:
             return
         if microbatch != STEP_LEVEL and not self.writes_microbatches:
             return
-        summary = self._summarize(phase, tensor)
         seq = self._seq.get(microbatch, 0)
         self._seq[microbatch] = seq + 1
-        # SCHEMA's order: step, phase, microbatch, name, dtype, shape, hash, absmax, mean, rank, seq
-        self._rows.append((step, phase, microbatch, name, *summary, self.rank, seq))
+        meta = None
+        if self._deferred is not None and phase not in self.stats_phases and phase not in _HOOK_PHASES:
+            meta = batch_meta(tensor)
+        if meta is not None:  # inside a batch: the slot now, the hash with the batch's others
+            self._deferred.append((len(self._rows), (step, phase, microbatch, name, seq), tensor, meta))
+            self._rows.append(None)
+        else:
+            summary = self._summarize(phase, tensor)
+            # SCHEMA's order: step, phase, microbatch, name, dtype, shape, hash, absmax, mean, rank, seq
+            self._rows.append((step, phase, microbatch, name, *summary, self.rank, seq))
         if self._dump_wanted(name, step):
             self._dump(step, phase, microbatch, name, tensor)
 
@@ -381,20 +403,36 @@ class Recorder:
         if self._pending is not None:  # nested: the outer batch summarises
             yield
             return
-        self._pending = []
+        self._pending, self._deferred = [], []
         try:
             yield
-        except BaseException:  # no exchange: drop the slots the batch took
+        except BaseException:  # no exchange: drop the DTensor slots; the plain records made stand
             self._pending = None
+            deferred, self._deferred = self._deferred, None
+            self._summarize_deferred(deferred)
             self._rows = [row for row in self._rows if row is not None]
             raise
         pending, self._pending = self._pending, None
+        deferred, self._deferred = self._deferred, None
+        self._summarize_deferred(deferred)
         self._summarize_pending(pending)
+
+    def _summarize_deferred(self, deferred: list[tuple[int, tuple, torch.Tensor, Any]]) -> None:
+        """The batch's deferred plain records: one summarize_batch over their tensors on every
+        intra-op thread. Only the Recorder's own loop ran between their record calls and here,
+        so the bytes hashed are those the calls were given."""
+        if not deferred:
+            return
+        tensors = [item[2] for item in deferred]
+        summaries = summarize_batch(tensors, [item[3] for item in deferred], torch.get_num_threads())
+        for (slot, (step, phase, microbatch, name, seq), _, meta), summary in zip(deferred, summaries):
+            self._rows[slot] = (step, phase, microbatch, name, *summary, self.rank, seq)
+            self.counters.hashed_bytes += meta.nbytes
 
     def _summarize_pending(self, pending: list[tuple[int | None, tuple, tuple]]) -> None:
         if not pending:
             return
-        summaries = summarize_sharded([item for _, _, item in pending])
+        summaries = summarize_sharded([item for _, _, item in pending], self.counters)
         for (slot, fields, _), summary in zip(pending, summaries):
             if slot is not None:
                 assert summary is not None, "the writer receives every record it writes"
@@ -422,12 +460,15 @@ class Recorder:
         # `.data`, which bumps no counter), an inference tensor (it keeps no version counter).
         # DTensors do not come here (_record_dtensor).
         if phase not in _HOOK_PHASES or type(tensor) not in _PLAIN_TYPES or tensor.is_inference():
-            return summarize(tensor, with_stats=with_stats)
+            summary = summarize(tensor, with_stats=with_stats)
+            self.counters.hashed_bytes += tensor.nbytes
+            return summary
         key = (id(tensor), with_stats)
         seen = self._recent.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             return seen[2]
         summary = summarize(tensor, with_stats=with_stats)
+        self.counters.hashed_bytes += tensor.nbytes
         if len(self._recent) >= _RECENT_SUMMARIES:
             del self._recent[next(iter(self._recent))]  # the oldest
         self._recent[key] = (weakref.ref(tensor), tensor._version, summary)

@@ -22,7 +22,9 @@ Guarantees:
 - `combine(items)`: what many DTensors' pieces add up to, on the rank that needs it: a tensor
   of more than `whole_bytes` as the sum of the ranks' lanes (and their partial absmax / sum),
   one of at most `whole_bytes` gathered whole; one gather per process group and destination for
-  all the items, and none in a group the destination is not part of.
+  all the items, and none in a group the destination is not part of. With `counters`
+  (`DigestCounters`) it adds the tensor bytes this rank hashed and the bytes it received from
+  the other ranks (a few integer additions per call).
 """
 
 from __future__ import annotations
@@ -332,6 +334,21 @@ def gather(
 
 
 @dataclass
+class DigestCounters:
+    """What a rank's digests cost it (summed over calls; audit.Recorder keeps one): tensor bytes
+    read to hash them, and bytes received from other ranks by the exchanges that combine pieces
+    (`combine`), split by kind: the lanes rows of tensors above whole_bytes (5 int64 per tensor
+    per sending rank) and the gathered pieces of tensors of at most whole_bytes."""
+
+    hashed_bytes: int = 0  # bytes of tensor data this rank hashed (its own pieces, tensors gathered to it)
+    received_bytes: int = 0  # all bytes received from other ranks by digest exchanges
+    lattice_records: int = 0  # tensors above whole_bytes combined on this rank from the ranks' lanes
+    lattice_received_bytes: int = 0  # the part of received_bytes that carried those lanes
+    gathered_records: int = 0  # tensors of at most whole_bytes gathered whole to this rank
+    gathered_received_bytes: int = 0  # the part of received_bytes that carried their pieces
+
+
+@dataclass
 class Combined:
     """What the ranks' pieces of one logical tensor add up to, on the rank(s) that receive it:
     the whole tensor (`full`: a tensor of at most `whole_bytes`, gathered) or the lanes of all its
@@ -404,14 +421,20 @@ def _combine_large(rows: list[torch.Tensor], k: int, with_stats: bool) -> Combin
 
 
 def combine(
-    items: Sequence[tuple[torch.Tensor, bool, int | None]], *, whole_bytes: int, partial_stats
+    items: Sequence[tuple[torch.Tensor, bool, int | None]],
+    *,
+    whole_bytes: int,
+    partial_stats,
+    counters: DigestCounters | None = None,
 ) -> list[Combined | None]:
     """For each (DTensor, with_stats, dst): its Combined on rank `dst` (every rank when dst is
     None), None elsewhere. Collective: every rank of each tensor's mesh calls it with the same
     items in the same order. One gather per (process group, dst) of the lanes of the large
     tensors (5 int64 per tensor per rank), one of the pieces of the tensors of at most
     `whole_bytes` bytes (sent by the first of their replicas); a group without `dst` skips
-    both. `partial_stats(local)` -> (absmax, sum) of a rank's share (as floats)."""
+    both. `partial_stats(local)` -> (absmax, sum) of a rank's share (as floats). `counters`:
+    the bytes this rank hashes here (its shares of the large tensors) and receives are added to
+    it (a small tensor gathered whole is hashed by the caller, which counts its bytes)."""
     tensors = [reduced(t) for t, _, _ in items]
     batches: dict[tuple[tuple[int, ...], int | None], list[int]] = {}
     groups: dict[tuple[int, ...], object | None] = {}
@@ -431,19 +454,35 @@ def combine(
             for i in large:
                 t = tensors[i]
                 rows.append(_stats_row(t.to_local(), piece_of(t), *replica(t), items[i][1], partial_stats))
-            gathered = gather(torch.tensor(rows, dtype=torch.int64), group, ranks, dst)
+            sent = torch.tensor(rows, dtype=torch.int64)
+            gathered = gather(sent, group, ranks, dst)
             if gathered is not None:
                 for k, i in enumerate(large):
                     out[i] = _combine_large(gathered, k, items[i][1])
+            if counters is not None:
+                counters.hashed_bytes += sum(row[4] * tensors[i].element_size() for row, i in zip(rows, large))
+                if gathered is not None:
+                    received = (len(ranks) - 1) * sent.nbytes
+                    counters.lattice_records += len(large)
+                    counters.lattice_received_bytes += received
+                    counters.received_bytes += received
         if small:
-            for i, full in zip(small, _gather_small([tensors[i] for i in small], group, ranks, dst)):
+            fulls, received = _gather_small([tensors[i] for i in small], group, ranks, dst)
+            for i, full in zip(small, fulls):
                 out[i] = None if full is None else Combined(full=full)
+            if counters is not None and fulls[0] is not None:
+                counters.gathered_records += len(small)
+                counters.gathered_received_bytes += received
+                counters.received_bytes += received
     return out
 
 
-def _gather_small(tensors: list[torch.Tensor], group, ranks: Sequence[int], dst: int | None) -> list:
-    """The whole logical tensors of small DTensors on dst (or all): each first replica sends its
-    piece's bytes; one gather of a buffer padded to the largest rank's total."""
+def _gather_small(
+    tensors: list[torch.Tensor], group, ranks: Sequence[int], dst: int | None
+) -> tuple[list[torch.Tensor | None], int]:
+    """(the whole logical tensors of small DTensors on dst, or on all when dst is None, None
+    elsewhere; the bytes this rank received): each first replica sends its piece's bytes; one
+    gather of a buffer padded to the largest rank's total."""
     layout = []  # per tensor: per group rank, its piece (None: not the sender) and byte count
     for t in tensors:
         per_rank = []
@@ -463,7 +502,7 @@ def _gather_small(tensors: list[torch.Tensor], group, ranks: Sequence[int], dst:
             at += len(data)
     gathered = gather(buffer, group, ranks, dst)
     if gathered is None:
-        return [None] * len(tensors)
+        return [None] * len(tensors), 0
     fulls = []
     offsets = [0] * len(ranks)
     for t, per_rank in zip(tensors, layout):
@@ -475,7 +514,7 @@ def _gather_small(tensors: list[torch.Tensor], group, ranks: Sequence[int], dst:
                 full[_flat_index(piece)] = data.view(-1, size)
                 offsets[j] += nbytes
         fulls.append(full.reshape(-1).view(t.dtype).reshape(t.shape))
-    return fulls
+    return fulls, (len(ranks) - 1) * buffer.nbytes
 
 
 def flat_lanes(out: object, tensor: torch.Tensor, start: int, count: int, threads: int = 1, first: int = 0) -> None:

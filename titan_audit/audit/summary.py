@@ -38,12 +38,18 @@ Guarantees:
   CUDA tensor (or a rank's CUDA piece) is copied to the CPU once.
 - Per-(dtype, shape) text (dtype name, shape, hash header) is cached, so a record of a small
   tensor costs a few microseconds of Python.
+- `summarize_many` / `summarize_batch`: the summaries without statistics of many tensors, the
+  same bits as summarize() of each; the plain contiguous CPU tensors of at most C bytes go to one
+  call of our xxh3 kernel (batch_invariant/cpu/digest.py: xxHash's own code, checked against
+  python-xxhash in tests/audit/test_summary_batch.py), which hashes them on several threads,
+  whole tensors per thread.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -52,6 +58,7 @@ import xxhash
 from titan_audit.audit import shards
 from titan_audit.audit.fingerprint import _header, fingerprint, lattice_digest, whole_hash_bytes
 from titan_audit.batch_invariant.cpu import stats as _stats
+from titan_audit.batch_invariant.cpu.digest import xxh3_128_many
 
 # Bytes fed to the hasher and then to the stats kernel at a time (whole kernel blocks of every
 # dtype): small enough for the second read to hit L2, large enough that the per-piece Python
@@ -256,7 +263,47 @@ def summarize(tensor: torch.Tensor, *, with_stats: bool = True) -> Summary:
     return Summary(dtype_name(plain.dtype), shape_text(plain.shape), digest, absmax, mean)
 
 
-def summarize_sharded(items: list[tuple[torch.Tensor, bool, int | None]]) -> list[Summary | None]:
+def batch_meta(tensor: torch.Tensor) -> _Meta | None:
+    """The cached per-(dtype, shape) text of a tensor that `summarize_batch` takes (a plain
+    contiguous CPU tensor of at most C bytes), else None."""
+    if _is_plain(tensor):
+        meta = _meta(tensor.dtype, tensor.shape)
+        if meta.nbytes <= whole_hash_bytes():
+            return meta
+    return None
+
+
+def summarize_batch(tensors: Sequence[torch.Tensor], metas: Sequence[_Meta], threads: int = 1) -> list[Summary]:
+    """summarize(t, with_stats=False) of tensors whose `batch_meta` is `metas` (the same bits):
+    one call of our xxh3 kernel (batch_invariant/cpu/digest.py) reads them all in place on
+    `threads` threads, each thread taking whole tensors, largest first."""
+    digests = xxh3_128_many(
+        [meta.header for meta in metas], [t.data_ptr() for t in tensors], [meta.nbytes for meta in metas], threads
+    )
+    return [Summary(meta.dtype, meta.shape, digest, None, None) for meta, digest in zip(metas, digests)]
+
+
+def summarize_many(tensors: Sequence[torch.Tensor], *, threads: int = 1) -> list[Summary]:
+    """summarize(t, with_stats=False) of each tensor (the same bits): those `summarize_batch`
+    takes in one kernel call on `threads` threads, the others one by one (above C: the lattice
+    lanes on every intra-op thread). A DTensor here is a collective, as in summarize()."""
+    out: list[Summary | None] = [None] * len(tensors)
+    picked, metas = [], []
+    for i, tensor in enumerate(tensors):
+        meta = batch_meta(tensor)
+        if meta is None:
+            out[i] = summarize(tensor, with_stats=False)
+        else:
+            picked.append(i)
+            metas.append(meta)
+    for i, summary in zip(picked, summarize_batch([tensors[i] for i in picked], metas, threads)):
+        out[i] = summary
+    return out
+
+
+def summarize_sharded(
+    items: list[tuple[torch.Tensor, bool, int | None]], counters: shards.DigestCounters | None = None
+) -> list[Summary | None]:
     """Summaries of DTensors, each (tensor, with_stats, dst), from the pieces the ranks hold: on
     rank `dst` (every rank when None), None elsewhere. Collective (audit/shards.py `combine`):
     every rank of each tensor's mesh calls it with the same items in the same order; one
@@ -264,14 +311,17 @@ def summarize_sharded(items: list[tuple[torch.Tensor, bool, int | None]]) -> lis
     gathered to dst and summarised whole (the same bits as unsharded); a larger one is hashed
     by each rank over its piece (16 bytes of lanes travel) and its absmax / mean come from the
     ranks' partial statistics: absmax exact, the sum added in the group's rank order, so mean's
-    last bits may depend on the layout (informational)."""
-    combined = shards.combine(items, whole_bytes=whole_hash_bytes(), partial_stats=absmax_sum)
+    last bits may depend on the layout (informational). `counters`: the bytes this rank hashes
+    and receives for them are added to it (shards.DigestCounters)."""
+    combined = shards.combine(items, whole_bytes=whole_hash_bytes(), partial_stats=absmax_sum, counters=counters)
     out: list[Summary | None] = []
     for (tensor, with_stats, _), c in zip(items, combined):
         if c is None:
             out.append(None)
         elif c.full is not None:
             out.append(_summarize_plain(c.full, with_stats))
+            if counters is not None:
+                counters.hashed_bytes += c.full.nbytes
         else:
             meta = _meta(tensor.dtype, tensor.shape)
             absmax = mean = None

@@ -1,34 +1,54 @@
-"""`bench audit`: training-step time with the audit Recorder at `params` and `full` against `off`.
+"""`bench audit`: training-step time with the audit Recorder at `params` and `full` against `off`,
+and the bytes an FSDP2 rank hashes and receives for its records.
 
 One step = forward + backward + AdamW step on one microbatch, with the Recorder calls a trainer
 makes (start_step, set_microbatch, record_data, record_loss, record_grads, record_optimizer,
 record_params, end_step flushing a Parquet part every FLUSH_EVERY steps). Baseline: the same
 step with a Recorder at level `off` (it installs no hook and records nothing); the plain step
-without any Recorder is reported as the extra key `plain_s`. Models: a small transformer-ish
-plain `nn.Module` defined here (the Recorder assumes nothing about the model) and, unless
---quick, the `tiny-dense` preset of titan_audit.models. Targets (issue 5): params <= 1.03x,
-full <= 1.10x. Records go to a temporary run directory deleted afterwards.
+without any Recorder is the extra key `plain_s`. The suite runs on every core this process may
+use (`threads` = its CPU affinity, or --threads): the Recorder hashes a batch of records on all
+the intra-op threads, so its cost cannot hide on an idle core. Sides are interleaved batch by
+batch (the order rotated each repeat); a side's time is the median over the repeats (the ratio
+of the minima is the extra key `ratio_of_minima`). Records go to a temporary run directory
+deleted afterwards.
 
-Case `resume check`: the check a resume makes of the audit log before it appends
-(audit.log.check_audit_log, read-only here so each call reads the same parts) on the log of a
-run killed 25 steps after its checkpoint at step N (`generated_log`: a checkpoint and flush every
-20 steps, 12 param records per step), N = 10^5 (10^4 with --quick) against N = 20. Target 1.2:
-its cost does not grow with the run's length. Extra keys: the parts of the long log, the parts
-and bytes each check reads, and `verify_all_s`, one full read of the long log (`titan-audit
-verify`, what every resume paid before the index).
-
-The suite runs with one intra-op thread (restored afterwards; reported as the extra key
-`threads`): on a shared 2-core machine a second thread makes every parallel kernel's time depend
-on what the neighbours run, which swamps a few-percent ratio. The recorder's hashing is
-single-threaded, so with more threads the same ratios would be somewhat higher.
+Cases:
+- `small-transformer` (a plain `nn.Module` defined here: the Recorder assumes nothing about the
+  model) and, unless --quick, the `tiny-dense` preset: params <= 1.03x, full <= 1.10x.
+- Unless --quick, real width (`REAL_WIDTH_CASE`: qwen3-0.6b's widths, hidden 1024, intermediate
+  3072, 16/8 heads of 128, vocab 151936 tied, with 2 layers, ~187M parameters; 2 x 64 tokens a
+  step): one model and one AdamW stepped alternately under a Recorder at off and at params
+  (after REAL_WIDTH_WARMUP steps each), at least 3 repeats: params <= 1.10x. Its tensors are
+  above C, so its records take the lattice digest (audit/fingerprint.py).
+- FSDP2 W=2 against W=1 (spawned gloo ranks, trainer/local_ranks.py, one intra-op thread each):
+  tiny-dense widened (FSDP_MODEL; --quick: FSDP_MODEL_QUICK) fully_shard-ed per block and at the
+  root, one microbatch per rank per step, a Recorder at params. Per rank, the last step's bytes
+  hashed and received by its records (Recorder.counters, audit/shards.py DigestCounters): the
+  case's sides are bytes hashed per step at W=1 and the most any W=2 rank hashed (target 0.6: each
+  rank hashes its shard of the tensors above C; the writer also hashes the tensors of at most C,
+  gathered to it whole). Extra keys: bytes received per lattice record (5 int64 from the other
+  rank), per gathered record, and the calls made to DTensor.full_tensor (0).
+- `resume check`: the check a resume makes of the audit log before it appends
+  (audit.log.check_audit_log, read-only here so each call reads the same parts) on the log of a
+  run killed 25 steps after its checkpoint at step N (`generated_log`: a checkpoint and flush
+  every 20 steps, 12 param records per step), N = 10^5 (10^4 with --quick) against N = 20. Target
+  1.2: its cost does not grow with the run's length. Extra keys: the parts of the long log, the
+  parts and bytes each check reads, and `verify_all_s`, one full read of the long log
+  (`titan-audit verify`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -37,14 +57,30 @@ import xxhash
 from torch import nn
 
 from titan_audit.audit import Recorder
+from titan_audit.audit.fingerprint import whole_hash_bytes
 from titan_audit.audit.log import AuditLogWriter, audit_dir, check_audit_log, encode_part, verify_log
 from titan_audit.audit.log_index import PartEntry, ensure_index, part_name
 from titan_audit.audit.schema import SCHEMA
-from titan_audit.bench.core import BenchOptions, Case, compare
+from titan_audit.bench.core import BenchOptions, Case, _batch_time, _calibrate, compare
 
-TARGETS = {"params": 1.03, "full": 1.10, "resume": 1.2}
+TARGETS = {"params": 1.03, "full": 1.10, "resume": 1.2, "real_width_params": 1.10, "fsdp_hashed": 0.6}
 FLUSH_EVERY = 10
-THREADS = 1
+REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS = "qwen3-0.6b", 2
+REAL_WIDTH_BATCH = (2, 64)  # sequences x tokens per step, as bench train's real-width case
+REAL_WIDTH_WARMUP = 2  # steps per side before timing
+REAL_WIDTH_CASE = f"{REAL_WIDTH_PRESET} widths L={REAL_WIDTH_LAYERS}"
+# tiny-dense widened: embedding and LM head [32000, 512] and MLP matrices [1536, 512] are above C
+FSDP_MODEL = {
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "vocab_size": 32000,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+FSDP_MODEL_QUICK = {"num_hidden_layers": 1, "vocab_size": 16384}  # embedding and LM head [16384, 256]: 8 C each
+FSDP_BATCH, FSDP_BATCH_QUICK = (1, 64), (1, 16)  # one microbatch per rank per step
+FSDP_STEPS = 2
 
 
 class _Block(nn.Module):
@@ -85,8 +121,10 @@ class SmallTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def _make_step(model: nn.Module, vocab: int, ids: torch.Tensor, recorder: Recorder | None) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def _make_step(
+    model: nn.Module, vocab: int, ids: torch.Tensor, recorder: Recorder | None, opt: torch.optim.Optimizer | None = None
+) -> Callable[[], None]:
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-4)
     counter = [0]
 
     def step() -> None:
@@ -114,27 +152,57 @@ def _make_step(model: nn.Module, vocab: int, ids: torch.Tensor, recorder: Record
     return step
 
 
+def time_medians(fns: dict[str, Callable[[], None]], options: BenchOptions) -> dict[str, tuple[float, float]]:
+    """Per-call seconds of each fn as (median, minimum) over `repeats` batches (core's batch
+    sizing), the fns interleaved batch by batch, the order rotated each repeat so that no side
+    always runs after the same one; the garbage collector is off while timing."""
+    names = list(fns)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        calls = {name: _calibrate(fns[name], options.min_batch_s) for name in names}
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(options.repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                times[name].append(_batch_time(fns[name], calls[name]))
+    finally:
+        if was_enabled:
+            gc.enable()
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+def _level_case(label: str, level: str, times: dict[str, tuple[float, float]], target: float | None) -> Case:
+    (off, off_min), (on, on_min) = times["off"], times[level]
+    case = Case(
+        case=f"{label} step, audit {level} vs off",
+        baseline="Recorder level off",
+        candidate=f"Recorder level {level}",
+        baseline_s=off,
+        candidate_s=on,
+        ratio=on / off,
+        target=target,
+    )
+    case.extra["ratio_of_minima"] = on_min / off_min
+    return case
+
+
 def _model_cases(
     label: str, build: Callable[[], nn.Module], vocab: int, batch: tuple[int, int], options: BenchOptions, tmp: str
 ) -> list[Case]:
     ids = torch.randint(0, vocab, batch, generator=torch.Generator().manual_seed(0))
-    steps: dict[str, Callable[[], None]] = {"plain": _make_step(build(), vocab, ids, None)}
+    steps: dict[str, Callable[[], None]] = {}
     recorders = []
     for level in ("off", "params", "full"):
         model = build()
         recorder = Recorder(f"{tmp}/{label}-{level}", model, level=level, flush_every_steps=FLUSH_EVERY)
         recorders.append(recorder)
         steps[level] = _make_step(model, vocab, ids, recorder)
+    steps["plain"] = _make_step(build(), vocab, ids, None)
+    times = time_medians(steps, options)
     cases = []
     for level in ("params", "full"):
-        case = compare(
-            f"{label} step, audit {level} vs off",
-            ("Recorder level off", steps["off"]),
-            (f"Recorder level {level}", steps[level]),
-            options,
-            target=TARGETS[level],
-            others={"plain": steps["plain"]},
-        )
+        case = _level_case(label, level, times, TARGETS[level])
+        case.extra["plain_s"] = times["plain"][0]
         case.extra["tokens"] = batch[0] * batch[1]
         cases.append(case)
     for recorder in recorders:
@@ -142,15 +210,163 @@ def _model_cases(
     return cases
 
 
+def real_width_config():
+    """The real-width case's model: qwen3-0.6b's widths with REAL_WIDTH_LAYERS layers."""
+    from titan_audit.models.presets import get_preset
+
+    return dataclasses.replace(get_preset(REAL_WIDTH_PRESET), num_hidden_layers=REAL_WIDTH_LAYERS)
+
+
+def _real_width_case(options: BenchOptions, tmp: str) -> Case:
+    """One model and one optimizer, stepped alternately under a Recorder at `off` and at `params`
+    (each step the same work; at ~3 GB of parameters, gradients and AdamW state a second model
+    would only cost memory)."""
+    from titan_audit.models import build
+
+    config = real_width_config()
+    model = build(config, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, REAL_WIDTH_BATCH, generator=torch.Generator().manual_seed(0))
+    steps, recorders = {}, []
+    for level in ("off", "params"):
+        recorder = Recorder(f"{tmp}/real-width-{level}", model, level=level, flush_every_steps=FLUSH_EVERY)
+        recorders.append(recorder)
+        steps[level] = _make_step(model, config.vocab_size, ids, recorder, opt)
+    for _ in range(REAL_WIDTH_WARMUP):  # the first steps still grow the heap
+        for step in steps.values():
+            step()
+    repeats = BenchOptions(repeats=max(options.repeats, 3), min_batch_s=options.min_batch_s)
+    case = _level_case(REAL_WIDTH_CASE, "params", time_medians(steps, repeats), TARGETS["real_width_params"])
+    for recorder in recorders:
+        recorder.close()
+    case.extra["tokens"] = REAL_WIDTH_BATCH[0] * REAL_WIDTH_BATCH[1]
+    case.extra["parameters"] = sum(p.numel() for p in model.parameters())
+    return case
+
+
+@dataclass
+class BytesCase(Case):
+    """A case whose sides are bytes (to_dict: `baseline_bytes`, `candidate_bytes`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        names = {"baseline_s": "baseline_bytes", "candidate_s": "candidate_bytes"}
+        return {names.get(k, k): v for k, v in super().to_dict().items()}
+
+
+def fsdp_config(quick: bool):
+    """The FSDP2 case's model: tiny-dense widened (FSDP_MODEL) so that most of its bytes are in
+    tensors above C (lattice: each rank hashes its shard); --quick: FSDP_MODEL_QUICK."""
+    from titan_audit.models.presets import get_preset
+
+    return dataclasses.replace(get_preset("tiny-dense"), **(FSDP_MODEL_QUICK if quick else FSDP_MODEL))
+
+
+def fsdp_rank(rank: int, world_size: int, quick: bool, run_dir: str) -> dict[str, Any]:
+    """One rank of the FSDP2 case (run_local_ranks): the model fully_shard-ed per block and at the
+    root over the W ranks, FSDP_STEPS AdamW steps of one microbatch per rank, a Recorder at level
+    params; per step the Recorder's counters (bytes hashed, received), and the calls made to
+    DTensor.full_tensor (counted; a record never makes one)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from titan_audit.models import build
+
+    config = fsdp_config(quick)
+    model = build(config, seed=0)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    full_tensor_calls = [0]
+    full_tensor = DTensor.full_tensor
+
+    def counted(self, *args, **kwargs):
+        full_tensor_calls[0] += 1
+        return full_tensor(self, *args, **kwargs)
+
+    DTensor.full_tensor = counted
+    batch = FSDP_BATCH_QUICK if quick else FSDP_BATCH
+    steps = 1 if quick else FSDP_STEPS
+    per_step = []
+    try:
+        recorder = Recorder(run_dir, model, level="params", rank=rank, flush_every_steps=steps)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for step in range(steps):
+            ids = torch.randint(0, config.vocab_size, batch, generator=torch.Generator().manual_seed(step * 64 + rank))
+            before = dataclasses.asdict(recorder.counters)
+            recorder.start_step(step)
+            recorder.set_microbatch(rank)
+            recorder.record_data(ids)
+            logits = model(ids)
+            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1))
+            recorder.record_loss(loss)
+            loss.backward()
+            recorder.set_microbatch(-1)
+            recorder.record_grads()
+            opt.step()
+            recorder.record_optimizer(opt)
+            recorder.record_params()
+            recorder.end_step()
+            opt.zero_grad(set_to_none=True)
+            after = dataclasses.asdict(recorder.counters)
+            per_step.append({k: after[k] - before[k] for k in after})
+        recorder.close()
+    finally:
+        DTensor.full_tensor = full_tensor
+    return {"per_step": per_step, "full_tensor_calls": full_tensor_calls[0]}
+
+
+def _fsdp_case(options: BenchOptions, tmp: str) -> BytesCase:
+    from titan_audit.trainer.local_ranks import run_local_ranks
+
+    runs = {w: run_local_ranks(fsdp_rank, w, args=(options.quick, f"{tmp}/fsdp-w{w}")) for w in (1, 2)}
+    per_rank = {w: [r["per_step"][-1] for r in ranks] for w, ranks in runs.items()}  # the last step
+    one, two = per_rank[1][0], per_rank[2]
+    case = BytesCase(
+        case="FSDP2 W=2 vs W=1, audit params: bytes hashed per rank per step",
+        baseline="W=1 (one rank hashes every record)",
+        candidate="W=2 (max over the ranks)",
+        baseline_s=one["hashed_bytes"],
+        candidate_s=max(r["hashed_bytes"] for r in two),
+        ratio=max(r["hashed_bytes"] for r in two) / one["hashed_bytes"],
+        target=TARGETS["fsdp_hashed"],
+    )
+    writer = two[0]  # rank 0 writes the step-level records: it receives the others' lanes and pieces
+    case.extra.update(
+        {
+            "hashed_bytes_per_rank_w1": [r["hashed_bytes"] for r in per_rank[1]],
+            "hashed_bytes_per_rank_w2": [r["hashed_bytes"] for r in two],
+            "received_bytes_per_rank_w1": [r["received_bytes"] for r in per_rank[1]],
+            "received_bytes_per_rank_w2": [r["received_bytes"] for r in two],
+            "lattice_records_w2": writer["lattice_records"],
+            "received_bytes_per_lattice_record_w2": writer["lattice_received_bytes"]
+            / max(writer["lattice_records"], 1),
+            "gathered_records_w2": writer["gathered_records"],
+            "received_bytes_per_gathered_record_w2": writer["gathered_received_bytes"]
+            / max(writer["gathered_records"], 1),
+            "full_tensor_calls": sum(r["full_tensor_calls"] for ranks in runs.values() for r in ranks),
+            "model": {k: getattr(fsdp_config(options.quick), k) for k in FSDP_MODEL},
+            "whole_hash_bytes": whole_hash_bytes(),
+            "threads": 1,  # per rank (run_local_ranks); the case counts bytes, it times nothing
+        }
+    )
+    return case
+
+
+def all_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def audit_suite(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
+    run_threads = options.threads or all_cores()
+    torch.set_num_threads(run_threads)
     try:
         cases = _cases(options, progress)
     finally:
         torch.set_num_threads(threads)
     for case in cases:
-        case.extra["threads"] = THREADS
+        case.extra.setdefault("threads", run_threads)
     return cases
 
 
@@ -244,6 +460,10 @@ def _cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]
             vocab = build(preset).config.vocab_size
             cases += _model_cases(preset, lambda: build(preset, seed=0), vocab, (4, 128), options, tmp)
             progress(preset)
+            cases.append(_real_width_case(options, tmp))
+            progress(REAL_WIDTH_CASE)
+        cases.append(_fsdp_case(options, tmp))
+        progress("FSDP2 W=2")
         cases.append(_resume_case(options, tmp))
         progress("resume check")
     return cases
