@@ -122,7 +122,14 @@ class SmallTransformer(nn.Module):
 
 
 def _make_step(
-    model: nn.Module, vocab: int, ids: torch.Tensor, recorder: Recorder | None, opt: torch.optim.Optimizer | None = None
+    model: nn.Module,
+    vocab: int,
+    ids: torch.Tensor,
+    recorder: Recorder | None,
+    opt: torch.optim.Optimizer | None = None,
+    *,
+    microbatch: int = 0,
+    warm_up: bool = True,
 ) -> Callable[[], None]:
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-4)
     counter = [0]
@@ -130,7 +137,7 @@ def _make_step(
     def step() -> None:
         if recorder is not None:
             recorder.start_step(counter[0])
-            recorder.set_microbatch(0)
+            recorder.set_microbatch(microbatch)
             recorder.record_data(ids)
         logits = model(ids)
         loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
@@ -148,7 +155,8 @@ def _make_step(
         opt.zero_grad(set_to_none=True)
         counter[0] += 1
 
-    step()  # warm up: allocate optimizer state
+    if warm_up:
+        step()  # allocate optimizer state
     return step
 
 
@@ -289,24 +297,11 @@ def fsdp_rank(rank: int, world_size: int, quick: bool, run_dir: str) -> dict[str
     per_step = []
     try:
         recorder = Recorder(run_dir, model, level="params", rank=rank, flush_every_steps=steps)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for step in range(steps):
-            ids = torch.randint(0, config.vocab_size, batch, generator=torch.Generator().manual_seed(step * 64 + rank))
+        ids = torch.randint(0, config.vocab_size, batch, generator=torch.Generator().manual_seed(rank))
+        step = _make_step(model, config.vocab_size, ids, recorder, microbatch=rank, warm_up=False)
+        for _ in range(steps):
             before = dataclasses.asdict(recorder.counters)
-            recorder.start_step(step)
-            recorder.set_microbatch(rank)
-            recorder.record_data(ids)
-            logits = model(ids)
-            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1))
-            recorder.record_loss(loss)
-            loss.backward()
-            recorder.set_microbatch(-1)
-            recorder.record_grads()
-            opt.step()
-            recorder.record_optimizer(opt)
-            recorder.record_params()
-            recorder.end_step()
-            opt.zero_grad(set_to_none=True)
+            step()
             after = dataclasses.asdict(recorder.counters)
             per_step.append({k: after[k] - before[k] for k in after})
         recorder.close()
