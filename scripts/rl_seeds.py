@@ -7,15 +7,18 @@
 
 Seed s sets the RL run's seed (`titan-audit verify-onpolicy --config RL --init <warm-up> --set
 seed=s`: the prompt sets and the sampling keys). Its warm-up (`titan-audit train --config WARMUP
---set seed=w`: the model init and the data order) has w = s by default, the whole recipe per
-seed, or one fixed w for every RL seed with --warmup-seed w (one warm-up, then three RL runs).
-The corpus is fixed (`titan-audit data synth --seed 0`, the README's commands).
+--set seed=w --until UNTIL`: the model init, the data order and the held-out prompts of the stop
+condition) has w = s by default, the whole recipe per seed, or one fixed w for every RL seed with
+--warmup-seed w (one warm-up, then three RL runs). The warm-up stops at the skill level --until
+(default: the README's, mean reward 0.24 on held-out reversal-short prompts; `--until none`: the
+recipe's step count). The corpus is fixed (`titan-audit data synth --seed 0`, the README's
+commands).
 
-Per seed: mean reward of the first 10 and the last 10 RL steps (metrics.parquet, `reward_mean`)
-and the gain. Prints the table (seed, first 10, last 10, gain; min and mean gain) and writes it
-to OUT/table.md (OUT/table-wW.md with --warmup-seed W); exit status 1 if any gain is below
---min-gain, or any run shows a zero-gap failure (verify-onpolicy's verdict). Runs already
-complete in OUT are reused, so a second call only prints the table (--fresh redoes them).
+Per seed: the warm-up's stop step and its held-out reward there, the mean reward of the first 10
+and the last 10 RL steps (metrics.parquet, `reward_mean`) and the gain. Prints the table (min and
+mean gain below it) and writes it to OUT/table.md (OUT/table-wW.md with --warmup-seed W); exit
+status 1 if any gain is below --min-gain, or any run shows a zero-gap failure (verify-onpolicy's
+verdict). Runs already complete in OUT are reused, so a second call only prints the table (--fresh redoes them).
 Progress goes to stderr; each command's full output to OUT/<run>.log (runs: OUT/warmup-sW,
 OUT/rl-sS-wW).
 """
@@ -36,6 +39,7 @@ from titan_audit.audit.run_metrics import read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "titan_audit.cli"]
 DATA = "runs/rl-warmup-data"
+UNTIL = "reward>=0.24,task=reversal-short,every=20"  # the README's warm-up stop condition
 
 
 def log(message: str) -> None:
@@ -79,11 +83,18 @@ def run(args: list[str], logfile: Path, every: int) -> int:
 
 
 def complete(run_dir: Path, steps: int) -> bool:
-    table = read_metrics(run_dir, columns=["step"])
-    if table is None:
+    """The run reached `steps`, or its stop condition (`until_stop`) ended it."""
+    rows = metrics(run_dir)
+    if not rows or not (run_dir / "checkpoints").is_dir():
         return False
-    done = table.column("step").to_pylist()
-    return bool(done) and max(done) >= steps and (run_dir / "checkpoints").is_dir()
+    return rows[-1]["step"] >= steps or bool(rows[-1].get("until_stop"))
+
+
+def stop_point(run_dir: Path) -> tuple[int, float | None]:
+    """The warm-up's last step and its last held-out evaluation (None without --until)."""
+    rows = metrics(run_dir)
+    values = [r["until_value"] for r in rows if r.get("until_value") is not None]
+    return rows[-1]["step"], (values[-1] if values else None)
 
 
 def warmup_steps(config: str) -> int:
@@ -114,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--warmup", default="recipes/rl-warmup.toml", help="train recipe of the warm-up")
     parser.add_argument("--warmup-seed", type=int, default=None, help="one warm-up seed for every RL seed")
+    parser.add_argument("--until", default=UNTIL, help="the warm-up's stop condition (`train --until`; none: off)")
     parser.add_argument("--rl", default="rl-tiny", help="RL recipe (a name or a TOML file)")
     parser.add_argument("--steps", type=int, default=300, help="RL steps per seed")
     parser.add_argument("--out", default="runs/rl-seeds", help="where the runs go")
@@ -140,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         elif opts.fresh or not complete(warm, w_steps):
             args = ["train", "--config", opts.warmup, "--out", str(warm), "--set", f"seed={w_seed}"]
+            args += [] if opts.until == "none" else ["--until", opts.until]
             args += [a for s in opts.warmup_set for a in ("--set", s)]
             if warm.exists():
                 args.append("--overwrite")
@@ -169,26 +182,31 @@ def main(argv: list[str] | None = None) -> int:
         seconds = sum(r["seconds"] for r in rows)
         tokens = sum(r.get("gap_tokens") or 0 for r in rows)
         differing = sum(r.get("gap_tokens_differing") or 0 for r in rows)
-        results.append((seed, w_seed, first, last, last - first, seconds, tokens, differing))
+        w_step, w_value = stop_point(warm)
+        results.append((seed, w_seed, w_step, w_value, first, last, last - first, seconds, tokens, differing))
         log(
             f"seed {seed}: reward {first:.3f} -> {last:.3f} ({last - first:+.3f}), {seconds:.0f} s of RL step time, "
             f"{differing} of {tokens} sampled tokens with a log-prob gap"
         )
 
     lines = [
-        f"Machine: {machine}; warm-up `{opts.warmup}`, RL `{opts.rl}`, {opts.steps} RL steps per seed.",
+        f"Machine: {machine}; warm-up `{opts.warmup}`"
+        + ("" if opts.until == "none" else f" until `{opts.until}`")
+        + f", RL `{opts.rl}`, {opts.steps} RL steps per seed.",
         "",
-        "| RL seed | warm-up seed | reward, first 10 steps | reward, last 10 steps | gain "
-        "| tokens recomputed / with a gap | RL step time |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| RL seed | warm-up seed | warm-up steps | held-out reward | reward, first 10 steps "
+        "| reward, last 10 steps | gain | tokens recomputed / with a gap | RL step time |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {s} | {w} | {a:.3f} | {b:.3f} | {g:+.3f} | {n:,} / {d} | {t:.0f} s |" for s, w, a, b, g, t, n, d in results
+        f"| {s} | {w} | {ws} | {'-' if wv is None else f'{wv:.3f}'} | {a:.3f} | {b:.3f} | {g:+.3f} "
+        f"| {n:,} / {d} | {t:.0f} s |"
+        for s, w, ws, wv, a, b, g, t, n, d in results
     ]
     if results:
-        gains = [r[4] for r in results]
+        gains = [r[6] for r in results]
         lines += ["", f"Gain over {len(gains)} seeds: min {min(gains):+.3f}, mean {sum(gains) / len(gains):+.3f}."]
-        failures += [f"seed {r[0]}: gain {r[4]:+.3f} < {opts.min_gain:+.3f}" for r in results if r[4] < opts.min_gain]
+        failures += [f"seed {r[0]}: gain {r[6]:+.3f} < {opts.min_gain:+.3f}" for r in results if r[6] < opts.min_gain]
     table = "\n".join(lines)
     name = "table.md" if opts.warmup_seed is None else f"table-w{opts.warmup_seed}.md"
     (out / name).write_text(table + "\n")

@@ -103,52 +103,40 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
 
 
-def _run(spec: dict[str, Any]) -> dict[str, Any]:
-    import time
+def matched_rows(config, steps: int, tokenizer) -> list[dict[str, Any]]:
+    """The dataset rows TRL walks in order (shuffle_dataset=False): our prompt sets of steps
+    1..steps, each prompt with what our reward needs; checked to tokenize to our prompts' ids."""
+    from titan_audit.rl.tasks import prompt_set
 
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    sys.modules["vllm"] = None  # use_vllm=False: trl then never imports vLLM (seconds of imports, version warnings)
-    import datasets
-    import transformers
-    import trl
-
-    from titan_audit import models
-    from titan_audit.rl.config import from_dict
-    from titan_audit.rl.init import load_initial_model
-    from titan_audit.rl.tasks import Prompt, completion_text, prompt_set, score
-
-    config = from_dict(spec["config"])
-    if config.task.prompts is not None or config.tokenizer.path is not None:
-        raise ValueError("the TRL peer runs the built-in tasks with the byte tokenizer only")
-    work = Path(spec["workdir"])
-    model_dir = models.save_pretrained(load_initial_model(config, None), work / "model")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    vocab = config.model.model_config().vocab_size
-    logits_width = model.get_output_embeddings().weight.shape[0]
-    assert model.config.vocab_size == logits_width == vocab, f"HF vocab {logits_width}, ours {vocab}"
-    tokenizer = byte_tokenizer()
-    assert len(tokenizer) <= vocab, f"byte tokenizer ids ({len(tokenizer)}) beyond the model's vocab {vocab}"
-    P, G = config.task.prompts_per_step, config.task.samples_per_prompt
+    P = config.task.prompts_per_step
     rows = [
         {"prompt": p.text, "answer": p.answer, "task": p.task, "prompt_id": p.id, "step": p.step}
-        for step in range(1, config.steps + 1)
+        for step in range(1, steps + 1)
         for p in prompt_set(config.task.name, config.seed, step, P)
     ]
     check = [tuple(tokenizer(text=r["prompt"])["input_ids"]) for r in rows[:P]]
     assert check == [p.ids for p in prompt_set(config.task.name, config.seed, 1, P)], "byte tokenizer ids differ"
+    return rows
 
-    def reward(prompts, completions, completion_ids, answer, task, prompt_id, step, **_):
-        return [
-            score(Prompt(i, s, t, text, a), completion_text(list(ids)), j)
-            for j, (text, ids, a, t, i, s) in enumerate(zip(prompts, completion_ids, answer, task, prompt_id, step))
-        ]
 
+def task_reward(prompts, completions, completion_ids, answer, task, prompt_id, step, **_) -> list[float]:
+    """Our task's reward (`rl.tasks.score`) of each TRL completion, called as TRL calls a reward."""
+    from titan_audit.rl.tasks import Prompt, completion_text, score
+
+    return [
+        score(Prompt(i, s, t, text, a), completion_text(list(ids)), j)
+        for j, (text, ids, a, t, i, s) in enumerate(zip(prompts, completion_ids, answer, task, prompt_id, step))
+    ]
+
+
+def grpo_args(trl, config, output_dir: str, max_steps: int, **overrides: Any):
+    """trl.GRPOConfig with our run's hyperparameters: P prompts x G samples a step as one
+    optimizer step, our sampling, clip, KL coefficient and AdamW, constant lr, CPU, fp32."""
     opt = config.optimizer
-    args = trl.GRPOConfig(
-        output_dir=str(work / "trl"),
-        max_steps=config.steps,
+    P, G = config.task.prompts_per_step, config.task.samples_per_prompt
+    kwargs = dict(
+        output_dir=output_dir,
+        max_steps=max_steps,
         per_device_train_batch_size=G,
         gradient_accumulation_steps=P,
         num_generations=G,
@@ -182,6 +170,38 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         log_completions=False,
     )
+    kwargs.update(overrides)
+    return trl.GRPOConfig(**kwargs)
+
+
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    import time
+
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    sys.modules["vllm"] = None  # use_vllm=False: trl then never imports vLLM (seconds of imports, version warnings)
+    import datasets
+    import transformers
+    import trl
+
+    from titan_audit import models
+    from titan_audit.rl.config import from_dict
+    from titan_audit.rl.init import load_initial_model
+
+    config = from_dict(spec["config"])
+    if config.task.prompts is not None or config.tokenizer.path is not None:
+        raise ValueError("the TRL peer runs the built-in tasks with the byte tokenizer only")
+    work = Path(spec["workdir"])
+    model_dir = models.save_pretrained(load_initial_model(config, None), work / "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = config.model.model_config().vocab_size
+    logits_width = model.get_output_embeddings().weight.shape[0]
+    assert model.config.vocab_size == logits_width == vocab, f"HF vocab {logits_width}, ours {vocab}"
+    tokenizer = byte_tokenizer()
+    assert len(tokenizer) <= vocab, f"byte tokenizer ids ({len(tokenizer)}) beyond the model's vocab {vocab}"
+    rows = matched_rows(config, config.steps, tokenizer)
+    args = grpo_args(trl, config, str(work / "trl"), config.steps)
 
     ends: list[float] = []
 
@@ -195,7 +215,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
     trainer = trl.GRPOTrainer(
         model=model,
-        reward_funcs=reward,
+        reward_funcs=task_reward,
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=tokenizer,

@@ -25,6 +25,14 @@ from titan_audit.cli.options import device_option, device_override, multinode_op
 @nproc_option()
 @multinode_options
 @click.option("--steps", type=int, default=None, help="Override the config's step count.")
+@click.option(
+    "--until",
+    default=None,
+    metavar="SPEC",
+    help="Stop at a skill level, at most the config's steps: METRIC>=X or METRIC<=X (reward, accuracy) on "
+    "held-out prompts of a built-in RL task, e.g. 'reward>=0.24,task=reversal-short,every=25' "
+    "(titan_audit/trainer/until.py); recorded, so a resume keeps it.",
+)
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @overwrite_option()
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config override, e.g. optimizer.lr=1e-3.")
@@ -38,6 +46,7 @@ def train(
     node_rank: int | None,
     rdzv_endpoint: str | None,
     steps: int | None,
+    until: str | None,
     resume: bool,
     overwrite: bool | str,
     overrides: tuple[str, ...],
@@ -57,6 +66,7 @@ def train(
         overrides=[*overrides, *device_override(device)],
         init=init,
         rendezvous=rendezvous,
+        until=until,
     )
     if rc:
         sys.exit(rc)

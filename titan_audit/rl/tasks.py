@@ -169,9 +169,10 @@ def get_task(name: str) -> Task:
     return _TASKS[name]
 
 
-def make_prompt(task: str, seed: int, step: int, prompt_id: int, encode=None) -> Prompt:
-    """`encode(text) -> ids` (default: the byte tokenizer)."""
-    rng = numpy_generator(seed, "rl.prompts", step, prompt_id)
+def make_prompt(task: str, seed: int, step: int, prompt_id: int, encode=None, stream: str = "rl.prompts") -> Prompt:
+    """`encode(text) -> ids` (default: the byte tokenizer); `stream` names the keyed stream (the
+    RL run's prompts by default; another name gives prompts disjoint from the run's draws)."""
+    rng = numpy_generator(seed, stream, step, prompt_id)
     name = MIXED[int(rng.integers(len(MIXED)))] if task == "mixed" else task
     spec = get_task(name)
     text = spec.make(rng)
@@ -187,15 +188,20 @@ def prompt_set(task: str, seed: int, step: int, count: int, encode=None) -> list
     return [make_prompt(task, seed, step, i, encode) for i in range(count)]
 
 
+def completion_ids(tokens: list[int], eos_id: int) -> tuple[int, ...]:
+    """The completion's token ids up to (without) the first EOS, as ints."""
+    out = []
+    for t in tokens:
+        if t == eos_id:
+            break
+        out.append(int(t))
+    return tuple(out)
+
+
 def completion_text(tokens: list[int], tokenizer=TOKENIZER) -> str:
     """The completion's text: its tokens up to (without) the first EOS, decoded (special tokens
     skipped; the byte tokenizer drops ids >= 256)."""
-    out = []
-    for t in tokens:
-        if t == tokenizer.eos_id:
-            break
-        out.append(t)
-    return tokenizer.decode(out, skip_special_tokens=True)
+    return tokenizer.decode(list(completion_ids(tokens, tokenizer.eos_id)), skip_special_tokens=True)
 
 
 def score(prompt: Prompt, completion: str, sample_index: int) -> float:

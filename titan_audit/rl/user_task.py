@@ -3,6 +3,7 @@
     task = build_task(config)                    # BuiltinTask (rl/tasks.py) or UserTask
     prompts = task.prompts(step)                 # the step's P prompts, prompt ids 0 .. P-1
     rewards = task.score_group(prompt, [(j, completion_tokens), ...])   # one float per sample
+    # a reward function: fn(prompts, completions, completion_ids, trainer_state, **columns), as in TRL
 
 Config (rl/config.py TaskSection, TokenizerSection):
     task.prompts = "prompts.jsonl"   # or .parquet; one prompt a row in column task.prompt_column
@@ -18,16 +19,25 @@ Guarantees:
   Every row is checked when the task is built: the prompt column is a non-empty string (or, with
   tokenizer.chat_template, a list of {"role", "content"} messages), its tokens + max_new_tokens
   fit the model's context; errors name the file and the row.
-- A reward function is called once per prompt group as fn(prompts=[prompt] * G,
-  completions=[text of each sample], **{column: [value] * G for every other column}), where a
-  completion's text is its tokens before the first EOS, decoded with special tokens skipped, and
-  `prompt` is the row's prompt as the file holds it (before any chat template). It must return G
-  finite real numbers (not bools); the sample's reward is sum_i weight_i * fn_i (float64, then
-  float32). A function that raises (the first sample that raises alone is named), returns the
-  wrong length or a bad value stops the run with RewardError naming the function, the step, the
-  prompt id, its row and the sample index. With task.reward_check the first group a rank scores
-  in a step is scored twice, and a bit difference is a NondeterministicRewardError naming the
-  function and the sample.
+- A reward function is called once per prompt group as TRL's GRPOTrainer calls it:
+  fn(prompts=[prompt] * G, completions=[text of each sample], completion_ids=[ids of each sample],
+  trainer_state=RewardState(...), **{column: [value] * G for every other column}), where a
+  completion's ids are its tokens before the first EOS (fresh lists of ints), its text those ids
+  decoded with special tokens skipped, `prompt` the row's prompt as the file holds it (before any
+  chat template), and `trainer_state` a frozen `RewardState` (global_step = step - 1, the
+  optimizer steps done before this one, as TRL counts; step; max_steps = the config's `steps`: a
+  resume that changes `steps` changes it). completion_ids and trainer_state are passed only to a
+  function that takes them (a **kwargs parameter or a parameter of that name, read from its
+  signature once), so a function written without them keeps working. It must return G values, each
+  a finite real number (not a bool) or None ("not applicable", as in TRL); the sample's reward is
+  sum_i weight_i * fn_i over the functions that gave it a number (TRL's nansum: None counts as
+  nothing; float64, then float32). A sample for which every function returned None is refused
+  (RewardError): TRL leaves such a sample out of its group's mean and std and gives it advantage
+  0, which the GRPO loss here does not do. A function that raises (the first sample that raises
+  alone is named), returns the wrong length or a bad value stops the run with RewardError naming
+  the function, the step, the prompt id, its row and the sample index. With task.reward_check the
+  first group a rank scores in a step is scored twice, and a bit difference (None included) is a
+  NondeterministicRewardError naming the function and the sample.
 - `inputs` (recorded in the manifest as `task_inputs`) holds the prompts file's path, row count
   and xxh3-128 digest, each reward function's spec, source file and the digest of that file (the
   module's own file: not what it imports), and the tokenizer's identity; a resume whose inputs
@@ -63,6 +73,7 @@ from titan_audit.rl.tasks import (
     NondeterministicRewardError,
     Prompt,
     RewardError,
+    completion_ids,
     completion_text,
 )
 
@@ -179,12 +190,41 @@ def _check_messages(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------- rewards
+@dataclass(frozen=True)
+class RewardState:
+    """What a reward function sees of the run as `trainer_state` (read-only): global_step is the
+    number of optimizer steps done before this step's update (TRL's TrainerState.global_step
+    while it scores that step's completions), step the RL step (1-based), max_steps the config's
+    `steps`."""
+
+    global_step: int
+    step: int
+    max_steps: int
+
+
+OPTIONAL_ARGUMENTS = ("completion_ids", "trainer_state")  # passed only to a function that takes them
+
+
 @dataclass
 class RewardFunction:
     spec: str
     fn: Any
     source: str
     digest: str
+    takes: frozenset[str] = frozenset(OPTIONAL_ARGUMENTS)  # the optional arguments its signature accepts
+
+
+def accepted_arguments(fn: Any) -> frozenset[str]:
+    """Which of OPTIONAL_ARGUMENTS `fn` accepts: all with a **kwargs parameter, else those it names
+    (keyword-passable); all when its signature cannot be read (TRL passes them unconditionally)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset(OPTIONAL_ARGUMENTS)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset(OPTIONAL_ARGUMENTS)
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in parameters if p.kind in keyword and p.name in OPTIONAL_ARGUMENTS)
 
 
 def load_reward(spec: str) -> RewardFunction:
@@ -219,11 +259,11 @@ def load_reward(spec: str) -> RewardFunction:
         source = Path("")
     if not source.is_file():
         raise ValueError(f"{key}: module {module.__name__!r} has no source file to record")
-    return RewardFunction(spec, fn, str(source.resolve()), file_digest(source))
+    return RewardFunction(spec, fn, str(source.resolve()), file_digest(source), accepted_arguments(fn))
 
 
-def _bits(value: float) -> bytes:
-    return struct.pack("<d", value)
+def _bits(value: float | None) -> bytes:
+    return b"None" if value is None else struct.pack("<d", value)
 
 
 # ---------------------------------------------------------------------------------- the task
@@ -267,6 +307,7 @@ class UserTask:
             self.texts.append(text)
             self.ids.append(ids)
             self.extra.append({c: row.get(c) for c in self.columns})
+        self.max_steps = config.steps
         self.rewards = [load_reward(spec) for spec in task.reward_specs]
         self.weights = task.weights
         self.inputs = {
@@ -283,38 +324,57 @@ class UserTask:
     def score_group(self, prompt: Prompt, samples: list[tuple[int, list[int]]]) -> list[float]:
         """The weighted rewards of a prompt group (see the module docstring)."""
         indices = [j for j, _ in samples]
+        ids = [completion_ids(tokens, self.tokenizer.eos_id) for _, tokens in samples]
         completions = [completion_text(tokens, self.tokenizer) for _, tokens in samples]
+        group = _Group(prompt, indices, completions, ids)
         check = self.check and prompt.step not in self._checked_steps
         self._checked_steps.add(prompt.step)
-        totals = [0.0] * len(samples)
+        totals: list[float | None] = [None] * len(samples)  # None: no function has scored it yet
         for reward, weight in zip(self.rewards, self.weights):
-            values = self._call(reward, prompt, indices, completions)
+            values = self._call(reward, group)
             if check:
-                again = self._call(reward, prompt, indices, completions)
+                again = self._call(reward, group)
                 for j, a, b in zip(indices, values, again):
                     if _bits(a) != _bits(b):
                         raise NondeterministicRewardError(
                             f"reward {reward.spec!r} is nondeterministic: {self._where(prompt, j)} scored {a!r}, "
                             f"then {b!r} on the same input (task.reward_check); a reward must be a pure function "
-                            f"of (prompts, completions, columns)"
+                            f"of (prompts, completions, completion_ids, trainer_state, columns)"
                         )
-            totals = [t + weight * v for t, v in zip(totals, values)]
+            totals = [t if v is None else (t or 0.0) + weight * v for t, v in zip(totals, values)]
+        for j, completion, total in zip(indices, completions, totals):
+            if total is None:
+                names = ", ".join(repr(r.spec) for r in self.rewards)
+                raise RewardError(
+                    f"every reward function ({names}) returned None for {self._where(prompt, j)} (completion "
+                    f"{completion!r}): a sample needs a number from at least one of them (TRL would leave it out "
+                    f"of its group's mean and std with advantage 0; this GRPO loss does not)"
+                )
         return totals
 
     def _where(self, prompt: Prompt, sample: int) -> str:
         return f"step {prompt.step}, prompt {prompt.id} (row {prompt.row} of {self.path.name}), sample {sample}"
 
-    def _arguments(self, prompt: Prompt, completions: list[str]) -> dict[str, list]:
-        row, n = prompt.row, len(completions)
-        args = {"prompts": [self.raw[row]] * n, "completions": list(completions)}
+    def _arguments(self, reward: RewardFunction, group: _Group, only: int | None = None) -> dict[str, Any]:
+        """The keyword arguments of one call: fresh lists (a function that edits them changes
+        nothing else), of the whole group or of its sample at position `only`."""
+        prompt, row = group.prompt, group.prompt.row
+        keep = range(len(group.indices)) if only is None else [only]
+        n = len(keep)
+        args: dict[str, Any] = {"prompts": [self.raw[row]] * n, "completions": [group.completions[k] for k in keep]}
+        if "completion_ids" in reward.takes:
+            args["completion_ids"] = [list(group.ids[k]) for k in keep]
+        if "trainer_state" in reward.takes:
+            args["trainer_state"] = RewardState(prompt.step - 1, prompt.step, self.max_steps)
         args.update({c: [self.extra[row][c]] * n for c in self.columns})
         return args
 
-    def _call(self, reward: RewardFunction, prompt: Prompt, indices: list[int], completions: list[str]) -> list[float]:
+    def _call(self, reward: RewardFunction, group: _Group) -> list[float | None]:
+        prompt, indices, completions = group.prompt, group.indices, group.completions
         try:
-            values = reward.fn(**self._arguments(prompt, completions))
+            values = reward.fn(**self._arguments(reward, group))
         except Exception as error:  # a user reward function may raise anything
-            sample = self._first_raising(reward, prompt, indices, completions)
+            sample = self._first_raising(reward, group)
             where = self._where(prompt, sample) if sample is not None else self._where(prompt, indices[0]) + " .."
             raise RewardError(
                 f"reward {reward.spec!r} raised for {where} (completion "
@@ -327,24 +387,37 @@ class UserTask:
                 f"reward {reward.spec!r} returned {got} for {self._where(prompt, indices[0])} .. (a group of "
                 f"{len(completions)} completions): expected a list of {len(completions)} floats"
             )
-        out = []
+        out: list[float | None] = []
         for j, completion, value in zip(indices, completions, values):
+            if value is None:  # "not applicable to this sample" (TRL)
+                out.append(None)
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise RewardError(
                     f"reward {reward.spec!r} returned {value!r} (not a finite number) for "
-                    f"{self._where(prompt, j)} (completion {completion!r})"
+                    f"{self._where(prompt, j)} (completion {completion!r}); a reward is a real number or None"
                 )
             out.append(float(value))
         return out
 
-    def _first_raising(self, reward, prompt, indices, completions) -> int | None:
+    def _first_raising(self, reward: RewardFunction, group: _Group) -> int | None:
         """The first sample whose reward raises when scored alone (None: only the group raises)."""
-        for j, completion in zip(indices, completions):
+        for k, j in enumerate(group.indices):
             try:
-                reward.fn(**self._arguments(prompt, [completion]))
+                reward.fn(**self._arguments(reward, group, only=k))
             except Exception:  # noqa: BLE001 - the one we are looking for
                 return j
         return None
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A prompt group as the reward functions see it: sample indices, texts and token ids."""
+
+    prompt: Prompt
+    indices: list[int]
+    completions: list[str]
+    ids: list[tuple[int, ...]]
 
 
 def build_task(config) -> BuiltinTask | UserTask:

@@ -220,13 +220,18 @@ def start_run(
     overrides: Sequence[str],
     init: str | os.PathLike | None = None,
     rendezvous: Rendezvous | None = None,
+    until: str | None = None,
 ) -> int:
     """Resolve the config, check `out` (rank 0, before any work), train; torchrun's exit code.
     `nproc`: N ranks, None (this process) or "auto" (`resolve_nproc`).
     `init`: start from another run's latest checkpoint or an HF model directory (trainer/init.py).
+    `until`: a stop condition (trainer/until.py), checked here before any rank starts.
     `rendezvous`: this node of a multi-node launch (node R > 0 checks the request, not `out`)."""
     from titan_audit.trainer.train import check_inputs, check_run
+    from titan_audit.trainer.until import parse_until
 
+    if until is not None:
+        parse_until(until)
     main_node = rendezvous is None or rendezvous.main_node
     with existing_run_locked(out) if main_node else contextlib.nullcontext():
         if not main_node:
@@ -244,7 +249,9 @@ def start_run(
             check_inputs(config, world_size, init)
         elif int(os.environ.get("RANK", "0")) == 0:
             check_run(config, out, resume=resume, overwrite=overwrite, world_size=world_size, init=init)
-        return launch(config, out, nproc=nproc, resume=resume, overwrite=overwrite, init=init, rendezvous=rendezvous)
+        return launch(
+            config, out, nproc=nproc, resume=resume, overwrite=overwrite, init=init, rendezvous=rendezvous, until=until
+        )
 
 
 @contextlib.contextmanager
@@ -274,12 +281,13 @@ def launch(
     quiet: bool = False,
     init: str | os.PathLike | None = None,
     rendezvous: Rendezvous | None = None,
+    until: str | None = None,
 ) -> int:
     if nproc is None:
         assert rendezvous is None, "a multi-node launch goes through torchrun"
         from titan_audit.trainer.train import train
 
-        train(config, out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init)
+        train(config, out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init, until=until)
         return 0
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -288,6 +296,8 @@ def launch(
         flags.append(f"stop_at={stop_at}")
     if init is not None:
         flags.append(f"init={os.fspath(init)}")
+    if until is not None:
+        flags.append(f"until={until}")
     return torchrun(
         RANK_ENTRY,
         to_dict(config),
@@ -732,7 +742,7 @@ def _lost_peer(error: BaseException) -> str | None:
 
 def main(argv: list[str] | None = None, wrap: Callable[[Callable], Callable] | None = None) -> None:
     """Entry point of one training rank under torchrun: `python -m titan_audit.trainer.rank_entry
-    CONFIG_JSON OUT [resume] [overwrite] [quiet] [stop_at=N] [init=PATH]` (`launch` writes the
+    CONFIG_JSON OUT [resume] [overwrite] [quiet] [stop_at=N] [init=PATH] [until=SPEC]` (`launch` writes the
     resolved config to a JSON file). `wrap`: the rank's work goes through `wrap(run)` (a live-bytes
     tracker, trainer/rank_entry.py)."""
     from titan_audit.trainer.train import train
@@ -740,7 +750,17 @@ def main(argv: list[str] | None = None, wrap: Callable[[Callable], Callable] | N
     def run(config: dict, out: str, flags: set[str]) -> None:
         stop_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("stop_at=")), None)
         init = next((f.split("=", 1)[1] for f in flags if f.startswith("init=")), None)
+        until = next((f.split("=", 1)[1] for f in flags if f.startswith("until=")), None)
         resume, overwrite, quiet = "resume" in flags, "overwrite" in flags, "quiet" in flags
-        train(from_dict(config), out, resume=resume, overwrite=overwrite, stop_at=stop_at, quiet=quiet, init=init)
+        train(
+            from_dict(config),
+            out,
+            resume=resume,
+            overwrite=overwrite,
+            stop_at=stop_at,
+            quiet=quiet,
+            init=init,
+            until=until,
+        )
 
     rank_main(sys.argv[1:] if argv is None else argv, run if wrap is None else wrap(run))

@@ -80,6 +80,7 @@ from titan_audit.trainer.materialize import build_model
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import tree_sum
 from titan_audit.trainer.tensor_parallel import check_tensor_parallel
+from titan_audit.trainer.until import Stopper
 
 
 @dataclass
@@ -209,6 +210,7 @@ def train(
     quiet: bool = False,
     oplog_step: int | None = None,
     init: str | os.PathLike | None = None,
+    until: str | None = None,
 ) -> TrainResult:
     """Run (or resume) a training run into `out` on this process's rank of the current group.
 
@@ -216,8 +218,10 @@ def train(
     --verify-to); the last step always gets a checkpoint. oplog_step: record that step's
     forward, backward, reduction and optimizer update as an op log, out/oplogs/step_N.parquet
     (audit.oplog; what `titan-audit bisect --step N` compares). init: another run's directory or
-    an HF model directory to start from (trainer/init.py); a resume needs none.
+    an HF model directory to start from (trainer/init.py); a resume needs none. until: stop at a
+    skill level, e.g. "reward>=0.24" (trainer/until.py: evaluated every N steps, recorded).
     """
+    stopper = Stopper(until)
     run = Run(
         config,
         out,
@@ -226,7 +230,7 @@ def train(
         resume=resume,
         overwrite=overwrite,
         prepare=lambda run_dir: _synthetic_corpus(config, run_dir),
-        extra=lambda: {"init": init_record(init)} if init is not None else {},
+        extra=lambda: ({"init": init_record(init)} if init is not None else {}) | stopper.record(),
         stop_at=stop_at,
         quiet=quiet,
         single_group=config.parallel.mode == "fsdp",
@@ -239,6 +243,7 @@ def train(
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, config.optimizer, portable=config.determinism.batch_invariant)
         blob = run.restore(model, optimizer)
+        stopper.start(run, blob)  # a resume: the recorded condition; a run that stopped is refused
         loader = run.closing(_loader(config, run, blob))
         run.begin(model, optimizer)
 
@@ -250,7 +255,7 @@ def train(
         tokens = config.data.global_batch_size * config.data.seq_len
         losses: list[float] = []
         batches = loader.steps()
-        for step in run.steps():
+        for step in stopper.steps(run):  # run.steps(), ended at the step where --until holds
             t0 = time.perf_counter()
             lr = kit.start(step)
             microbatches = next(batches)
@@ -268,11 +273,12 @@ def train(
             row = {"step": step, "loss": losses[-1]}
             row |= {"aux_loss": float(step_sums[1]) / V} if with_aux else {}  # mean per microbatch
             row |= {"grad_norm": grad_norm, "lr": lr, "tokens": tokens, "seconds": seconds, "world_size": W}
+            row |= stopper.after_step(run, step, model)  # evaluated when due; a stop makes `step` the last
             line = (
                 f"step {step}/{run.last_step}  loss {losses[-1]:.4f}  grad_norm {grad_norm:.3f}  "
                 f"lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  {run.mesh.describe()}"
             )
-            run.end_step(step, row, line, lambda: {"loader": loader.state().to_dict()})
+            run.end_step(step, row, line, lambda: {"loader": loader.state().to_dict()} | stopper.blob())
         return TrainResult(run.out, W, run.start_step, run.last_step, losses)
 
 
