@@ -7,9 +7,10 @@ module by name: the trainer layer never imports rl/).
 Guarantees:
 - `evaluate` is a pure function of (the weights, seed, the spec): the held-out prompts are the
   task's (rl/tasks.py) drawn from the keyed stream (seed, "train.until", 0, i), never the RL run's
-  "rl.prompts" stream; the samples are drawn by the built-in generator (rl/builtin.py, its own
-  copy of the weights, in BI mode when asked) with the keys SampleKey(seed, -1, i, j), the same at
-  every evaluation, so the metric moves only with the weights; each sample is scored by the task's
+  "rl.prompts" stream; the samples are drawn by the built-in generator (rl/builtin.py, in BI mode
+  when asked) with the keys SampleKey(seed, -1, i, j), the same at
+  every evaluation, so the metric moves only with the weights (an unsharded model generates with
+  its own module, `share=True`: nothing is copied); each sample is scored by the task's
   own reward (`rl.tasks.score`). `reward` is the mean reward, `accuracy` the fraction scoring 1.0
   (an exact answer), summed with math.fsum in request order. Collective when the weights are
   sharded (the generator gathers each parameter in turn).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_audit.rl.builtin import BuiltinGenerator, BuiltinGeneratorConfig
 from titan_audit.rl.generator import GenerationRequest, SampleKey, SamplingParams
@@ -60,7 +62,8 @@ def held_out_prompts(until, seed: int) -> list[Prompt]:
 def evaluate(until, model: torch.nn.Module, seed: int, batch_invariant: bool) -> float:
     """The metric of `model`'s weights (module docstring)."""
     prompts = held_out_prompts(until, seed)
-    generator = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=batch_invariant))
+    share = not any(isinstance(p, DTensor) for p in model.parameters())  # a sharded model: one full copy
+    generator = BuiltinGenerator(model, BuiltinGeneratorConfig(batch_invariant=batch_invariant), share=share)
     requests = [
         GenerationRequest(p.ids, SampleKey(seed, SAMPLE_STEP, p.id, j)) for p in prompts for j in range(until.samples)
     ]
