@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the shipped RL recipe learn on every seed? Warm-up + GRPO per seed, then a markdown table.
 
-    .venv/bin/python scripts/rl_seeds.py --warmup-seed 0       # the README's table
+    .venv/bin/python scripts/rl_seeds.py --warmup-seed 0       # docs/rl.md's table
     .venv/bin/python scripts/rl_seeds.py                       # whole-recipe seeds (warm-up too)
     .venv/bin/python scripts/rl_seeds.py --seeds 0 --steps 50  # a quick look
 
@@ -10,8 +10,8 @@ seed=s`: the prompt sets and the sampling keys). Its warm-up (`titan-audit train
 --set seed=w --until UNTIL`: the model init, the data order and the held-out prompts of the stop
 condition) has w = s by default, the whole recipe per seed, or one fixed w for every RL seed with
 --warmup-seed w (one warm-up, then three RL runs). The warm-up stops at the skill level --until
-(default: the README's, mean reward 0.24 on held-out reversal-short prompts; `--until none`: the
-recipe's step count). The corpus is fixed (`titan-audit data synth --seed 0`, the README's
+(default: docs/rl.md's, mean reward 0.24 on held-out reversal-short prompts; `--until none`: the
+recipe's step count). The corpus is fixed (`titan-audit data synth --seed 0`, docs/rl.md's
 commands).
 
 Per seed: the warm-up's stop step and its held-out reward there, the mean reward of the first 10
@@ -39,7 +39,7 @@ from titan_audit.audit.run_metrics import read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "titan_audit.cli"]
 DATA = "runs/rl-warmup-data"
-UNTIL = "reward>=0.24,task=reversal-short,every=20"  # the README's warm-up stop condition
+UNTIL = "reward>=0.24,task=reversal-short,every=20"  # docs/rl.md's warm-up stop condition
 
 
 def log(message: str) -> None:

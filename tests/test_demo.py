@@ -2,20 +2,34 @@
 and writes the report, which renders in headless Chromium; a failing guarantee exits 1; its
 checks can fail (negative controls whose difference the demo constructs: the generator sent
 weights one ulp off, the KV-cache decode in the other gemm order, another seed). The job
-(titan_audit.demo.job) reports to a Listener and returns a Result; the terminal view (rich) is
+(titan_audit.demo.run) reports to a Listener and returns a Result; the terminal view (rich) is
 titan_audit.cli.demo_view."""
 
 import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from titan_audit import demo
 from titan_audit.cli.main import cli
-from titan_audit.demo import job
+from titan_audit.demo import driver, verdicts
+from titan_audit.demo.stages import batch_invariance, elastic, goldens, kill_resume, train, zero_gap
+
+STAGE_MODULES = {
+    "train_w2": train,
+    "train_w1": train,
+    "kill_resume": kill_resume,
+    "spot_checks": batch_invariance,
+    "goldens": goldens,
+    "zero_gap": zero_gap,
+    "zero_gap_vllm": zero_gap,
+    "elastic": elastic,
+    "control_w2": elastic,
+}
 
 
 @pytest.mark.control
@@ -49,11 +63,11 @@ def test_a_failing_guarantee_makes_the_demo_exit_1(tmp_path, monkeypatch):
     """Every stage replaced: one reports a failure; the verdict table shows it, exit code 1, and
     demo.json and the report are still written."""
 
-    def passing(self):
-        self.row("G1 run to run", "stub", True)
+    def passing(demo):
+        demo.row("G1 run to run", "stub", True)
 
-    def failing(self):
-        self.row("G3 elastic", "stub", False, "2 records differ")
+    def failing(demo):
+        demo.row("G3 elastic", "stub", False, "2 records differ")
 
     for name in (
         "train_w2",
@@ -65,8 +79,8 @@ def test_a_failing_guarantee_makes_the_demo_exit_1(tmp_path, monkeypatch):
         "zero_gap_vllm",
         "control_w2",
     ):
-        monkeypatch.setattr(job.Demo, name, passing)
-    monkeypatch.setattr(job.Demo, "elastic", failing)
+        monkeypatch.setattr(STAGE_MODULES[name], name, passing)
+    monkeypatch.setattr(elastic, "elastic", failing)
     result = CliRunner().invoke(cli, ["demo", "--quick", "--out", str(tmp_path / "d")])
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.output and "demo FAILED" in result.output
@@ -75,7 +89,7 @@ def test_a_failing_guarantee_makes_the_demo_exit_1(tmp_path, monkeypatch):
     assert (tmp_path / "d" / "reports" / "report.html").is_file()
 
 
-class Recorder(job.Listener):
+class Recorder(demo.Listener):
     def __init__(self):
         self.events = []
 
@@ -104,7 +118,7 @@ class Recorder(job.Listener):
 def test_a_stage_that_raises_is_a_fail_row_not_a_crash(tmp_path, monkeypatch):
     """The job (no CLI, no terminal) returns the verdicts and tells its listener what happens."""
 
-    def boom(self):
+    def boom(demo):
         raise RuntimeError("torchrun exited 1")
 
     for name in (
@@ -117,8 +131,8 @@ def test_a_stage_that_raises_is_a_fail_row_not_a_crash(tmp_path, monkeypatch):
         "elastic",
         "control_w2",
     ):
-        monkeypatch.setattr(job.Demo, name, lambda self: None)
-    monkeypatch.setattr(job.Demo, "train_w2", boom)
+        monkeypatch.setattr(STAGE_MODULES[name], name, lambda demo: None)
+    monkeypatch.setattr(train, "train_w2", boom)
     recorder = Recorder()
     result = demo.run(tmp_path / "d", quick=True, listener=recorder)
     assert result.passed is False and not result and result.quick and result.out == tmp_path / "d"
@@ -144,12 +158,77 @@ def test_a_stage_that_raises_is_a_fail_row_not_a_crash(tmp_path, monkeypatch):
     ]
 
 
+def _summary(differing: int) -> dict:
+    return {
+        "steps": 2,
+        "verified": True,
+        "zero_gap": differing == 0,
+        "tokens_compared": 64,
+        "tokens_differing": differing,
+        "steps_with_gap": int(differing > 0) * 2,
+        "max_abs_diff": 0.5 * differing,
+    }
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_zero_gap_stage_is_verify_onpolicy_with_its_runs_side_by_side(tmp_path, monkeypatch, quick):
+    """The G4 stage calls the library function behind `verify-onpolicy` (no RL loop of its own):
+    the control (and, without --quick, the native-ops run) go to OUT/rl-control and OUT/rl-native;
+    the rows are the verdicts of what it returns. Negative control: a control without a gap FAILs."""
+    from titan_audit.demo.runner import Demo
+    from titan_audit.rl import verify
+
+    calls = []
+
+    def fake(source, out, **options):
+        calls.append((source, out, options))
+        control = {**_summary(control_differing), "control": "generator-weight-ulp"}
+        native = _summary(3) if options["compare_default"] else None
+        return verify.Verification(
+            0, passed=True, report={"summary": _summary(0), "control": control, "default": native}
+        )
+
+    monkeypatch.setattr(verify, "verify_onpolicy", fake)
+    for control_differing, control_result in ((5, "PASS"), (0, "FAIL")):
+        out = tmp_path / f"{quick}-{control_differing}"
+        run = Demo(out, demo.Plan.make(quick), verbose=False)
+        zero_gap.zero_gap(run)
+        source, where, options = calls[-1]
+        assert source == "rl-tiny" and where == out / "rl-builtin" and options["control"]
+        assert options["control_out"] == out / "rl-control"
+        assert options["default_out"] == (None if quick else out / "rl-native")
+        assert options["compare_default"] is not quick and options["steps"] == run.plan.rl_steps
+        rows = {r.guarantee: r for r in run.rows}
+        assert rows["G4 zero gap"].result == "PASS" and "64 sampled tokens, 0 with" in rows["G4 zero gap"].detail
+        assert rows["G4 control"].result == control_result
+        assert ("native ops (reported, not counted): 3 of 64" in rows["G4 control"].detail) is not quick
+        assert [p["b"] for p in run.extra["divergence"]] == ["rl-control"] + ([] if quick else ["rl-native"])
+
+
+def test_a_failed_launch_in_the_zero_gap_stage_names_the_run(tmp_path, monkeypatch):
+    from titan_audit.demo.runner import Demo
+    from titan_audit.rl import verify
+
+    monkeypatch.setattr(verify, "verify_onpolicy", lambda *a, **k: verify.Verification(3, tmp_path / "rl-control"))
+    with pytest.raises(RuntimeError, match=r"rl-control exited 3"):
+        zero_gap.zero_gap(Demo(tmp_path, demo.Plan.make(True), verbose=False))
+
+
+def test_verify_onpolicy_exit_code():
+    """What `titan-audit verify-onpolicy` exits with: a failed launch's code, else 0 iff passed, else 1."""
+    from titan_audit.rl.verify import Verification
+
+    assert Verification(0, passed=True).exit_code == 0
+    assert Verification(0, passed=False).exit_code == 1
+    assert Verification(2).exit_code == 2 and Verification(-9).exit_code == -9
+
+
 def test_vllm_status_is_what_available_returns_here():
     from titan_audit.rl import vllm as rl_vllm
 
     installed = rl_vllm.available()
     assert isinstance(installed, bool)  # the one form vllm_status reads
-    assert job.vllm_status()[0] is installed
+    assert demo.vllm_status()[0] is installed
 
 
 @pytest.mark.parametrize("installed", [True, False])
@@ -157,7 +236,7 @@ def test_vllm_status_follows_available_and_says_how_to_install(monkeypatch, inst
     from titan_audit.rl import vllm as rl_vllm
 
     monkeypatch.setattr(rl_vllm, "available", lambda: installed)
-    ok, reason = job.vllm_status()
+    ok, reason = demo.vllm_status()
     assert ok is installed
     if installed:
         assert reason == ""
@@ -172,7 +251,7 @@ def test_verdict_table_prints_bracketed_text_as_it_is(tmp_path):
     from titan_audit.cli.demo_view import verdict_table
 
     console = Console(record=True, width=240)
-    rows = [job.Row("G4 zero gap", "vLLM [generator]", "SKIP", "pip install -e '.[vllm]'", "[x]/y")]
+    rows = [verdicts.Row("G4 zero gap", "vLLM [generator]", "SKIP", "pip install -e '.[vllm]'", "[x]/y")]
     console.print(verdict_table(rows, tmp_path))
     text = console.export_text()
     assert ".[vllm]" in text and "vLLM [generator]" in text and "[x]/y" in text
@@ -187,7 +266,7 @@ def test_demo_view_prints_rows_messages_and_output_as_they_are(tmp_path):
     with DemoView(console) as view:
         view.on_start(tmp_path, True, "numerics: [n]", 2)
         view.on_stage("s", "G4: stage [t]")
-        view.on_row(job.Row("G4 zero gap", "vLLM [generator]", "SKIP", "pip install -e '.[vllm]'"))
+        view.on_row(verdicts.Row("G4 zero gap", "vLLM [generator]", "SKIP", "pip install -e '.[vllm]'"))
         view.on_message("  trained [m] -> x")
         view.on_output("rl-vllm", "INFO [engine] started")
         view.on_done("s", 0.1)
@@ -203,11 +282,12 @@ def test_demo_view_prints_rows_messages_and_output_as_they_are(tmp_path):
 
 
 def test_the_demo_job_imports_no_rich():
-    """Terminal presentation lives in titan_audit/cli/: the job imports no rich, at the top or in a function."""
-    tree = ast.parse(open(job.__file__).read())
-    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert "titan_audit.log" in names  # it logs instead
+    """Terminal presentation lives in titan_audit/cli/: no module of demo/ imports rich, at the top or in a function."""
+    trees = [ast.parse(p.read_text()) for p in sorted(Path(driver.__file__).parent.rglob("*.py"))]
+    nodes = [n for tree in trees for n in ast.walk(tree)]
+    names = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in nodes if isinstance(n, ast.ImportFrom)]
+    assert len(trees) > 5 and "titan_audit.log" in names  # every module of the package read; it logs instead
     assert not [m for m in names if m.split(".")[0] == "rich"], names
 
 

@@ -1,9 +1,9 @@
-"""The README is tested: every fenced ```bash / ```python block runs here, unless the line before
-it says why it cannot (`<!-- illustrative: WHY -->`); a ```python block under `<!-- pytest -->`
+"""The README and docs/*.md are tested: every fenced ```bash / ```python block runs here, unless the
+line before it says why it cannot (`<!-- illustrative: WHY -->`); a ```python block under `<!-- pytest -->`
 is a test module and runs under pytest with the package's plugin; ```console and ```text blocks
 are transcripts and synopses, read by people (the tour's `runs/demo/...` paths are checked to be
 what `titan-audit demo --out runs/demo` writes). A block with no language is an error, so a new
-block cannot slip past the test.
+block cannot slip past the test; a new page in docs/ is picked up by its name.
 
 Shell blocks run in a temporary directory with the venv's `titan-audit` on PATH. Paths into the
 checkout are made absolute, and sizes are cut down by SMALL: each entry must apply to some block,
@@ -24,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 RUN_LANGS = {"bash", "python"}
 READ_LANGS = {"console", "text"}
 MARKER = re.compile(r"<!--\s*(illustrative|pytest)\s*(?::\s*(.*?))?\s*-->")
@@ -43,6 +44,7 @@ SMALL = [
 
 @dataclass(frozen=True)
 class Block:
+    page: str  # the file, relative to the checkout
     line: int  # 1-based line of the opening fence
     lang: str
     body: str
@@ -54,10 +56,10 @@ class Block:
         return self.lang in RUN_LANGS and self.marker != "illustrative"
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang or 'no language'})"
+        return f"{self.page}:{self.line} ({self.lang or 'no language'})"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         fence = re.match(r"^```(\S*)\s*$", lines[i])
@@ -69,11 +71,12 @@ def readme_blocks(text: str) -> list[Block]:
         while i < len(lines) and lines[i] != "```":
             body.append(lines[i])
             i += 1
-        assert i < len(lines), f"README.md:{start + 1}: the fence is never closed"
+        assert i < len(lines), f"{page}:{start + 1}: the fence is never closed"
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         marker = MARKER.fullmatch(before.strip())
         blocks.append(
             Block(
+                page,
                 start + 1,
                 fence.group(1),
                 "\n".join(body) + "\n",
@@ -85,7 +88,7 @@ def readme_blocks(text: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [block for path in PAGES for block in readme_blocks(path.read_text(), str(path.relative_to(ROOT)))]
 SHELL = [b for b in BLOCKS if b.runs and b.lang == "bash"]
 PYTHON = [b for b in BLOCKS if b.runs and b.lang == "python" and b.marker is None]
 PYTEST = [b for b in BLOCKS if b.runs and b.lang == "python" and b.marker == "pytest"]
@@ -98,7 +101,7 @@ def small(body: str) -> str:
 
 
 def test_every_block_is_run_or_says_why_not():
-    assert BLOCKS, "no fenced block found in README.md"
+    assert BLOCKS, "no fenced block found in README.md or docs/"
     for block in BLOCKS:
         assert block.lang in RUN_LANGS | READ_LANGS, (
             f"{block}: give the block a language: bash or python (run by this test), console or text (read only)"
@@ -107,14 +110,14 @@ def test_every_block_is_run_or_says_why_not():
             assert block.lang in RUN_LANGS and block.why, f"{block}: `<!-- illustrative: WHY -->` needs its reason"
         if block.marker == "pytest":
             assert block.lang == "python", f"{block}: `<!-- pytest -->` marks a python block"
-    assert SHELL and PYTHON and PYTEST, "the README lost its runnable shell, Python or pytest-plugin block"
+    assert SHELL and PYTHON and PYTEST, "the docs lost their runnable shell, Python or pytest-plugin block"
 
 
 def test_small_sizes_all_apply():
     """Each cut-down applies to a block that runs, so no block silently runs at full size."""
     bodies = "".join(b.body for b in SHELL)
     for old, _ in SMALL:
-        assert old in bodies, f"SMALL entry {old!r} matches no shell block of the README any more"
+        assert old in bodies, f"SMALL entry {old!r} matches no shell block of the README or docs/ any more"
 
 
 @pytest.mark.control
@@ -127,10 +130,10 @@ def test_the_block_parser_sees_markers_and_unlabelled_fences():
 
 
 def demo_run_names() -> set[str]:
-    """The run directories `titan-audit demo` creates: every `self.path(role, "NAME")` in demo/job.py."""
-    tree = ast.parse((ROOT / "titan_audit" / "demo" / "job.py").read_text())
+    """The run directories `titan-audit demo` creates: every `demo.path(role, "NAME")` in demo/."""
+    trees = [ast.parse(path.read_text()) for path in sorted((ROOT / "titan_audit" / "demo").rglob("*.py"))]
     names = {"reports", "logs", "demo.json"}
-    for node in ast.walk(tree):
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -142,13 +145,13 @@ def demo_run_names() -> set[str]:
     return names
 
 
-def test_the_tour_uses_the_paths_the_demo_writes():
-    text = README.read_text()
-    assert "titan-audit demo --out runs/demo" in text, "the tour must say how runs/demo/ was made"
+def test_the_demo_transcript_uses_the_paths_the_demo_writes():
+    text = "".join(path.read_text() for path in PAGES)
+    assert "titan-audit demo --out runs/demo" in text, "the demo's transcript must say how runs/demo/ was made"
     names = demo_run_names()
     assert {"train-w1", "train-w2"} <= names, names  # the scan finds the demo's runs
     used = set(re.findall(r"runs/demo/([\w.-]+)", text))
-    assert used and used <= names, f"the README names runs/demo/ entries the demo never writes: {used - names}"
+    assert used and used <= names, f"the docs name runs/demo/ entries the demo never writes: {used - names}"
 
 
 def run_environment(tmp_path: Path) -> dict[str, str]:

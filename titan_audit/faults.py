@@ -9,6 +9,10 @@ Guarantees:
   being the nearest run directory (a directory holding `manifest.json`) above the path at fault,
   or to the system temp directory when there is none or the run directory cannot be written (the
   usual case of a read-only run); it returns the file written, or None when nothing could be.
+- `user_errors()` is the one list of what reaches the user as that line rather than a traceback
+  (the CLI and a launch's ranks both use it): bad input (ValueError), a missing or stale build
+  of the CPU kernels (KernelLibraryError, which says what to run) and the machine's faults
+  (OSError); `user_message(error)` is the line.
 - `describe(error)`: the line the user sees, with where the traceback went. A path the user
   named wrongly (ENOENT, ENOTDIR, EISDIR, or our own message without an errno) is one line and no
   file: there is nothing more to read. An error translated from a library's (one raised `from`
@@ -22,13 +26,17 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
 
-__all__ = ["error_line", "describe", "save_traceback", "LOG_DIR"]
+__all__ = ["error_line", "describe", "save_traceback", "user_errors", "user_message", "LOG_DIR"]
 
 LOG_DIR = "logs"  # under a run directory
+# where KernelLibraryError lives; looked up, never imported: that would import torch for every
+# command, --help included (an error of that type exists only once its module is loaded)
+_KERNEL_LIBRARY_MODULE = "titan_audit.batch_invariant.cpu._lib"
 _MANIFEST = "manifest.json"
 _USER_PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
 _WORDS = {
@@ -99,3 +107,16 @@ def describe(error: BaseException, path: str | os.PathLike | None = None) -> str
             return line
     saved = save_traceback(error, path)
     return f"{line} (traceback in {saved}; -v prints it)" if saved is not None else line
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors a user sees as one line (see the module docstring)."""
+    module = sys.modules.get(_KERNEL_LIBRARY_MODULE)
+    kernel = getattr(module, "KernelLibraryError", None)
+    return (ValueError, OSError, *((kernel,) if kernel is not None else ()))
+
+
+def user_message(error: BaseException, path: str | os.PathLike | None = None) -> str:
+    """The one line of a user error: an OSError by `describe` (`path`: where it happened when the
+    error does not say), anything else its own message."""
+    return describe(error, path) if isinstance(error, OSError) else str(error)

@@ -2,7 +2,7 @@
 
 Guarantee: nothing here changes a bit of any result (page size, alignment and which free block an
 allocation reuses are not arithmetic); it only decides how often a fresh tensor's first touch
-takes page faults. A user's own setting always wins. Two settings (issue 26):
+takes page faults. A user's own setting always wins. Two settings:
 
 1. `THP_MEM_ALLOC_ENABLE=1` in the environment unless it is set already: PyTorch's CPU allocator
    then backs every allocation of 2 MB or more with transparent huge pages (2 MB-aligned,
@@ -18,13 +18,13 @@ takes page faults. A user's own setting always wins. Two settings (issue 26):
    every block comes from the heap and a freed block stays with the process. glibc's defaults
    mmap a fresh region for each large block (and, with huge pages on, for every 2 MB-aligned
    block of 2 MB or more) and hand it back to the kernel on free: a training step frees its
-   gradients and activations at the end of every step, and the next step faulted the same memory
-   in again. Measured (issue 26, 2-core AMD EPYC VMs): a 2-16 MB tensor cost ~1.5 ms of faults
+   gradients and activations at the end of every step, and the next step faults the same memory
+   in again. On 2-core AMD EPYC VMs a 2-16 MB tensor costs ~1.5 ms of faults
    per allocation instead of ~60 us (a tiny-dense BI step ~25% more time); at qwen3-0.6b widths
-   a 40-750 MB block freshly faulted cost up to 1.5 ms per MB where the hypervisor had taken the
+   a 40-750 MB block freshly faulted costs up to 1.5 ms per MB where the hypervisor had taken the
    freed memory back (free page reporting), about half of a 5 s training step (2.6-2.8 s with
    the policy). The cost: the process keeps its peak heap until it exits (at those widths a BI
-   training process peaked at 9.0 GB instead of 5.8: freed blocks are reused, not returned).
+   training process peaks at 9.0 GB instead of 5.8: freed blocks are reused, not returned).
    Skipped when the user tunes malloc already (`MALLOC_MMAP_MAX_`, `MALLOC_MMAP_THRESHOLD_`,
    `MALLOC_TRIM_THRESHOLD_` or `GLIBC_TUNABLES` set) or sets `TITAN_AUDIT_MALLOC=default`.
 """

@@ -29,6 +29,7 @@ TRAIN = [
 ]
 STABLE_KEYS = {
     "identical",
+    "expected_differences",
     "run_a",
     "run_b",
     "filters",

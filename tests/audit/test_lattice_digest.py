@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from titan_audit.audit import pieces as layout
 from titan_audit.audit import shards
 from titan_audit.audit.fingerprint import (
     WHOLE_HASH_BYTES,
@@ -58,7 +59,7 @@ def test_above_c_the_digest_is_the_documented_sum_on_every_variant_and_thread_co
         for isa in _lib.available_isas():
             with _lib.forced_isa(isa):
                 for threads in (1, 2):
-                    lanes = shards.lanes(t, shards.Piece.whole(t.shape), threads=threads)
+                    lanes = shards.lanes(t, layout.Piece.whole(t.shape), threads=threads)
                     assert lattice_digest(t.dtype, tuple(t.shape), lanes) == expected, (isa, threads)
                 assert fingerprint(t) == expected
                 assert summarize(t, with_stats=True).hash == expected
@@ -67,9 +68,9 @@ def test_above_c_the_digest_is_the_documented_sum_on_every_variant_and_thread_co
 
 def test_threads_split_a_long_tensor_without_changing_the_lanes():
     t = torch.randn(1 << 20)  # several times the kernel's minimum words per thread
-    one = shards.lanes(t, shards.Piece.whole(t.shape), threads=1)
-    assert shards.lanes(t, shards.Piece.whole(t.shape), threads=2) == one
-    assert shards.lanes(t, shards.Piece.whole(t.shape), threads=3) == one
+    one = shards.lanes(t, layout.Piece.whole(t.shape), threads=1)
+    assert shards.lanes(t, layout.Piece.whole(t.shape), threads=2) == one
+    assert shards.lanes(t, layout.Piece.whole(t.shape), threads=3) == one
 
 
 def test_word_indices_past_2_to_the_32_follow_the_formula_on_every_variant():
@@ -86,7 +87,7 @@ def test_word_indices_past_2_to_the_32_follow_the_formula_on_every_variant():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_pieces_of_any_layout_add_up_to_the_whole(dtype):
     t = _tensor(dtype, (11, 13, 6))
-    whole = shards.lanes(t, shards.Piece.whole(t.shape))
+    whole = shards.lanes(t, layout.Piece.whole(t.shape))
     cuts = {
         "dim 0, uneven (torch.chunk of 4: 3, 3, 3, 2)": [
             (slice(a, b), slice(None)) for a, b in ((0, 3), (3, 6), (6, 9), (9, 11))
@@ -98,18 +99,18 @@ def test_pieces_of_any_layout_add_up_to_the_whole(dtype):
         parts = []
         for rows, cols in blocks:
             index = (torch.arange(11)[rows], torch.arange(13)[cols], torch.arange(6))
-            parts.append(shards.lanes(t[rows, cols], shards.Piece(tuple(t.shape), index)))
+            parts.append(shards.lanes(t[rows, cols], layout.Piece(tuple(t.shape), index)))
         assert shards.add_lanes(parts) == whole, what
     # strided index sets (a _StridedShard's): even and odd rows, each a non-contiguous view
     even, odd = torch.arange(0, 11, 2), torch.arange(1, 11, 2)
     parts = [
-        shards.lanes(t[i], shards.Piece(tuple(t.shape), (i, torch.arange(13), torch.arange(6)))) for i in (even, odd)
+        shards.lanes(t[i], layout.Piece(tuple(t.shape), (i, torch.arange(13), torch.arange(6)))) for i in (even, odd)
     ]
     assert shards.add_lanes(parts) == whole
     # positions: the elements of a piece inside another piece
-    full = shards.Piece.whole(t.shape)
-    top = shards.Piece(tuple(t.shape), (torch.arange(4), torch.arange(13), torch.arange(6)))
-    rest = shards.Piece(tuple(t.shape), (torch.arange(4, 11), torch.arange(13), torch.arange(6)))
+    full = layout.Piece.whole(t.shape)
+    top = layout.Piece(tuple(t.shape), (torch.arange(4), torch.arange(13), torch.arange(6)))
+    rest = layout.Piece(tuple(t.shape), (torch.arange(4, 11), torch.arange(13), torch.arange(6)))
     pieces = [shards.lanes(t, full, full.positions_in(p)) for p in (top, rest)]
     assert shards.add_lanes(pieces) == whole
 

@@ -181,8 +181,18 @@ def test_bi_train_step_runs_under_the_strict_census(tmp_path, overrides):
 def test_bi_fsdp2_step_on_two_ranks_runs_under_the_strict_census(tmp_path):
     """FSDP2 (DTensor shards, their all-gathers and the sharded PortableAdamW) at W=2: a native op
     on either rank would have stopped the run (strict), so exit 0 means neither saw one."""
-    from titan_audit.trainer.launch import launch
+    from titan_audit.trainer.launch import LaunchOptions, launch
+    from titan_audit.trainer.train import TRAIN_JOB
 
-    assert launch(_train_config(['parallel.mode="fsdp"']), tmp_path / "run", nproc=2, quiet=True) == 0
+    assert (
+        launch(
+            TRAIN_JOB,
+            _train_config(['parallel.mode="fsdp"']),
+            tmp_path / "run",
+            nproc=2,
+            options=LaunchOptions(quiet=True),
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["bi_census"] == {"mode": "strict", "native_ops_seen": {}}

@@ -17,8 +17,8 @@ from titan_audit.bench.memory_suite import MemoryCase, memory_suite, relation_ca
 from titan_audit.cli.main import cli
 from titan_audit.models.presets import PRESETS
 from titan_audit.models.transformer import Transformer
-from titan_audit.trainer.engine import GradBuffers
 from titan_audit.trainer.reduce import TreeReducer
+from titan_audit.trainer.step import GradBuffers
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
 
@@ -47,7 +47,7 @@ def test_an_moe_model_is_refused():
 
 @pytest.mark.parametrize("microbatches", range(1, 17))
 def test_g_is_what_the_gradient_pool_lends(microbatches):
-    """The trainer's pool and tree at W = 1 (engine.StepKit's pattern): exactly g buffers when V is
+    """The trainer's pool and tree at W = 1 (step.StepKit's pattern): exactly g buffers when V is
     a power of two, at most g otherwise (the formula's bound)."""
     pool = GradBuffers(8)
     reducer = TreeReducer(microbatches, release=pool.give)

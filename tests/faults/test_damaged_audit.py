@@ -127,11 +127,10 @@ def test_negative_control_resume_of_an_intact_copy_appends(base, tmp_path):
 
 
 def test_a_resume_reads_only_the_tail_it_appends_to(base, tmp_path, monkeypatch):
-    """The launcher's check, rank 0's check and the Recorder each read back only the part the
-    resume appends to (the run stopped at its checkpoint, step 2): part 0 stands on its digest,
-    whatever the run's length. The two pre-checks write nothing (a refused resume leaves the run
-    as it was); the Recorder marks what it read. Control: without an index (a run written before
-    it), every part is read."""
+    """A resume reads back only the part it appends to (the run stopped at its checkpoint, step 2),
+    once: the launcher's check reads it and hands it to rank 0's check and the Recorder, which
+    skip it unchanged; part 0 stands on its digest, whatever the run's length. Control: without an
+    index (a run written before it), every part is read."""
     import shutil
 
     from titan_audit.audit import log
@@ -143,7 +142,7 @@ def test_a_resume_reads_only_the_tail_it_appends_to(base, tmp_path, monkeypatch)
     result = _invoke("train", "--out", run, "--resume")
     assert result.exit_code == 0, result.output
     tail = part_files(run)[1].name
-    assert reads == [tail] * 3  # launcher, rank 0, recorder
+    assert reads == [tail]  # the launcher's check; rank 0 and the Recorder were handed it
     assert verify_audit_log(run) == read_audit_log(run).num_rows
     reads.clear()
     control = _copy(base, tmp_path, "control")

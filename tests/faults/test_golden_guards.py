@@ -21,10 +21,10 @@ import torch
 from click.testing import CliRunner
 from fault_injection import one_line_error as _one_line_error
 
-from titan_audit.audit.run_manifest import is_being_written, run_writer
+from titan_audit.audit.run_lock import is_being_written, release, run_writer
 from titan_audit.cli.main import cli
 from titan_audit.trainer.config import load_config
-from titan_audit.trainer.run_dir import claim_run_dir, release_run_dir
+from titan_audit.trainer.run_dir import claim_run_dir
 from titan_audit.trainer.train import train
 
 SMALL = [
@@ -91,7 +91,7 @@ def test_record_and_update_refuse_a_run_being_written(runs, tmp_path):
         forced = _invoke("golden", "record", run, golden, "--force")
         assert forced.exit_code == 0, forced.output
     finally:
-        release_run_dir(run)
+        release(run)
     assert not is_being_written(run)
     # negative control: released, the run records without --force
     assert _invoke("golden", "record", run, tmp_path / "third").exit_code == 0

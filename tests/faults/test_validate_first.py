@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titan_audit.cli.main import cli
-from titan_audit.trainer.launch import start_run
+from titan_audit.trainer.launch import LaunchOptions, start
 from titan_audit.trainer.run_dir import check_out_path
+from titan_audit.trainer.train import TRAIN_JOB
 
 QUICK = ["--config", "tiny-dense", "--steps", "1", "--set", "parallel.threads=1", "--set", "checkpoint.interval=0"]
 
@@ -160,5 +161,5 @@ def test_random_invalid_configs_leave_the_directory_unchanged(runs, override, ta
     out = runs / target
     overrides = ["parallel.threads=1", override]
     with pytest.raises(ValueError):
-        start_run("tiny-dense", out, nproc=None, steps=None, resume=False, overwrite=overwrite, overrides=overrides)
+        start(TRAIN_JOB, "tiny-dense", out, nproc=None, overrides=overrides, options=LaunchOptions(overwrite=overwrite))
     assert snapshot(runs) == before

@@ -175,3 +175,64 @@ def test_outside_bi_mode_the_unchunked_path_runs():
     got = chunked_head.logprobs_at_rows(x, weight, rows, targets, TEMPERATURE, None)
     want = token_logprobs(head_rows.head_at_rows(x, weight, rows, None) / TEMPERATURE, targets)
     assert_bitwise_equal(got, want, "native log-probs")
+
+
+def _native_run(chunk_bytes: int | None, dtype: torch.dtype = torch.float32):  # noqa: ANN202
+    """(log-probs, grad_x, grad_W) outside BI mode: the native chunked path, or (None) the
+    unchunked head + log-softmax + gather."""
+    x, weight, rows, targets, upstream = _inputs()
+    x, weight = x.to(dtype).requires_grad_(True), weight.to(dtype).requires_grad_(True)
+    if chunk_bytes is None:
+        lp = token_logprobs(head_rows.head_at_rows(x, weight, rows, None).float() / TEMPERATURE, targets)
+    else:
+        assert chunked_head.native_chunked(x, weight, N, chunk_bytes)
+        lp = chunked_head.logprobs_at_rows(x, weight, rows, targets, TEMPERATURE, None, chunk_bytes=chunk_bytes)
+    (lp * upstream).sum().backward()
+    return lp.detach(), x.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk_bytes", CHUNKS[:2], ids=["1row", "7rows"])
+def test_native_chunks_give_the_unchunked_values_and_the_same_bits_run_to_run(chunk_bytes):
+    # native ops promise no bits across paths: the values agree to float rounding
+    want = _native_run(None)
+    got = _native_run(chunk_bytes)
+    for name, a, b in zip(("log-probs", "grad_x", "grad_W"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    for name, a, b in zip(("log-probs", "grad_x", "grad_W"), _native_run(chunk_bytes), got):
+        assert_bitwise_equal(a, b, f"native chunked {name}, run to run")
+    # control: a perturbed hidden row moves its log-prob
+    x, weight, rows, targets, _ = _inputs()
+    x[rows[3]] += 0.5
+    moved = chunked_head.logprobs_at_rows(x, weight, rows, targets, TEMPERATURE, None, chunk_bytes=chunk_bytes)
+    assert not bitwise_equal(moved[3], got[0][3])
+
+
+def test_native_chunks_keep_a_bf16_head_in_its_dtype():
+    lp, grad_x, grad_w = _native_run(CHUNKS[1], torch.bfloat16)
+    assert (lp.dtype, grad_x.dtype, grad_w.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    # against the float32 values, to bf16's precision (the weight gradient is summed in float32)
+    want_lp, want_x, want_w = _native_run(None)
+    torch.testing.assert_close(lp, want_lp, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(grad_x.float(), want_x, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(grad_w.float(), want_w, rtol=5e-2, atol=5e-2)
+
+
+def test_native_live_bytes_stay_below_a_few_chunks_where_the_unchunked_path_holds_logits():
+    vocab, width, m, n, chunk = 4096, 64, 512, 448, 256 << 10
+    g = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(vocab, width, generator=g) * 0.1)
+    x = torch.randn(m, width, generator=g).requires_grad_(True)
+    rows, targets = torch.arange(n) + (m - n), torch.randint(0, vocab, (n,), generator=g)
+    # the weight, its gradient and its float32 accumulator, x and its gradient, selected rows,
+    # three buffers and a few floats per row
+    bound = 3 * weight.nbytes + 3 * x.nbytes + 3 * chunk + 64 * n
+
+    def peak(chunk_bytes: int) -> int:
+        weight.grad = x.grad = None
+        with LiveBytes() as tracker:
+            lp = chunked_head.logprobs_at_rows(x, weight, rows, targets, 1.0, None, chunk_bytes=chunk_bytes)
+            lp.sum().backward()
+        return tracker.peak["cpu"]
+
+    assert peak(chunk) < bound
+    assert peak(1 << 30) > bound + n * vocab * 4  # control: one buffer holds it all: the unchunked path

@@ -115,15 +115,15 @@ def test_the_installed_wheel_runs_bi_mode_on_its_own_kernels_without_a_checkout(
 import hashlib, json, sys, torch
 import titan_audit, titan_audit.batch_invariant as bi
 from titan_audit.batch_invariant.cpu import _lib
-from titan_audit.demo import job
+from titan_audit.demo.stages.goldens import GOLDEN_DIR
 g = torch.Generator().manual_seed(0)
 a, b = torch.randn(7, 96, generator=g), torch.randn(96, 40, generator=g)
 with bi.enabled():
     out = a @ b
 print(json.dumps({
     "package": titan_audit.__file__, "lib": str(_lib.LIB_PATH), "sources": _lib.SOURCE_DIR.exists(),
-    "isas": _lib.available_isas(), "goldens": str(job.GOLDEN_DIR),
-    "golden_ok": (job.GOLDEN_DIR / "tiny-dense-bi" / "golden.json").is_file(),
+    "isas": _lib.available_isas(), "goldens": str(GOLDEN_DIR),
+    "golden_ok": (GOLDEN_DIR / "tiny-dense-bi" / "golden.json").is_file(),
     "bits": hashlib.sha256(out.numpy().tobytes()).hexdigest(),
 }))
 """

@@ -11,16 +11,18 @@ import pytest
 
 def _train(out: Path, overrides: list[str]) -> Path:
     from titan_audit.trainer.config import load_config
-    from titan_audit.trainer.launch import launch
+    from titan_audit.trainer.launch import LaunchOptions, launch
+    from titan_audit.trainer.train import TRAIN_JOB
 
     config = load_config("tiny-dense", ["steps=4", "checkpoint.interval=2", "data.synthetic_records=256", *overrides])
-    assert launch(config, out, nproc=None, quiet=True) == 0
+    assert launch(TRAIN_JOB, config, out, nproc=None, options=LaunchOptions(quiet=True)) == 0
     return out
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    from titan_audit.rl.launch import start_rl
+    from titan_audit.rl.loop import RL_JOB
+    from titan_audit.trainer.launch import LaunchOptions, start
     from titan_audit.trainer.replay import elastic_replay
 
     root = tmp_path_factory.mktemp("report-runs")
@@ -29,15 +31,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     replay, _ = elastic_replay(base, 2, root / "base-replay", nproc=1, quiet=True)
     assert replay.identical
     rl = root / "rl"
-    rc = start_rl(
+    rc = start(
+        RL_JOB,
         "rl-tiny",
         rl,
-        init=str(base),
         nproc=None,
         steps=2,
-        resume=False,
-        overwrite=False,
-        quiet=True,
+        options=LaunchOptions(init=str(base), quiet=True),
         overrides=[
             "verify=true",
             "task.prompts_per_step=2",

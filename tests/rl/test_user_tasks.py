@@ -22,9 +22,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from titan_audit.audit import compare_runs
 from titan_audit.rl.config import load_rl_config
-from titan_audit.rl.loop import check_inputs, check_run, rl_train
+from titan_audit.rl.job import check_inputs
+from titan_audit.rl.loop import RL_JOB, rl_train
 from titan_audit.rl.tasks import NondeterministicRewardError, RewardError
 from titan_audit.rl.user_task import build_task, prompt_rows
+from titan_audit.trainer.launch import LaunchOptions
 
 WORDS = ["lamp", "stone", "river", "cloud", "apple", "tiger", "music", "paper"]
 
@@ -184,23 +186,23 @@ def test_a_raising_or_bad_reward_names_function_and_sample(inputs, tmp_path):
 
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(inputs, tmp_path):
     with pytest.raises(ValueError, match=r"vocabulary of 300 tokens is larger than model.vocab_size 256; set model"):
-        check_inputs(config(inputs, "model.overrides.vocab_size=256"), None, 1)
+        check_inputs(config(inputs, "model.overrides.vocab_size=256"), 1)
     no_eos = make_tokenizer(tmp_path / "no-eos.json", special=("<pad>",))
     with pytest.raises(ValueError, match=r"tokenizer.path: .*no end-of-text token.*set tokenizer.eos_token"):
-        check_inputs(config(inputs, f'tokenizer.path="{no_eos}"'), None, 1)
-    assert check_inputs(config(inputs, f'tokenizer.path="{no_eos}"', 'tokenizer.eos_token="<pad>"'), None, 1)
+        check_inputs(config(inputs, f'tokenizer.path="{no_eos}"'), 1)
+    assert check_inputs(config(inputs, f'tokenizer.path="{no_eos}"', 'tokenizer.eos_token="<pad>"'), 1)
 
 
 def test_a_resume_with_edited_prompts_or_reward_module_is_refused(runs, inputs):
     more = config(inputs, steps=4)
-    check_run(more, runs["w1"], init=None, resume=True, overwrite=False, world_size=1)  # unchanged: allowed
+    RL_JOB.check_run(more, runs["w1"], 1, LaunchOptions(resume=True))  # unchanged: allowed
     for name, needle in [("prompts.jsonl", "the prompts file"), ("rewards.py", "the reward module")]:
         path = inputs / name
         original = path.read_bytes()
         try:
             path.write_bytes(original.replace(b"lamp", b"lump").replace(b"0.01", b"0.02"))
             with pytest.raises(ValueError, match=rf"{needle} .*{name}.* changed .* since the run started"):
-                check_run(more, runs["w1"], init=None, resume=True, overwrite=False, world_size=1)
+                RL_JOB.check_run(more, runs["w1"], 1, LaunchOptions(resume=True))
         finally:
             path.write_bytes(original)
 

@@ -89,14 +89,15 @@ def test_a_resume_without_config_runs_an_old_run_in_v1(tmp_path):
     """`--resume` without --config takes the run's saved config: an old one (no key) resumes in v1."""
     import json
 
-    from titan_audit.trainer.engine import resolve_config
+    from titan_audit.trainer.resolve import resolve_config
     from titan_audit.trainer.run_dir import MANIFEST
+    from titan_audit.trainer.train import TRAIN_JOB
 
     old = _without_key(to_dict(load_config("tiny-dense", ["determinism.batch_invariant=true"])))
     (tmp_path / MANIFEST).write_text(json.dumps({"kind": "train", "config": old}))
-    config = resolve_config(TrainConfig, load_config, None, tmp_path, kind="train", resume=True, overrides=["steps=9"])
+    config = resolve_config(TRAIN_JOB, None, tmp_path, resume=True, overrides=["steps=9"])
     assert config.determinism.bi_kernels == "v1" and config.steps == 9
     new = to_dict(load_config("tiny-dense"))  # negative control: a new run's saved config keeps v2
     (tmp_path / MANIFEST).write_text(json.dumps({"kind": "train", "config": new}))
-    config = resolve_config(TrainConfig, load_config, None, tmp_path, kind="train", resume=True, overrides=[])
+    config = resolve_config(TRAIN_JOB, None, tmp_path, resume=True, overrides=[])
     assert config.determinism.bi_kernels == "v2"

@@ -40,8 +40,9 @@ from titan_audit.audit.config_diff import config_changes
 from titan_audit.data.microbatch import TENSOR_FIELDS, Microbatch
 from titan_audit.rl.config import RLConfig, load_rl_config
 from titan_audit.trainer import typed_config
+from titan_audit.trainer.checks import check_backend
 from titan_audit.trainer.config import ProcessSection, TrainConfig, load_config, resume_differences, to_dict
-from titan_audit.trainer.engine import check_backend, init_mesh, resolve_backend
+from titan_audit.trainer.mesh import init_mesh, resolve_backend
 from titan_audit.trainer.replay import elastic_replay
 from titan_audit.trainer.train import train
 
@@ -87,12 +88,12 @@ def test_a_config_saved_before_the_key_reads_as_cpu():
 
 
 def test_device_option_is_the_set_override_given_last(monkeypatch, tmp_path):
-    import titan_audit.rl.launch as rl_launch
     import titan_audit.trainer.launch as launch
 
     seen = {}
-    monkeypatch.setattr(launch, "start_run", lambda source, out, **kw: seen.setdefault("train", kw["overrides"]) and 0)
-    monkeypatch.setattr(rl_launch, "start_rl", lambda source, out, **kw: seen.setdefault("rl", kw["overrides"]) and 0)
+    monkeypatch.setattr(
+        launch, "start", lambda job, source, out, **kw: seen.setdefault(job.kind, kw["overrides"]) and 0
+    )
     for command, config in (("train", "tiny-dense"), ("rl", "rl-tiny")):
         proc = cli_here(command, "--config", config, "--out", tmp_path / command, "--set", "parallel.device=cuda")
         assert proc.returncode == 0, proc.stderr
@@ -150,11 +151,11 @@ def test_backend_and_device_must_go_together(monkeypatch):
 
 
 def test_the_vllm_generator_is_refused_on_cuda(monkeypatch):
-    from titan_audit.rl.loop import check_inputs
+    from titan_audit.rl.job import check_inputs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match=r"generator = 'vllm' runs vLLM's CPU engine .* parallel\.device = 'cuda'"):
-        check_inputs(load_rl_config("rl-tiny", ["generator=vllm", "parallel.device=cuda"]), None, 1)
+        check_inputs(load_rl_config("rl-tiny", ["generator=vllm", "parallel.device=cuda"]), 1)
 
 
 @NO_CUDA

@@ -1,4 +1,4 @@
-"""The run engine (trainer/engine.py) as both loops use it, called from Python (no launcher):
+"""The run engine (trainer/run.py) as both loops use it, called from Python (no launcher):
 
 - `rl_train(...)` takes the run lock for the whole run: another process that tries to write the
   run meanwhile is refused, naming this process; after the run the lock is free (control);
@@ -23,7 +23,7 @@ from titan_audit.rl.config import load_rl_config
 from titan_audit.rl.loop import rl_train
 
 TINY = ["steps=1", "task.prompts_per_step=2", "task.samples_per_prompt=2", "sampling.max_new_tokens=4"]
-TRY_LOCK = "import sys; from titan_audit.trainer.run_dir import lock_run_dir; lock_run_dir(sys.argv[1])"
+TRY_LOCK = "import sys; from titan_audit.audit.run_lock import lock_existing_run; lock_existing_run(sys.argv[1])"
 
 
 def _try_lock(out: Path) -> subprocess.CompletedProcess:

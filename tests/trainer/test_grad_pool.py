@@ -13,8 +13,8 @@ from distributed import run_ranks
 from titan_audit.audit import assert_bitwise_equal, bitwise_equal
 from titan_audit.trainer import reduce as reduce_module
 from titan_audit.trainer import shared_exchange
-from titan_audit.trainer.engine import GradBuffers, StepKit
 from titan_audit.trainer.reduce import TreeReducer, tree_sum
+from titan_audit.trainer.step import GradBuffers, StepKit
 
 
 def _leaves(num_microbatches: int, numel: int, seed: int = 0) -> torch.Tensor:

@@ -87,7 +87,8 @@ def test_a_model_key_contradicting_the_init_is_refused_naming_it(hf_dir, tmp_pat
 
 def test_a_toml_model_key_is_explicit_and_an_agreeing_one_is_taken(hf_dir, tmp_path):
     from titan_audit.models import load_config
-    from titan_audit.trainer.launch import resolve_config
+    from titan_audit.trainer.resolve import resolve_config
+    from titan_audit.trainer.train import TRAIN_JOB
 
     toml = tmp_path / "r.toml"
     toml.write_text('recipe = "tiny-dense"\n[model.overrides]\nnum_hidden_layers = 4\n')
@@ -98,10 +99,10 @@ def test_a_toml_model_key_is_explicit_and_an_agreeing_one_is_taken(hf_dir, tmp_p
     )
     assert not out.exists()
     agreeing = ["model.overrides.vocab_size=512", 'model.compute_dtype="bfloat16"']
-    config = resolve_config("tiny-dense", out, resume=False, overrides=agreeing, init=hf_dir)
+    config = resolve_config(TRAIN_JOB, "tiny-dense", out, resume=False, overrides=agreeing, init=hf_dir)
     assert config.model.model_config() == load_config(hf_dir) and config.model.compute_dtype == "bfloat16"
     with pytest.raises(ValueError, match=r"unknown key 'model\.overrides\.nope'"):  # not dropped by the shape
-        resolve_config("tiny-dense", out, resume=False, overrides=["model.overrides.nope=1"], init=hf_dir)
+        resolve_config(TRAIN_JOB, "tiny-dense", out, resume=False, overrides=["model.overrides.nope=1"], init=hf_dir)
 
 
 def test_a_resume_keeps_its_init_and_refuses_another(hf_dir, from_hf, tmp_path):

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_audit.trainer import launch
+from titan_audit.trainer.config import load_config
+from titan_audit.trainer.launch import LaunchOptions, launch_dirs, supervisor
+from titan_audit.trainer.train import TRAIN_JOB
 
 CLI = [sys.executable, "-m", "titan_audit.cli"]
 
@@ -106,24 +108,24 @@ def test_stale_launch_dirs_of_dead_launchers_are_removed_never_live_ones(tmp_pat
     dead.wait()
 
     def launch_dir(name: str, token: str | None) -> Path:
-        path = tmp_path / f"{launch.LAUNCH_DIR_PREFIX}{name}"
+        path = tmp_path / f"{launch_dirs.LAUNCH_DIR_PREFIX}{name}"
         (path / "errors").mkdir(parents=True)
         (path / "config.json").write_text("{}")
         if token is not None:
-            (path / launch.LAUNCH_PID_FILE).write_text(token)
+            (path / launch_dirs.LAUNCH_PID_FILE).write_text(token)
         return path
 
     gone = launch_dir("dead", f"{dead.pid}\n")
-    alive = launch_dir("alive", launch._owner_token(os.getpid()))
+    alive = launch_dir("alive", launch_dirs.owner_token(os.getpid()))
     alive_no_start = launch_dir("alive-pid-only", f"{os.getpid()}\n")
     no_pid = launch_dir("being-made", None)
     other = tmp_path / "titan-audit-ranks-x"
     other.mkdir()
     reused = None
-    if launch._process_start(os.getpid()) is not None:  # same pid, another process start time: a reused pid
+    if launch_dirs.process_start(os.getpid()) is not None:  # same pid, another process start time: a reused pid
         reused = launch_dir("reused", f"{os.getpid()} 1\n")
 
-    removed = launch.remove_stale_launch_dirs(tmp_path)
+    removed = launch_dirs.remove_stale_launch_dirs(tmp_path)
 
     assert sorted(removed) == sorted(p for p in (gone, reused) if p is not None)
     assert not gone.exists()
@@ -132,15 +134,15 @@ def test_stale_launch_dirs_of_dead_launchers_are_removed_never_live_ones(tmp_pat
 
 
 def test_stopped_message_says_where_a_resume_starts(tmp_path: Path) -> None:
-    assert "nothing to resume" in launch.stopped_message(signal.SIGINT, tmp_path / "none")
+    assert "nothing to resume" in supervisor.stopped_message(signal.SIGINT, tmp_path / "none")
     run = tmp_path / "run"
     run.mkdir()
     (run / "manifest.json").write_text("{}")
-    assert launch.stopped_message(signal.SIGTERM, run) == (
+    assert supervisor.stopped_message(signal.SIGTERM, run) == (
         f"stopped by SIGTERM; the run in {run} can be resumed with --resume (no checkpoint yet: from step 0)"
     )
     (run / "checkpoints" / "step_00000008").mkdir(parents=True)
-    assert "(from its last checkpoint, step 8)" in launch.stopped_message(signal.SIGHUP, run)
+    assert "(from its last checkpoint, step 8)" in supervisor.stopped_message(signal.SIGHUP, run)
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGTERM, 143)])
@@ -153,16 +155,16 @@ def test_a_stop_signal_exits_128_plus_it_with_one_line_and_restores_the_handlers
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)}
     seen = []
 
-    def stand_in(module, config, out, flags, signals, **kwargs):
+    def stand_in(job, config, out, options, signals, **kwargs):
         with signals.held():
             os.kill(os.getpid(), signum)
             seen.append("held")  # reached: the stop waits for the block's end
         seen.append("after")  # never reached
         return 0
 
-    monkeypatch.setattr(launch, "_torchrun", stand_in)
+    monkeypatch.setattr(supervisor, "_torchrun", stand_in)
     with pytest.raises(SystemExit) as stopped:
-        launch.torchrun("m", {}, tmp_path / "RUN", [], nproc=2, threads=1)
+        supervisor.torchrun(TRAIN_JOB, load_config("tiny-dense"), tmp_path / "RUN", LaunchOptions(), nproc=2)
     assert stopped.value.code == code
     assert seen == ["held"]
     err = capsys.readouterr().err.splitlines()
@@ -180,11 +182,11 @@ def test_the_launch_dir_holds_the_pid_and_is_removed(tmp_path: Path, monkeypatch
 
     def fake_run(command, env, errors):
         directory = errors.parent
-        seen["pid"] = (directory / launch.LAUNCH_PID_FILE).read_text().split()[0]
+        seen["pid"] = (directory / launch_dirs.LAUNCH_PID_FILE).read_text().split()[0]
         seen["name"] = directory.name
         return 0
 
-    monkeypatch.setattr(launch, "_run_filtered", fake_run)
-    assert launch.torchrun("m", {}, tmp_path / "RUN", [], nproc=2, threads=1) == 0
-    assert seen["pid"] == str(os.getpid()) and seen["name"].startswith(launch.LAUNCH_DIR_PREFIX)
-    assert not list(tmp_path.glob(f"{launch.LAUNCH_DIR_PREFIX}*"))
+    monkeypatch.setattr(supervisor, "_run_filtered", fake_run)
+    assert supervisor.torchrun(TRAIN_JOB, load_config("tiny-dense"), tmp_path / "RUN", LaunchOptions(), nproc=2) == 0
+    assert seen["pid"] == str(os.getpid()) and seen["name"].startswith(launch_dirs.LAUNCH_DIR_PREFIX)
+    assert not list(tmp_path.glob(f"{launch_dirs.LAUNCH_DIR_PREFIX}*"))

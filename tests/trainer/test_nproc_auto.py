@@ -1,19 +1,18 @@
-"""`--nproc auto`: the largest world size the usable cores and the config allow (trainer/launch.py)."""
+"""`--nproc auto`: the largest world size the usable cores and the config allow (trainer/launch/rendezvous.py)."""
 
 import pytest
 from click.testing import CliRunner
 
 from titan_audit.cli.main import cli
 from titan_audit.rl.config import load_rl_config
-from titan_audit.trainer import launch
 from titan_audit.trainer.config import load_config
-from titan_audit.trainer.launch import Rendezvous, resolve_nproc
+from titan_audit.trainer.launch import Rendezvous, rendezvous, resolve_nproc
 
 
 @pytest.fixture
 def cores(monkeypatch):
     def set_cores(n):
-        monkeypatch.setattr(launch, "usable_cores", lambda: n)
+        monkeypatch.setattr(rendezvous, "usable_cores", lambda: n)
 
     return set_cores
 

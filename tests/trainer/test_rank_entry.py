@@ -7,14 +7,15 @@ rank refuses, its one-line error). The real 2-rank launches check their stderr t
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from titan_audit.rl.launch import RANK_ENTRY as RL_ENTRY
-from titan_audit.trainer.launch import RANK_ENTRY as TRAIN_ENTRY
+from titan_audit.rl.job import RLJob
+from titan_audit.trainer.train_job import TrainJob
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,13 +38,25 @@ def test_no_module_imports_a_rank_entry():
             assert not any(n.endswith("rank_entry") for n in names), path
 
 
-@pytest.mark.parametrize("entry", [TRAIN_ENTRY, RL_ENTRY])
-def test_a_rank_entry_starts_without_the_runpy_warning(entry, tmp_path):
-    config = tmp_path / "config.json"
-    config.write_text('{"steps": 0}')
-    done = run_module(entry, str(config), str(tmp_path / "run"))
+@pytest.mark.parametrize("job", [TrainJob, RLJob], ids=["train", "rl"])
+def test_a_rank_entry_starts_without_the_runpy_warning(job, tmp_path):
+    launch_file = tmp_path / "launch.json"
+    launch_file.write_text(json.dumps({"kind": job.kind, "config": {"steps": 0}, "options": {}}))
+    done = run_module(job.rank_entry, str(launch_file), str(tmp_path / "run"))
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip() == "Error: steps must be >= 1, got 0", done.stderr[-2000:]
+
+
+def test_a_rank_entry_refuses_a_launch_file_of_another_job(tmp_path):
+    """The launch file names its job: the train entry refuses an RL one (control: its own kind
+    gets as far as the config, above)."""
+    launch_file = tmp_path / "launch.json"
+    launch_file.write_text(json.dumps({"kind": "rl", "config": {"steps": 0}, "options": {}}))
+    done = run_module(TrainJob.rank_entry, str(launch_file), str(tmp_path / "run"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == (
+        f"Error: {launch_file}: the launch file of a job of kind 'rl', read by the 'train' rank entry"
+    ), done.stderr[-2000:]
 
 
 def test_control_an_entry_its_package_imports_does_warn(tmp_path):

@@ -89,7 +89,7 @@ def allocations(fn) -> tuple[int, int]:
 def mesh_of(rank: int, world_size: int, tp: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titan_audit.trainer.engine import Mesh
+    from titan_audit.trainer.mesh import Mesh
 
     device_mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
     return Mesh("cpu", world_size, rank, tp, device_mesh)

@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from click.testing import CliRunner
 from distributed import run_ranks
 
 from titan_audit import batch_invariant
 from titan_audit.audit import compare_runs, read_audit_log
+from titan_audit.cli.main import cli
 from titan_audit.models.tensor_parallel import reduce_partials
 from titan_audit.trainer.config import from_dict, load_config, to_dict
 from titan_audit.trainer.replay import compare_replay, prepare_replay
@@ -166,6 +168,21 @@ def test_native_kernels_at_tp2_record_the_tp1_runs_records(grid, record_property
     assert result.compared == result.records_a == result.records_b > 0
     assert result.only_in_a == result.only_in_b == 0
     record_property("native_tp2_differing_records", result.differing)  # the library's bits: reported
+
+
+def test_compare_names_the_cause_before_a_native_tp_divergence(grid):
+    """`titan-audit compare` of native TP=1 vs TP=2 warns first that the layout differs outside BI
+    mode; the BI-mode pair (control) gets no warning."""
+    root, _ = grid
+    native = CliRunner().invoke(cli, ["compare", str(root / "native-11"), str(root / "native-12")])
+    assert native.exit_code in (0, 1), native.output
+    first = native.output.splitlines()[0]
+    assert first.startswith("warning: bitwise equality is not expected") and "parallel.tp: 1 -> 2" in first, first
+    as_json = CliRunner().invoke(cli, ["compare", str(root / "native-11"), str(root / "native-12"), "--json"])
+    assert len(json.loads(as_json.output)["expected_differences"]) == 1
+    bi = CliRunner().invoke(cli, ["compare", str(root / "dense-11"), str(root / "dense-12")])
+    assert bi.exit_code == 0, bi.output
+    assert "warning" not in bi.output and "not expected" not in bi.output, bi.output
 
 
 def test_at_tp4_the_fixed_tree_gives_the_unsharded_gemm_and_a_sequential_sum_does_not(grid):

@@ -16,8 +16,9 @@ from distributed import run_ranks
 
 from titan_audit.audit import compare_runs, read_audit_log
 from titan_audit.trainer.config import from_dict, load_config, to_dict
+from titan_audit.trainer.launch import LaunchOptions
 from titan_audit.trainer.replay import compare_replay, prepare_replay
-from titan_audit.trainer.train import check_run, train
+from titan_audit.trainer.train import TRAIN_JOB, train
 
 pytestmark = pytest.mark.slow  # the module's runs take ~17 s on 2 cores (shared by every test here)
 
@@ -135,7 +136,7 @@ def test_negative_control_aux_coefficient_zero_changes_the_gradient_not_the_loss
 def test_resume_refuses_a_changed_compute_dtype_or_aux_coefficient(runs, override, message):
     root, _ = runs
     run = root / "w1"
-    check_run(load_config("tiny-moe", [*BF16, "steps=4"]), run, resume=True, overwrite=False, world_size=2)
+    TRAIN_JOB.check_run(load_config("tiny-moe", [*BF16, "steps=4"]), run, 2, LaunchOptions(resume=True))
     with pytest.raises(ValueError, match="differs from the run's saved config") as error:
-        check_run(load_config("tiny-moe", [*BF16, override]), run, resume=True, overwrite=False, world_size=1)
+        TRAIN_JOB.check_run(load_config("tiny-moe", [*BF16, override]), run, 1, LaunchOptions(resume=True))
     assert message in str(error.value)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_audit.audit import shards
+from titan_audit.audit import pieces, shards
 from titan_audit.audit.fingerprint import fingerprint, lattice_digest, whole_hash_bytes
 
 
@@ -42,29 +42,29 @@ class _Held:
     """What this rank holds of one tensor: its group, piece and share (module doc)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.dtensor = shards.is_dtensor(tensor)
+        self.dtensor = pieces.is_dtensor(tensor)
         if self.dtensor:
             tensor = shards.reduced(tensor)
             self.group, self.ranks = shards.group_of(tensor.device_mesh)
             self.local = tensor.to_local()
-            self.part, self.parts = shards.replica(tensor)
+            self.part, self.parts = pieces.replica(tensor)
         else:
             world = dist.get_world_size() if _distributed() else 1
             self.group, self.ranks = None, list(range(world))
             self.local = tensor.detach()
             self.part, self.parts = (dist.get_rank(), world) if _distributed() else (0, 1)
         self.tensor = tensor
-        self.piece = shards.piece_of(tensor)
+        self.piece = pieces.piece_of(tensor)
 
-    def share(self) -> tuple[torch.Tensor, shards.Piece] | None:
-        return shards.share_of(self.local, self.piece, self.part, self.parts)
+    def share(self) -> tuple[torch.Tensor, pieces.Piece] | None:
+        return pieces.share_of(self.local, self.piece, self.part, self.parts)
 
-    def held_by(self, rank: int) -> tuple[shards.Piece, int, int]:
+    def held_by(self, rank: int) -> tuple[pieces.Piece, int, int]:
         """(piece, part, parts) of group rank `rank`."""
         if not self.dtensor:
             return self.piece, self.ranks.index(rank), len(self.ranks)
-        coord = shards.coordinate(self.tensor.device_mesh, rank)
-        return (shards.piece_of(self.tensor, coord), *shards.replica(self.tensor, coord))
+        coord = pieces.coordinate(self.tensor.device_mesh, rank)
+        return (pieces.piece_of(self.tensor, coord), *pieces.replica(self.tensor, coord))
 
 
 def _by_group(held: Sequence[_Held]) -> dict[tuple[int, ...], list[int]]:
@@ -184,7 +184,7 @@ def _meta(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
 
 
-def _piece_rows(h: _Held, stored: list[shards.Piece]) -> list[list[int]]:
+def _piece_rows(h: _Held, stored: list[pieces.Piece]) -> list[list[int]]:
     """This rank's (lanes, element count) of its share within each stored piece."""
     picked = h.share()
     rows = []
@@ -208,7 +208,7 @@ def _piece_checks(
     limit = whole_hash_bytes()
     for ranks, members in _by_group([h for _, h in held]).items():
         stored = {
-            i: [shards.Piece.from_runs(held[i][1].tensor.shape, p["index"]) for p in expected[i]] for i in members
+            i: [pieces.Piece.from_runs(held[i][1].tensor.shape, p["index"]) for p in expected[i]] for i in members
         }
         rows = [row for i in members for row in _piece_rows(held[i][1], stored[i])]
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)

@@ -16,11 +16,20 @@ Guarantees:
   differences through this one function.
 - `model_changes` is the same for the `model` section alone (what `golden update` refuses to change
   silently).
+- `expected_differences` names, before any record is compared, why two runs whose fingerprints
+  match may still differ bitwise: a tensor-parallel layout (`parallel.tp`, an ignored key because
+  in BI mode it never changes the bits) outside batch-invariant mode, where TP runs native kernels
+  and a plain all_reduce of the partial sums. Empty when both runs are in BI mode or share one TP
+  degree; `compare` prints it as a warning and `golden check` as a note, above the verdict.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
+
+from titan_audit.audit.run_manifest import MANIFEST, read_manifest
 
 # Config keys that never change the bits of a step (how long, how often it saves or flushes, how
 # it launches). Differences elsewhere are reported.
@@ -38,7 +47,7 @@ CONFIG_KEYS_IGNORED: tuple[str, ...] = (
 # Keys added after runs (and goldens) were recorded, with the default that behaves as before they
 # existed; keys whose default is None need no entry (a missing key already reads as None).
 ADDED_KEY_DEFAULTS: dict[str, Any] = {
-    "task.prompt_column": "prompt",  # rl: the user's prompts file (issue 24)
+    "task.prompt_column": "prompt",  # rl: the user's prompts file
     "task.shuffle": True,
     "task.reward_check": True,
     "tokenizer.chat_template": False,
@@ -46,7 +55,7 @@ ADDED_KEY_DEFAULTS: dict[str, Any] = {
     # default for new configs is v2
     "determinism.bi_kernels": "v1",
     "determinism.grad_norm": "v1",  # the clip norm's order (trainer/grad_norm.py): v1 before v2 existed
-    "parallel.device": "cpu",  # every run before the key existed ran on the CPU (issue 27)
+    "parallel.device": "cpu",  # every run before the key existed ran on the CPU
     "parallel.mode": "dp",  # rl: every run before the key existed ran data parallel
 }
 
@@ -88,6 +97,33 @@ def model_changes(config_a: Any, config_b: Any) -> list[tuple[str, Any, Any]]:
     a = (config_a or {}).get("model") if isinstance(config_a, dict) else None
     b = (config_b or {}).get("model") if isinstance(config_b, dict) else None
     return config_changes({"model": a or {}}, {"model": b or {}}, ignored=())
+
+
+def expected_differences(config_a: Any, config_b: Any, *, names: tuple[str, str] = ("A", "B")) -> list[str]:
+    """Why bitwise equality of two runs is not expected from their configs alone ([] when it is);
+    `names` label the two sides in the text ("golden", "run" for a golden check)."""
+    a, b = flatten_config(config_a or {}), flatten_config(config_b or {})
+    tp_a, tp_b = a.get("parallel.tp", 1), b.get("parallel.tp", 1)
+    native = [side for side, c in zip(names, (a, b)) if not c.get("determinism.batch_invariant", False)]
+    if tp_a == tp_b or not native:
+        return []
+    return [
+        f"the tensor-parallel layout differs (parallel.tp: {tp_a!r} -> {tp_b!r}) and batch-invariant mode is off "
+        f"in {' and '.join(native)} (determinism.batch_invariant = false): outside BI mode a TP layout runs native "
+        "kernels and a plain all_reduce of the partial sums, so its bits need not be TP=1's; TP invariance is a "
+        "BI-mode property (--set determinism.batch_invariant=true on both runs)"
+    ]
+
+
+def run_expected_differences(run_a: str | os.PathLike, run_b: str | os.PathLike) -> list[str]:
+    """`expected_differences` of two run directories' manifest configs ([] when either has none)."""
+    configs = []
+    for run in (Path(run_a), Path(run_b)):
+        config = read_manifest(run).get("config") if (run / MANIFEST).is_file() else None
+        if not isinstance(config, dict):
+            return []
+        configs.append(config)
+    return expected_differences(*configs)
 
 
 def change_text(change: tuple[str, Any, Any]) -> str:

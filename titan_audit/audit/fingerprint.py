@@ -54,7 +54,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import xxhash
 
-from titan_audit.audit import shards
+from titan_audit.audit import pieces, shards
 
 HEADER_PREFIX = b"titan-audit.tensor.v1|"
 LATTICE_PREFIX = b"titan-audit.tensor.lattice.v1|"
@@ -175,14 +175,14 @@ def whole_digest(tensor: torch.Tensor) -> str:
 def fingerprint(tensor: torch.Tensor) -> str:
     """The tensor's fingerprint (module doc): xxh3-128 up to C bytes, the lattice digest above.
     A DTensor: collective over its mesh, no gather above C."""
-    if type(tensor) not in _PLAIN_TYPES and shards.is_dtensor(tensor):
+    if type(tensor) not in _PLAIN_TYPES and pieces.is_dtensor(tensor):
         return _fingerprint_dtensor(tensor)
     if _is_plain_contiguous(tensor) and tensor.nbytes <= _whole_bytes:
         return _xxh3(tensor)  # the fast path: a plain contiguous CPU tensor, read in place
     plain = _logical_cpu_tensor(tensor, contiguous=False)
     if plain.numel() * plain.element_size() <= _whole_bytes:
         return _xxh3(plain.contiguous())
-    return lattice_digest(plain.dtype, tuple(plain.shape), shards.lanes(plain, shards.Piece.whole(plain.shape)))
+    return lattice_digest(plain.dtype, tuple(plain.shape), shards.lanes(plain, pieces.Piece.whole(plain.shape)))
 
 
 def _fingerprint_dtensor(tensor: torch.Tensor) -> str:

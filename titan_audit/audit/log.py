@@ -33,6 +33,11 @@ Guarantees:
     digest, every index entry against an existing part.
   A run without an index (written before it existed) has every part read in full once, at its
   first check or writer, and its index built then.
+- A resume reads its tail once: a check returns what it read and matched (`LogCheck.verified`:
+  part name -> [bytes, xxh3, mtime_ns]); handed to a later check (`known=`) or marked into a
+  rank's index before its writer opens (`mark_known`), a part whose index entry and file are
+  unchanged since is not read again; one that changed in between (its size, digest or
+  modification time) is.
 """
 
 from __future__ import annotations
@@ -225,12 +230,35 @@ class LogCheck:
     index_bytes_read: int = 0  # bytes of index files read
     parts_indexed: int = 0  # parts found after the index (or without one) and added to it
     legacy: bool = False  # the run had no index: every part was verified and the index built
+    verified: dict[str, list[int | str]] = field(default_factory=dict)  # name -> [bytes, xxh3, mtime_ns]
 
     def read(self, part: Path, entry: PartEntry | None = None) -> PartReading:
+        mtime = _mtime(part)
         reading = verify_part(part, entry)
         self.parts_verified += 1
         self.bytes_read += reading.bytes
+        if mtime is not None:
+            self.verified[part.name] = [reading.bytes, reading.xxh3, mtime]
         return reading
+
+
+def _mtime(part: Path) -> int | None:
+    try:
+        return part.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None  # verify_part says so, naming the part
+
+
+def _unchanged(part: Path, entry: PartEntry, known: dict[str, list[int | str]] | None) -> bool:
+    """Whether `known` (a check's `verified`) holds `part` as its index `entry` and its file are now."""
+    stamp = (known or {}).get(part.name)
+    if stamp is None or [entry.bytes, entry.xxh3] != list(stamp[:2]):
+        return False
+    try:
+        stat = part.stat()
+    except FileNotFoundError:
+        return False
+    return [stat.st_size, stat.st_mtime_ns] == [stamp[0], stamp[2]]
 
 
 def _entry(part: int, reading: PartReading) -> PartEntry:
@@ -254,10 +282,19 @@ def open_index(run_dir: str | os.PathLike, check: LogCheck, ranks: Sequence[int]
     ensure_index(directory, build)
 
 
-def _check_rank(index: RankIndex, check: LogCheck, *, after_step: int | None, last: bool, save: bool = True) -> None:
+def _check_rank(
+    index: RankIndex,
+    check: LogCheck,
+    *,
+    after_step: int | None,
+    last: bool,
+    save: bool = True,
+    known: dict[str, list[int | str]] | None = None,
+) -> None:
     """Read back in full the parts of one rank after its index (and index them), and with `last`
     the newest indexed part; with `after_step` also every newer part whose records go past that
-    step and the newest one that does not. Entries already `checked` are not read again."""
+    step and the newest one that does not. Entries already `checked`, or unchanged since `known`
+    verified them, are not read again."""
     targets: list[PartEntry] = []
     if last or after_step is not None:
         for entry in index.newest_first():
@@ -265,9 +302,12 @@ def _check_rank(index: RankIndex, check: LogCheck, *, after_step: int | None, la
             if after_step is None or entry.last_step <= after_step:
                 break
     for entry in targets:
-        if not entry.checked:
-            check.read(index.audit_dir / part_name(index.rank, entry.part), entry)
-            index.mark_checked(entry)
+        if entry.checked:
+            continue
+        part = index.audit_dir / part_name(index.rank, entry.part)
+        if not _unchanged(part, entry, known):
+            check.read(part, entry)
+        index.mark_checked(entry)
     for n in index.unindexed_parts():
         index.add(_entry(n, check.read(index.audit_dir / part_name(index.rank, n))))
         check.parts_indexed += 1
@@ -276,7 +316,13 @@ def _check_rank(index: RankIndex, check: LogCheck, *, after_step: int | None, la
     check.index_bytes_read += index.bytes_read
 
 
-def check_audit_log(run_dir: str | os.PathLike, *, after_step: int | None = None, mark: bool = True) -> LogCheck:
+def check_audit_log(
+    run_dir: str | os.PathLike,
+    *,
+    after_step: int | None = None,
+    mark: bool = True,
+    known: dict[str, list[int | str]] | None = None,
+) -> LogCheck:
     """The check a resume makes before it appends (the launcher's, before any rank starts): for
     every rank, the parts committed after its index and the newest indexed part (what the resume
     appends to), and with `after_step` (the step of the checkpoint it resumes from) every part
@@ -285,7 +331,8 @@ def check_audit_log(run_dir: str | os.PathLike, *, after_step: int | None = None
     marked `checked`, so the ranks' own checks after it read nothing again. Older parts are left
     to their digests in the index (`verify_log` reads every part). A run without an index has
     every part read once and the index built. ValueError naming the first damaged part. With
-    `mark=False` nothing is written (the same parts are read again by the next check)."""
+    `mark=False` nothing is written (the same parts are read again by the next check, unless it
+    is handed this check's `verified` as `known`)."""
     check = LogCheck()
     directory = audit_dir(run_dir)
     if not directory.is_dir():
@@ -300,8 +347,31 @@ def check_audit_log(run_dir: str | os.PathLike, *, after_step: int | None = None
     for rank in index_ranks(directory):
         index = RankIndex.load(directory, rank)
         assert index is not None
-        _check_rank(index, check, after_step=after_step, last=True, save=mark)
+        _check_rank(index, check, after_step=after_step, last=True, save=mark, known=known)
     return check
+
+
+def mark_known(run_dir: str | os.PathLike, rank: int, known: dict[str, list[int | str]]) -> int:
+    """Mark `checked` in `rank`'s index the entries `known` (a check's `verified`) holds and that
+    are unchanged since (see `_unchanged`), so that rank's writer does not read them again; the
+    number marked. Nothing is read but the index and the parts' metadata."""
+    directory = audit_dir(run_dir)
+    index = RankIndex.load(directory, rank) if index_dir(directory).is_dir() else None
+    if index is None:
+        return 0
+    names = {name for name in known if name.startswith(f"part-r{rank:05d}-")}
+    marked = 0
+    for entry in index.newest_first():  # the known parts are the tail: only as far back as they go
+        if not names:
+            break
+        name = part_name(rank, entry.part)
+        names.discard(name)
+        if not entry.checked and _unchanged(directory / name, entry, known):
+            index.mark_checked(entry)
+            marked += 1
+    if marked:
+        index.save()
+    return marked
 
 
 def verify_audit_log(run_dir: str | os.PathLike) -> int:

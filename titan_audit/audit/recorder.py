@@ -46,39 +46,23 @@ Guarantees:
   (full values are what a dump asks for).
 - Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
-- Opening a run whose audit log already has parts (a resume appends to it) reads back in full
-  the parts of its rank that it appends to (the newest, and any committed after the log's index)
-  unless a check already read them back and marked them since they were committed (the
-  launcher's resume check, audit.log.check_audit_log, reads every rank's and the parts since the
-  checkpoint it resumes from, without marking, so a refused resume writes nothing): a damaged one
-  raises ValueError naming it ("RUN/audit/part-...: unreadable (...);
-  the audit log of this run is damaged: ...") before anything is appended. Older parts stand on
-  their digests in the index; `titan-audit verify RUN` reads every part. So the cost of opening
-  does not grow with the run's length (a run written before the index has every part read once).
+- Opening a run whose audit log has parts (a resume appends to it) reads back the parts of its
+  rank it appends to (audit.log's docstring says which, and which checks mark them read): a
+  damaged one raises ValueError naming it ("RUN/audit/part-...: unreadable (...); the audit log
+  of this run is damaged: ...") before anything is appended. Older parts stand on their digests
+  in the index (`titan-audit verify RUN` reads every part), so opening costs the same however
+  long the run.
 - Optionally (`dump_names`, `dump_steps`) full tensor values go to RUN/dumps.zarr (audit.dumps).
 - `absmax`/`mean` (informational, never compared) are computed for the phases in `stats`
   (default: all but grad, optim, param and ckpt, where they would cost an extra pass of the
   statistics kernel over the model's memory each step; `stats=True` for all); elsewhere they
   are null.
-- Per record, the Python cost is a few microseconds: the row is one tuple (columns are built at
-  flush), plain tensors skip the DTensor check, and the summary's per-(dtype, shape) text is
-  cached (audit.summary).
-- A call that records many tensors (record_grads, record_params, record_optimizer, record_many)
-  takes each plain contiguous CPU tensor of at most C bytes without statistics into one batch,
-  hashed when the call returns by one kernel call on every intra-op thread
-  (summary.summarize_batch): the same rows, in the same order with the same `seq`, as one call
-  per tensor. Nothing but the Recorder's own loop runs between a tensor's record and its hash.
-  If a record of the call raises, the plain records made before it are written, as unbatched.
-- `counters` (audit.shards.DigestCounters) adds up, for this rank's records since construction,
-  the tensor bytes hashed (a summary reused by a hook record hashes nothing) and the bytes
-  received from other ranks by the DTensor exchanges (lanes rows, gathered pieces): a few integer
-  additions per record.
-- A hook record of a tensor object another hook recorded in the same (step, microbatch), with
-  its version counter unchanged, reuses that summary instead of reading the bytes again (a
-  model returning its head's output; one gradient reaching a block's output and its residual
-  branch). Any in-place op moves the counter and the tensor is hashed again; explicit records
-  and inference tensors (no counter) are always hashed afresh. tests/audit/test_recorder.py
-  checks each.
+- Cost: a few microseconds of Python per record. A call that records many tensors hashes its
+  plain CPU tensors of at most C bytes (no statistics) in one kernel call on every intra-op
+  thread as it returns (summary.summarize_batch): the same rows, order and `seq` as one call per
+  tensor. A hook record of a tensor another hook recorded in the same (step, microbatch), its
+  version counter unchanged, reuses that summary; explicit records are always hashed afresh.
+  `counters` (audit.shards.DigestCounters) counts the bytes this rank hashed and received.
 """
 
 from __future__ import annotations

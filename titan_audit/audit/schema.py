@@ -11,7 +11,7 @@ Guarantees:
 - `KEY` is the comparison key (step, phase, microbatch, name); `rank` and `seq` are not in it,
   so runs on different world sizes compare.
 - `PHASES` lists the phases in execution order within a step. DESIGN.md names the phases; the
-  order of most comes from issue 5 (data < forward < loss < backward < grad < optim < param <
+  order of most is fixed by the design (data < forward < loss < backward < grad < optim < param <
   ckpt). The two it leaves open are placed where they happen in RL post-training:
   `rollout` first (the generator produces the samples that become the step's data), and
   `logprob` between `forward` and `loss` (log-probs are computed from the forward logits and

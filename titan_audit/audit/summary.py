@@ -18,17 +18,9 @@ Guarantees:
   when larger than `CHUNK_BYTES`, so the kernel reads each piece from cache (for a tensor that is
   not in cache, one trip through memory instead of two). The hasher goes first because it streams
   from memory faster than the kernel does, and the kernel reads from cache faster than the
-  hasher: measured on the Zen 4 AMD EPYC, one core, tensors just written and then pushed out of
-  cache, the statistics added 12 us to a 512 KB tensor (29 us in all) instead of 20 us (41 us)
-  with the kernel first, 80 us to 4 MB instead of 93 us (`bench audit`'s small-transformer at
-  level full: ~1.5% of the step). float16 and the float8 types are widened to
-  float32 first (exact); integer and bool tensors take numpy's min/max and an int64 torch sum;
-  complex: NaN.
-  Measured on one core of the 2-core AMD EPYC (Zen 3, AVX2), warm buffers, while other jobs
-  shared the machine: 4M float32 elements (16 MB): hash 0.9-1.0 ms, the kernel 0.58 ms, so the
-  statistics add ~0.5 ms (0.6x the hash); the path before the kernel (numpy min + max 1.06 ms,
-  then a torch sum 0.38 ms) added ~1.4 ms (1.5x). 256K elements (1 MB): hash 0.026 ms, kernel
-  0.022 ms (numpy min + max 0.037 ms + torch sum 0.018 ms before).
+  hasher. float16 and the float8 types are widened to float32 first (exact); integer and bool
+  tensors take numpy's min/max and an int64 torch sum; complex: NaN. The statistics cost about
+  0.6x the hash.
 - A DTensor is never materialised whole (`summarize_sharded`, a collective: every rank of its
   mesh summarises it together): above C each rank hashes its own piece and sends 16 bytes of
   lanes (plus its absmax and sum when statistics are asked), at most C its piece goes to the
@@ -55,7 +47,7 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-from titan_audit.audit import shards
+from titan_audit.audit import pieces, shards
 from titan_audit.audit.fingerprint import _header, fingerprint, lattice_digest, whole_hash_bytes
 from titan_audit.batch_invariant.cpu import stats as _stats
 from titan_audit.batch_invariant.cpu.digest import xxh3_128_many
@@ -130,7 +122,7 @@ def plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     tensor = tensor.detach()
-    if type(tensor) is not torch.Tensor and shards.is_dtensor(tensor):
+    if type(tensor) is not torch.Tensor and pieces.is_dtensor(tensor):
         tensor = tensor.full_tensor()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
@@ -251,7 +243,7 @@ def summarize(tensor: torch.Tensor, *, with_stats: bool = True) -> Summary:
     a collective over its mesh (`summarize_sharded`); every rank gets the summary."""
     if _is_plain(tensor):
         return _summarize_plain(tensor, with_stats)  # fast path: read in place
-    if type(tensor) not in _PLAIN_TYPES and shards.is_dtensor(tensor):
+    if type(tensor) not in _PLAIN_TYPES and pieces.is_dtensor(tensor):
         (summary,) = summarize_sharded([(tensor, with_stats, None)])
         assert summary is not None, "every rank receives the summary"
         return summary

@@ -18,25 +18,11 @@ split-KV attention over a paged KV cache, deterministic attention backward), imp
 CUDA tensor arrives."""
 
 from titan_audit.batch_invariant import census
+from titan_audit.batch_invariant.attention import attention
 from titan_audit.batch_invariant.backend import backend_for, register_backend
+from titan_audit.batch_invariant.fused import add_rms_norm, rms_norm_rope, scaled_rms_norm, silu_mul
 from titan_audit.batch_invariant.mode import disable, enable, enabled, is_enabled
-from titan_audit.batch_invariant.ops import (
-    add_rms_norm,
-    addmm,
-    attention,
-    bmm,
-    linear,
-    log_softmax,
-    matmul,
-    mean,
-    mm,
-    rms_norm,
-    rms_norm_rope,
-    scaled_rms_norm,
-    silu_mul,
-    softmax,
-    sum,
-)
+from titan_audit.batch_invariant.ops import addmm, bmm, linear, log_softmax, matmul, mean, mm, rms_norm, softmax, sum
 from titan_audit.batch_invariant.order import GEMM_ORDERS, current_gemm_order, gemm_order, set_gemm_order
 
 __all__ = [

@@ -12,7 +12,7 @@ Guarantees:
   sums in that order. `gemm_order(order)` sets it for a block and restores the previous order on
   exit (also on an exception); `set_gemm_order` is the switch; `current_gemm_order()` reads it.
 - The config key `determinism.bi_kernels` (trainer and RL configs) names the order a run enters
-  (trainer/engine.py); an unknown name is a ValueError naming that key (`check_gemm_order`).
+  (trainer/run.py); an unknown name is a ValueError naming that key (`check_gemm_order`).
 - Both backends follow the order: the CPU gemm inside its kernel (cpu/matmul.py), the Triton gemm
   by P(K) block partials combined by `tree_combine` (gpu/matmul.py).
 - The numerics fingerprint's `bi_kernels` names the order (deterministic/numerics.py), so a golden

@@ -276,7 +276,7 @@ def _case(
 
 
 # ------------------------------------------------------------------------- --generator vllm
-VLLM_TARGET_RATIO = 1.25  # issue 26
+VLLM_TARGET_RATIO = 1.25  # our BI model inside vLLM: time <= this x vLLM's default mode, same weights
 VLLM_BATCHES = [8, 32]
 VLLM_DEFAULT = "vLLM default (its Qwen3 and sampler)"
 VLLM_BI = "vLLM + titan model, BI mode (keyed sampler)"

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import xxhash
 
-from titan_audit.audit import shards
+from titan_audit.audit import pieces, shards
 from titan_audit.audit.fingerprint import fingerprint, fingerprint_many, whole_digest
 from titan_audit.batch_invariant.cpu import lattice
 from titan_audit.bench.core import BenchOptions, Case, compare
@@ -113,7 +113,7 @@ def _sharded_cases(options: BenchOptions, progress: Callable[[str], None], threa
     for nbytes in QUICK_SHARDED_SIZES if options.quick else SHARDED_SIZES:
         cols = 4096
         src = torch.randn(nbytes // 4 // cols + 1, cols)  # one row more: FSDP2's chunks are uneven
-        piece = shards.Piece.whole(src.shape)
+        piece = pieces.Piece.whole(src.shape)
         others = {
             "chunked_xxh3": lambda: _chunked_xxh3(src),
             "lattice_threads": lambda: shards.lanes(src, piece, threads=threads),

@@ -103,11 +103,12 @@ def train_config(grid: MemoryGrid, mode: str, microbatches: int) -> Any:
 def measure(config: Any, world_size: int, root: Path) -> list[dict[str, Any]]:
     """Train `config` on `world_size` local ranks under the tracker; every rank's report, in rank
     order (RuntimeError when the launch fails or a rank wrote none)."""
-    from titan_audit.trainer.launch import launch
+    from titan_audit.trainer.launch import LaunchOptions, launch
+    from titan_audit.trainer.train import TRAIN_JOB
 
     reports = root / "ranks"
     with mock.patch.dict(os.environ, {ENV_DIR: str(reports), **MEMORY_POLICY_OFF}):  # what the ranks inherit
-        rc = launch(config, root / "run", nproc=world_size, quiet=True)
+        rc = launch(TRAIN_JOB, config, root / "run", nproc=world_size, options=LaunchOptions(quiet=True))
     if rc != 0:
         raise RuntimeError(f"bench memory: the training launch at W={world_size} failed (exit code {rc})")
     ranks = [json.loads(p.read_text()) for p in sorted(reports.glob("rank-*.json"))]
@@ -152,7 +153,8 @@ def point_case(mode: str, world_size: int, microbatches: int, shape: Shape, rank
 
 
 def relation_cases(measured: dict[tuple[str, int, int], int], shape: Shape) -> list[MemoryCase]:
-    """Issue 48's two relations, for those whose points were measured."""
+    """The two relations of the module docstring (DP peak growth with V, FSDP peak shrink with W), for
+    those whose points were measured."""
     cases = []
     w, v_from, v_to, copies = DP_GROWTH
     if ("dp", w, v_from) in measured and ("dp", w, v_to) in measured:

@@ -2,7 +2,7 @@
 
 MKL picks its kernels by CPU vendor as well as ISA: on an AMD CPU its sgemm runs a generic AVX2
 path however wide the vector units are, on an Intel Xeon the AVX-512 kernels. The native side of
-every bench ratio runs on that choice, so the ratios differ by vendor (issue 26). The bench
+every bench ratio runs on that choice, so the ratios differ by vendor. The bench
 records the path next to its figures (`machine.mkl_code_path`).
 
 The path is read from the banner MKL prints with `MKL_VERBOSE=1` ("... for Intel(R) 64

@@ -11,7 +11,7 @@ an order no portable fixed-order kernel matches. The same weight is used in ever
 bi.linear runs from its packed-weight cache (a decode step's situation; a training step repacks
 each weight once per step).
 
-Targets (issue 14, our own kernels; ratios are same-run times, ours / native):
+Targets (our own kernels; ratios are same-run times, ours / native):
 - gemm: two aggregate cases, `matmul+linear geomean M>=16` <= 1.1x and `matmul+linear geomean
   M<=4` <= 1.25x, whose times are the geometric means of their group's times (so their ratio is
   the group's geometric-mean ratio; `"aggregate": true`). Single gemm cases carry no target

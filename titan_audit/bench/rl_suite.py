@@ -18,10 +18,10 @@ Cases:
   step after the first, in a subprocess), candidate the first case's `BI mode` side (W = 1,
   parallel.threads = 1).
 - `rl rl-tiny all cores (W=2 vs TRL threads=2)` (target <= 0.8): our BI mode on CORES = 2 ranks
-  of 1 thread each (`launch_rl(nproc=2)`: torchrun; rank 0's metrics) against TRL with 2 intra-op
+  of 1 thread each (`launch(RL_JOB, nproc=2)`: torchrun; rank 0's metrics) against TRL with 2 intra-op
   threads. CORES is the 2 cores of the project's reference machines, not os.cpu_count().
   Extra keys of the TRL cases: `trl_version`, `trl_optimizer`, `trl_loss_type`.
-- `rl rl-tiny W=1 threads=2 vs threads=1` (target <= THREADS_TARGET_RATIO = 1.0, issue 26: a second
+- `rl rl-tiny W=1 threads=2 vs threads=1` (target <= THREADS_TARGET_RATIO = 1.0: a second
   intra-op thread must not slow the step): baseline the first case's `BI mode` side (1 thread),
   candidate the same run with parallel.threads = 2 (`THREADS_SIDE`). Runs without trl too; left
   out of `--quick` (THREADS_QUICK_SKIP). Same extra keys as the first case's candidate.
@@ -33,7 +33,7 @@ Cases:
   the first steps at this width still grow the heap, see memory_policy.py), W = 1,
   parallel.threads = 1. Baseline TRL with 1 thread on the same config (the vocab is the
   model's 151936; the byte tokenizer's ids stay < 258, so TRL gets our prompt ids and the model's
-  vocab size, which trl_peer checks), candidate our BI mode (`launch_rl`, as the first case).
+  vocab size, which trl_peer checks), candidate our BI mode (`launch(RL_JOB, ...)`, as the first case).
   Sides run min(repeats, REAL_WIDTH_REPEATS) times. Same extra keys as the other TRL cases.
 When trl cannot be imported (`trl_peer.trl_missing`; the `peers` extra installs it), the TRL
 cases are skipped, never given a figure: a warning line on stderr names each, and the first case's
@@ -56,9 +56,9 @@ from titan_audit.bench.core import BenchOptions, Case
 
 log = logging.getLogger(__name__)
 
-TRL_TARGET_RATIO = 0.8  # our BI step <= 0.8x TRL's step on the same cores (issue 26)
-REAL_WIDTH_TARGET_RATIO = 1.0  # at real width: our BI step <= TRL's (issue 26)
-THREADS_TARGET_RATIO = 1.0  # BI at W=1: 2 intra-op threads no slower than 1 (issue 26)
+TRL_TARGET_RATIO = 0.8  # our BI step <= 0.8x TRL's step on the same cores
+REAL_WIDTH_TARGET_RATIO = 1.0  # at real width: our BI step <= TRL's
+THREADS_TARGET_RATIO = 1.0  # BI at W=1: 2 intra-op threads no slower than 1
 CORES = 2  # the all-cores case: our W = CORES ranks x 1 thread against TRL with CORES threads
 TRL_CASE = "rl rl-tiny W=1 vs TRL"
 TRL_ALL_CORES_CASE = f"rl rl-tiny all cores (W={CORES} vs TRL threads={CORES})"
@@ -101,9 +101,10 @@ def real_width_config(overrides: list[str] = ()):
 
 def _run_side(overrides: list[str], quick: bool, out: Path, nproc: int | None = None, config=None) -> dict[str, float]:
     """Median seconds per step (and per phase) over the steps after the first (rank 0's metrics)."""
-    from titan_audit.rl.launch import launch_rl
+    from titan_audit.rl.loop import RL_JOB
+    from titan_audit.trainer.launch import LaunchOptions, launch
 
-    rc = launch_rl(config or _config(overrides, quick), out, nproc=nproc, quiet=True)
+    rc = launch(RL_JOB, config or _config(overrides, quick), out, nproc=nproc, options=LaunchOptions(quiet=True))
     if rc != 0:
         raise RuntimeError(f"bench rl: the run in {out} (nproc {nproc}) exited with code {rc}")
     rows = read_metrics(out).to_pylist()[1:]

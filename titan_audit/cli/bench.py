@@ -7,11 +7,14 @@ docs/memory.md (ratio = measured / formula), with its grid from --modes, --world
 A progress bar on stderr while the suite runs (a terminal only: titan_audit/progress.py). With
 `--check`: exit 1 when a case missed its target (the JSON's `summary.missed` names them, the
 table marks them MISSED), 0 when every target was met, 2 when the suite has no target to check.
+With `--save`: the JSON also goes to `benchmarks/results/SUITE-KIND-DATE-COMMIT.json`
+(bench/results.py), from which scripts/perf_tables.py makes the performance tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -20,6 +23,7 @@ from rich.table import Table
 from titan_audit.bench import SUITES, BenchOptions, check_targets, run_suite
 from titan_audit.bench.core import MemoryGrid
 from titan_audit.bench.memory_suite import QUICK_GRID
+from titan_audit.bench.results import RESULTS_DIR, save_result
 from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.output import print_json
 from titan_audit.progress import progress_bar
@@ -44,6 +48,19 @@ from titan_audit.progress import progress_bar
     help="Suite generate: the built-in generator, or our model inside vLLM against vLLM's default mode.",
 )
 @click.option("--check", is_flag=True, help="Exit 1 if a case misses its target (summary.missed names them).")
+@click.option(
+    "--save",
+    is_flag=True,
+    help="Also write the JSON to --results-dir as SUITE-KIND-DATE-COMMIT.json (never replacing a file).",
+)
+@click.option(
+    "--results-dir",
+    type=click.Path(path_type=Path),
+    default=RESULTS_DIR,
+    show_default=True,
+    help="Where --save writes.",
+)
+@click.option("--notes", default="", help="With --save: what the figures need beside them (load, options).")
 @click.option("--modes", help="Suite memory: parallel modes, comma-separated (default dp,fsdp).")
 @click.option("--world-sizes", help="Suite memory: W values, comma-separated (default 1,2,4).")
 @click.option("--microbatches", help="Suite memory: V values, comma-separated (default 2,4,8,16).")
@@ -57,6 +74,9 @@ def bench(
     threads: int | None,
     generator: str,
     check: bool,
+    save: bool,
+    results_dir: Path,
+    notes: str,
     **memory: str | int | None,
 ) -> None:
     """Time a suite; ratio = candidate time / baseline time (lower is better). Suite memory:
@@ -73,6 +93,9 @@ def bench(
     with progress_bar(f"bench {suite}", unit=" cases") as bar:
         result = run_suite(suite, options, progress=bar.done)
     data = result.to_dict()
+    if save:
+        saved = save_result(data, results_dir, options=dataclasses.asdict(options), notes=notes)
+        click.echo(f"saved: {saved}", err=True)
     if as_json:
         print_json(data)
     elif suite == "memory":
@@ -90,9 +113,10 @@ def _print_table(suite: str, data: dict) -> None:
     for case in data["cases"]:
         mark = {True: "ok", False: "MISSED", None: ""}[case["met_target"]]
         target = f"<= {case['target']:.2f} {mark}" if case["target"] is not None else "-"
-        table.add_row(
-            case["case"], f"{case['baseline_s']:.3g}", f"{case['candidate_s']:.3g}", f"{case['ratio']:.2f}", target
-        )
+        seconds = [
+            f"{case[k]:.3g}" if k in case else "-" for k in ("baseline_s", "candidate_s")
+        ]  # a bytes case has none
+        table.add_row(case["case"], *seconds, f"{case['ratio']:.2f}", target)
     Console().print(table)
     for pair in dict.fromkeys((c["baseline"], c["candidate"]) for c in data["cases"]):
         click.echo(f"baseline {pair[0]!r}, candidate {pair[1]!r}")

@@ -1,7 +1,8 @@
 """`titan-audit compare RUN_A RUN_B`: are two runs' audit logs identical, and if not, where did they part?
 
-Thin wrapper over `titan_audit.audit.compare.compare_runs`. Config differences between the runs are
-listed first (information: the verdict is the records'). Exit 0 identical, 1 different (including
+Thin wrapper over `titan_audit.audit.compare.compare_runs`. First, why bitwise equality is not
+expected when the configs say so (`audit.config_diff.expected_differences`: a TP layout outside BI
+mode), then the config differences (information: the verdict is the records'). Exit 0 identical, 1 different (including
 records present in one run only), 2 bad input (also a selection, `--steps`/`--phase`/`--names`,
 that selects no record).
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 import click
 
 from titan_audit.audit.compare import compare_runs
+from titan_audit.audit.config_diff import run_expected_differences
 from titan_audit.audit.report import compare_report
 from titan_audit.audit.schema import PHASES
 from titan_audit.cli.errors import EXIT_DIFFERENT
@@ -31,11 +33,14 @@ from titan_audit.cli.output import print_json
 def compare(run_a: Path, run_b: Path, as_json: bool, phase: str | None, names: str | None, steps: str | None) -> None:
     """Join RUN_A's and RUN_B's audit records on (step, phase, microbatch, name); exit 1 if any differ."""
     result = compare_runs(run_a, run_b, phase=phase, names=names, steps=steps)
-    data = result.to_dict()
+    data = {**result.to_dict(), "expected_differences": run_expected_differences(run_a, run_b)}
     if as_json:
         print_json(data)
     else:
+        expected = [
+            f"warning: bitwise equality is not expected (comparing anyway): {w}" for w in data["expected_differences"]
+        ]
         configs = [f"config differs: {line}" for line in data["config_differences"]]  # first: context for the verdict
-        click.echo("\n".join(configs + compare_report(data)))
+        click.echo("\n".join(expected + configs + compare_report(data)))
     if not result.identical:
         raise SystemExit(EXIT_DIFFERENT)

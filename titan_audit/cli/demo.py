@@ -23,11 +23,11 @@ def demo(ctx: click.Context, out: Path | None, quick: bool) -> None:
     batch-invariance spot-checks, committed goldens; a verdict table and OUT/reports/report.html.
     Exit 1 if any guarantee fails (-v: every stage's output)."""
     from titan_audit.cli.demo_view import DemoView
-    from titan_audit.demo import job
+    from titan_audit.demo import run
 
     verbose = bool(ctx.obj and ctx.obj.get("verbose"))
     with DemoView() as view:
-        result = job.run(out, quick=quick, verbose=verbose, listener=view)
+        result = run(out, quick=quick, verbose=verbose, listener=view)
         view.finish(result)
     if not result.passed:
         raise SystemExit(EXIT_DIFFERENT)

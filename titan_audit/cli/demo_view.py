@@ -1,6 +1,6 @@
 """How `titan-audit demo` looks in a terminal (the command: titan_audit.cli.demo).
 
-The job (`titan_audit.demo.job.run`) reports to a `Listener`; `DemoView` is the rich one: a
+The job (`titan_audit.demo.run`) reports to a `Listener`; `DemoView` is the rich one: a
 progress bar (the stage running, steps done, time), the stage titles, each verdict as it comes,
 with -v every stage's output; then `verdict_table` and the footer. Row and message text is never
 rich markup (a detail such as `pip install -e '.[vllm]'` prints as it is).
@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from titan_audit.demo.job import Listener, Result, Row, ordered
+from titan_audit.demo import Listener, Result, Row, ordered
 
 COLORS = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}
 

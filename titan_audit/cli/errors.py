@@ -8,11 +8,10 @@
   open files): one line naming the path and the errno, exit 2; the traceback is saved to a log
   file next to the run it concerns, or in the system temp dir, and the line names it
   (titan_audit/faults.py).
+Which errors these are is `faults.user_errors()`, the list a launch's ranks use too.
 With -v the original exception propagates, traceback and all."""
 
 from __future__ import annotations
-
-import sys
 
 import click
 
@@ -21,17 +20,6 @@ from titan_audit import faults
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
-
-
-# where KernelLibraryError lives; looked up, never imported: that would import torch for every
-# command, --help included (an error of that type exists only once its module is loaded)
-_KERNEL_LIBRARY_MODULE = "titan_audit.batch_invariant.cpu._lib"
-
-
-def _kernel_library_error() -> tuple[type[BaseException], ...]:
-    module = sys.modules.get(_KERNEL_LIBRARY_MODULE)
-    error = getattr(module, "KernelLibraryError", None)
-    return (error,) if error is not None else ()
 
 
 class UserError(click.ClickException):
@@ -46,8 +34,7 @@ class AuditGroup(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except (ValueError, OSError, *_kernel_library_error()) as error:
+        except faults.user_errors() as error:
             if ctx.obj and ctx.obj.get("verbose"):
                 raise
-            message = faults.describe(error) if isinstance(error, OSError) else str(error)
-            raise UserError(message) from None
+            raise UserError(faults.user_message(error)) from None

@@ -19,8 +19,8 @@ from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.lazy_group import LazyGroup
 from titan_audit.cli.output import print_json
 from titan_audit.golden import check_golden, parse_steps, record_golden, update_golden
-from titan_audit.golden.check import parse_phases
 from titan_audit.golden.report import changes_report, check_report, record_report
+from titan_audit.golden.selection import parse_phases
 
 
 def _bounds(values: tuple[str, ...], option: str) -> dict[str, float]:

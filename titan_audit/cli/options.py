@@ -23,7 +23,7 @@ def overwrite_option(what: str = "a run already in --out"):
 
 def multinode_options(fn):
     """`--nnodes N --node-rank R --rdzv-endpoint HOST:PORT`: this node of a multi-node launch
-    through torchrun's c10d rendezvous (trainer/launch.py `Rendezvous`); the command receives
+    through torchrun's c10d rendezvous (trainer/launch/rendezvous.py `Rendezvous`); the command receives
     them as `nnodes`, `node_rank`, `rdzv_endpoint`."""
     for option in reversed(
         (
@@ -61,7 +61,7 @@ def device_override(device: str | None) -> list[str]:
 
 
 class _Nproc(click.ParamType):
-    """A rank count N >= 1, or "auto" (trainer/launch.py `resolve_nproc` picks W from the cores)."""
+    """A rank count N >= 1, or "auto" (trainer/launch/rendezvous.py `resolve_nproc` picks W from the cores)."""
 
     name = "N|auto"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from titan_audit.cli.errors import EXIT_DIFFERENT, UserError
+from titan_audit.cli.errors import EXIT_DIFFERENT
 from titan_audit.cli.options import device_option, device_override, multinode_options, nproc_option, overwrite_option
 
 _INIT_HELP = (
@@ -56,21 +56,20 @@ def rl(
     source, out, init, nproc, nnodes, node_rank, rdzv_endpoint, steps, resume, overwrite, overrides, generator, device
 ) -> None:
     """RL on verifiable synthetic tasks (see titan_audit/rl/loop.py); no verification overhead."""
-    from titan_audit.rl.launch import start_rl
-    from titan_audit.trainer.launch import Rendezvous
+    from titan_audit.rl.loop import RL_JOB
+    from titan_audit.trainer.launch import LaunchOptions, Rendezvous, start
 
     rendezvous = Rendezvous.from_options(nnodes, node_rank, rdzv_endpoint, nproc=nproc)
     overrides = [*overrides, *_generator_override(generator), *device_override(device)]
     rc = _guard(
-        lambda: start_rl(
+        lambda: start(
+            RL_JOB,
             source,
             out,
-            init=init,
             nproc=nproc,
             steps=steps,
-            resume=resume,
-            overwrite=overwrite,
             overrides=overrides,
+            options=LaunchOptions(resume=resume, overwrite=overwrite, init=init),
             rendezvous=rendezvous,
         )
     )
@@ -115,8 +114,6 @@ def verify_onpolicy(
     depends on the CPU's libraries."""
     from titan_audit.rl.verify import verify_onpolicy as verify
 
-    if steps < 1:
-        raise UserError(f"--steps must be >= 1, got {steps}")
     result = _guard(
         lambda: verify(
             source,
@@ -144,5 +141,4 @@ def verify_onpolicy(
         if result.report["control"] is not None:
             click.echo(control_verdict(result.report["control"]))
         click.echo(f"report: {result.report['md']}, {result.report['html']}")
-    if not result.passed:
-        sys.exit(EXIT_DIFFERENT)
+    sys.exit(result.exit_code)

@@ -53,20 +53,19 @@ def train(
     device: str | None,
 ) -> None:
     """Train (tiny recipes run in seconds on a CPU); see docs in titan_audit/trainer/train.py."""
-    from titan_audit.trainer.launch import Rendezvous, start_run
+    from titan_audit.trainer.launch import LaunchOptions, Rendezvous, start
+    from titan_audit.trainer.train import TRAIN_JOB
 
     rendezvous = Rendezvous.from_options(nnodes, node_rank, rdzv_endpoint, nproc=nproc)
-    rc = start_run(
+    rc = start(
+        TRAIN_JOB,
         source,
         out,
         nproc=nproc,
         steps=steps,
-        resume=resume,
-        overwrite=overwrite,
         overrides=[*overrides, *device_override(device)],
-        init=init,
+        options=LaunchOptions(resume=resume, overwrite=overwrite, init=init, until=until),
         rendezvous=rendezvous,
-        until=until,
     )
     if rc:
         sys.exit(rc)

@@ -16,7 +16,7 @@ def record_report(summary: dict) -> str:
 
 
 def check_report(data: dict) -> list[str]:
-    """The human report of a golden check (`CheckResult.to_dict()`) as lines."""
+    """The human report of a golden check (`GoldenCheck.to_dict()`) as lines."""
     lines: list[str] = []
     verdict = "PASS" if data["passed"] else "FAIL"
     if data["mode"] == "exact":

@@ -38,8 +38,14 @@ Cost: the forward runs the head once, the backward twice more (rows for grad_x, 
 grad_W) beside its two gemms: five [N, V, D] gemms instead of three. Live tensors: x, the weight,
 both gradients, packed copies of x (the gemm's cache) and a few buffers of `chunk_bytes` (and the
 gemm kernel packs one chunk-sized operand per call in scratch memory that no tensor holds).
-Elsewhere (native ops, CUDA, a tensor-parallel DTensor head, a cast weight) the unchunked path
-runs as is: [N, V] logits and log-softmax, no memory bound.
+Outside BI mode (native ops, on any device) a plain-tensor head whose [N, V] float32 logits
+would exceed one buffer runs in row chunks too (`_NativeChunkedLogprobs`): per chunk the head's
+logits, their log-sum-exp and the target's logit; the backward recomputes each chunk's logits and
+adds its weight gradient into one [V, D] float32 buffer, chunk after chunk in row order. Native
+ops make no bitwise promise: the values are the unchunked path's up to float rounding, and the
+same from run to run. Smaller heads (every committed golden's) run the unchunked path as before.
+Elsewhere (BI mode on CUDA, a tensor-parallel DTensor head, a cast weight in BI mode) the unchunked
+path runs as is: [N, V] logits and log-softmax, no memory bound.
 """
 
 from __future__ import annotations
@@ -49,9 +55,10 @@ from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
 
 from titan_audit.batch_invariant.backend import backend_for
-from titan_audit.models import head_rows, tied
+from titan_audit.models import head_rows, ops, tied
 from titan_audit.models.logprobs import token_logprobs
 
 CHUNK_BYTES = 64 << 20  # the default size of one row-chunk or vocabulary-slice buffer
@@ -89,6 +96,9 @@ def logprobs_at_rows(
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     if chunked(x_MD, weight):
         return _ChunkedLogprobs.apply(x_MD, weight, rows, targets, float(temperature), link, chunk_bytes)
+    if native_chunked(x_MD, weight, rows.numel(), chunk_bytes):
+        assert link is None, "a tied link is made in BI mode only"
+        return _NativeChunkedLogprobs.apply(x_MD, weight, rows, targets, float(temperature), chunk_bytes)
     logits_NV = head_rows.head_at_rows(x_MD, weight, rows, link)
     return token_logprobs(logits_NV.float() / float(temperature), targets)
 
@@ -98,6 +108,13 @@ def chunked(x: torch.Tensor, weight: torch.Tensor) -> bool:
     backend (whose gemm fixes each output's chain by K alone, so a column slice and a transposed
     product keep the bits)."""
     return head_rows.runs_direct(x, weight) and backend_for(x, weight).NAME == "cpu"
+
+
+def native_chunked(x: torch.Tensor, weight: torch.Tensor, rows: int, chunk_bytes: int) -> bool:
+    """Whether `logprobs_at_rows` runs `_NativeChunkedLogprobs`: outside BI mode, plain tensors,
+    and [rows, V] float32 logits larger than one buffer of `chunk_bytes`."""
+    plain = not isinstance(weight, DTensor) and not isinstance(x, DTensor)
+    return plain and not ops.bi_mode() and rows * weight.shape[0] * _F32 > chunk_bytes
 
 
 def _scaled_and_log_softmax(be: Any, x_MD: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, temperature: float):  # noqa: ANN202
@@ -196,3 +213,57 @@ def _weight_grad(x_MD, weight, rows, targets, grad_N, mx, ls, temperature, chunk
         grad_w[v0:v1] = be.mm(grad_MW.t(), x_MD)
         del grad_MW
     return grad_w
+
+
+class _NativeChunkedLogprobs(torch.autograd.Function):
+    """Native-ops log-probs in row chunks (module doc): saves x, the weight and one float per row."""
+
+    @staticmethod
+    def forward(ctx: Any, x_MD, weight, rows, targets, temperature, chunk_bytes):  # noqa: ANN001, ANN205
+        n = rows.numel()
+        logprobs, lse = (x_MD.new_empty(n, dtype=torch.float32) for _ in range(2))
+        step = _row_step(weight.shape[0], chunk_bytes)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            scaled_CV = _native_scaled(x_MD.index_select(0, rows[r0:r1]), weight, temperature)
+            lse[r0:r1] = torch.logsumexp(scaled_CV, 1)
+            logprobs[r0:r1] = scaled_CV.gather(1, targets[r0:r1].unsqueeze(1)).squeeze(1) - lse[r0:r1]
+            del scaled_CV
+        ctx.save_for_backward(x_MD, weight, rows, targets, lse)
+        ctx.temperature, ctx.chunk_bytes = temperature, chunk_bytes
+        return logprobs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_MD, weight, rows, targets, lse = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = x_MD.new_zeros(x_MD.shape) if want_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        n = rows.numel()
+        step = _row_step(weight.shape[0], ctx.chunk_bytes)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            # d logp / d scaled = onehot(target) - softmax(scaled); then the division by T
+            x_CD = x_MD.index_select(0, rows[r0:r1])
+            grad_CV = _native_scaled(x_CD, weight, ctx.temperature)
+            grad_CV.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(-grad_N[r0:r1].unsqueeze(1))
+            grad_CV.scatter_add_(1, targets[r0:r1].unsqueeze(1), grad_N[r0:r1].unsqueeze(1).float())
+            grad_CV.div_(ctx.temperature)
+            grad_CV = grad_CV.to(weight.dtype)
+            if want_x:
+                grad_x.index_copy_(0, rows[r0:r1], grad_CV @ weight)
+            if want_w and grad_CV.dtype == torch.float32:  # in place: no [V, D] temporary
+                grad_w.addmm_(grad_CV.t(), x_CD)
+            elif want_w:
+                grad_w.add_(grad_CV.t() @ x_CD)
+            del grad_CV
+        if want_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_x, grad_w, None, None, None, None
+
+
+def _native_scaled(x_CD: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The head's logits of the hidden rows `x_CD` in float32, divided by the temperature: [C, V]."""
+    scaled_CV = torch.nn.functional.linear(x_CD, weight).float()
+    return scaled_CV.div_(temperature)

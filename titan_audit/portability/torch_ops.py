@@ -106,7 +106,7 @@ def _vector_norm(n: int, kind: str) -> Callable[[], dict]:
 
 def _clip(n: int, max_norm: float) -> Callable[[], dict]:
     def run() -> dict:
-        from titan_audit.trainer.engine import clip_
+        from titan_audit.trainer.step import clip_
 
         flat = _t(uniform32(n, f"clip_/{n}", -0.05, 0.05))
         norm = clip_(flat, max_norm)

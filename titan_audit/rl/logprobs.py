@@ -16,8 +16,10 @@ whatever the other samples and the padded length, and bitwise equal to the built
 run as one step at the positions whose logits give a completion token, for all samples at once
 (the model's `logits_rows` with `logprob_targets`: the bits of the full head's rows, gradients
 included). In BI mode on CPU that step runs in row chunks and vocabulary slices
-(models/chunked_head.py): no [tokens, vocab] tensor is ever held, forward or backward; elsewhere
-it holds the [tokens, vocab] logits and their log-softmax. With `batch_invariant=False` the call
+(models/chunked_head.py): no [tokens, vocab] tensor is ever held, forward or backward; with
+native ops (any device) it runs in row chunks once the [tokens, vocab] logits would exceed one
+buffer; elsewhere (BI mode on CUDA, a tensor-parallel head) it holds the [tokens, vocab] logits
+and their log-softmax. With `batch_invariant=False` the call
 runs in whatever mode the caller is in (native ops outside BI mode: no bitwise promise).
 
 Autograd: nothing here disables it; call it under `torch.no_grad()` to score only, or with grad

@@ -3,7 +3,7 @@
     result = rl_train(config, "runs/rl", init="runs/warmup")     # this process's rank of the group
     result = rl_train(config, "runs/rl", resume=True)            # continue from the latest checkpoint
 
-The run engine (trainer/engine.py) does what every run does: process group, numerics (BI mode on
+The run engine (trainer/run.py, trainer/step.py) does what every run does: process group, numerics (BI mode on
 for the whole run, both threads, when `determinism.batch_invariant` is set), rank-0 checks, the
 run lock, manifest, recorder, the fixed-tree reduction, clipping, AdamW, checkpoints, close on any
 exception. What is RL's own, a step k on rank r of W (P prompts = V microbatches, G samples each):
@@ -55,20 +55,21 @@ from pathlib import Path
 
 import torch
 
-from titan_audit.rl.config import RESUME_MUTABLE_KEYS, RLConfig
+from titan_audit.rl.config import RLConfig
 from titan_audit.rl.init import build_policy, prompt_ids
+from titan_audit.rl.job import RLJob
 from titan_audit.rl.logprobs import sequence_logprobs
 from titan_audit.rl.loss import combine_gap, gap_figures, group_advantages, policy_loss
-from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator, check_prompts
+from titan_audit.rl.rollout_schedule import RolloutSchedule, build_generator
 from titan_audit.rl.rollouts import RolloutResult, random_delay
 from titan_audit.rl.step_metrics import group_stats, metrics_row
-from titan_audit.rl.user_task import build_task, input_differences
+from titan_audit.rl.user_task import build_task
 from titan_audit.rl.weights import WeightPlan, rollout_mesh
-from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
-from titan_audit.trainer.init import check_init, check_resume_init, digest_tensor, init_record
+from titan_audit.trainer.init import digest_tensor
+from titan_audit.trainer.launch.spec import LaunchOptions
 from titan_audit.trainer.optim import build_optimizer
-from titan_audit.trainer.run_dir import read_manifest
-from titan_audit.trainer.tensor_parallel import check_tensor_parallel
+from titan_audit.trainer.run import Run
+from titan_audit.trainer.step import StepKit
 
 
 @dataclass
@@ -81,50 +82,6 @@ class RLResult:
     max_gap_differing: int | None  # with verify: the most tokens with a bit difference in any step
 
 
-# ---------------------------------------------------------------------------------- input checks
-def check_inputs(config: RLConfig, init: str | os.PathLike | None, world_size: int):
-    """Every check of the RL request that needs no compute (ValueError naming the key); the task."""
-    config.check_world_size(world_size)
-    check_tensor_parallel(config)
-    check_backend(config)
-    if config.generator == "vllm":
-        if config.parallel.device != "cpu":
-            raise ValueError(
-                f"generator = 'vllm' runs vLLM's CPU engine (a CUDA engine for our attention backend is not "
-                f"built) and parallel.device = {config.parallel.device!r}; use generator = 'builtin' on cuda"
-            )
-        from titan_audit.rl import vllm as rl_vllm
-
-        rl_vllm.require()  # one line: how to install the extra
-        if world_size > 1 or config.parallel.mode == "fsdp":
-            raise ValueError(
-                f"generator = 'vllm' runs on one rank (its in-process engine owns torch.distributed); "
-                f"got world size {world_size}, parallel.mode = {config.parallel.mode!r}: use --nproc 1 and "
-                f"parallel.mode = 'dp', or generator = 'builtin'"
-            )
-    check_init(init, config.model)  # files and shape (the launcher gave the config the init's shape)
-    task = build_task(config)  # the tokenizer against the model, the user's prompts and rewards
-    check_prompts(config, task.prompts(1))
-    return task
-
-
-def check_run(config: RLConfig, out: Path, *, init, resume: bool, overwrite: bool | str, world_size: int):
-    """Everything `rl_train` checks before it computes (the launcher runs it before torchrun, rank
-    0 again): the request (`check_inputs`), the run directory (engine.check_run_dir), and on a
-    resume that an --init given names the run's own and that the task's inputs (prompts file,
-    reward modules, tokenizer) are those the run started with. Returns the task."""
-    out = Path(out)
-    task = check_inputs(config, init, world_size)
-    check_run_dir(config, out, kind="rl", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
-    if not resume:
-        return task
-    check_resume_init(out, init)
-    changed = input_differences(read_manifest(out).get("task_inputs"), task.inputs)
-    if changed:
-        raise ValueError(f"{out}: {'; '.join(changed)} since the run started; restore it or start a new run")
-    return task
-
-
 # ---------------------------------------------------------------------------------- the loop
 def rl_train(
     config: RLConfig,
@@ -135,23 +92,16 @@ def rl_train(
     overwrite: bool | str = False,
     quiet: bool = False,
     generator_factory=None,
+    audit_verified: dict[str, list[int | str]] | None = None,
 ) -> RLResult:
     """Run (or resume) an RL run into `out` on this process's rank of the current group.
-    `generator_factory(model, batch_invariant) -> Generator` replaces the configured generator."""
-    checked = {}  # rank 0: the task check_run built (the manifest records its inputs)
-
-    def check(world_size: int) -> None:
-        checked["task"] = check_run(config, out, init=init, resume=resume, overwrite=overwrite, world_size=world_size)
-
-    def extra() -> dict:
-        inputs = checked["task"].inputs
-        return {"init": init_record(init), **({"task_inputs": inputs} if inputs is not None else {})}
-
-    fsdp = config.parallel.mode == "fsdp"
-    kwargs = {"resume": resume, "overwrite": overwrite, "extra": extra, "quiet": quiet, "single_group": fsdp}
-    run = Run(config, out, kind="rl", check=check, **kwargs)
+    `generator_factory(model, batch_invariant) -> Generator` replaces the configured generator.
+    `audit_verified`: the audit-log parts a launcher's check verified (LaunchOptions), not read again."""
+    init = None if init is None else str(init)
+    options = LaunchOptions(resume=resume, overwrite=overwrite, init=init, quiet=quiet, audit_verified=audit_verified)
+    run = Run(config, out, job=RL_JOB, options=options, single_group=config.parallel.mode == "fsdp")
     with run:
-        task = checked.get("task") or build_task(config)  # other ranks: rank 0 checked the same inputs
+        task = run.checked or build_task(config)  # rank 0: the task its checks built; the others: the same inputs
         W, bi = run.mesh.world_size, config.determinism.batch_invariant
         dp, dp_group, device = run.mesh.dp, run.mesh.dp_group, run.mesh.device  # TP peers: the same prompts
         policy = build_policy(config, run, run.manifest["init"]["source"])  # digest recorded (checked on resume)
@@ -279,3 +229,6 @@ def _progress_line(config: RLConfig, row: dict, last_step: int) -> str:
         f"grad_norm {row['grad_norm']:.3f}  ratio [{row['ratio_min']:.4f}, {row['ratio_max']:.4f}]"
         f"{gap}  age {row['policy_age']}  {row['seconds']:.2f}s  W={row['world_size']}"
     )
+
+
+RL_JOB = RLJob(rl_train)  # what `titan-audit rl` launches (trainer/launch)

@@ -23,9 +23,12 @@ Guarantees:
   passed; with `control` a "control" object (run, control, tokens_compared, tokens_differing,
   steps_with_gap, max_abs_diff, shows_gap); with `compare_default` a "default" object
   (tokens_compared, tokens_differing, steps_with_gap, max_abs_diff).
-- Runs go through `start_rl` (the checks of `titan-audit rl`: bad input is a ValueError before
-  anything is written); the companions are made after RUN, inside it (trainer/run_dir.py's
-  COMPANION_RUNS), so --overwrite moves them aside with it.
+- Runs go through the launcher's `start` with the RL job (the checks of `titan-audit rl`: bad
+  input is a ValueError before anything is written); the companions are made after RUN, inside it by default (trainer/
+  run_dir.py's COMPANION_RUNS, so --overwrite moves them aside with it), or where `control_out` /
+  `default_out` say (new run directories: the demo keeps its runs side by side).
+- A launch that fails stops the chain: `rc` is its exit code and `failed` the run it was making;
+  nothing else is set and no report is written.
 """
 
 from __future__ import annotations
@@ -57,10 +60,16 @@ COMPANION_KEYS = ("tokens_compared", "tokens_differing", "steps_with_gap", "max_
 
 @dataclass
 class Verification:
-    rc: int  # non-zero: a launch failed with this exit code (nothing else is set)
+    rc: int  # non-zero: a launch failed with this exit code (nothing else is set but `failed`)
+    failed: Path | None = None  # the run whose launch failed
     passed: bool = False
     verdict: dict[str, Any] | None = None
     report: dict[str, Any] | None = None  # write_onpolicy_report's: md, html and the summaries
+
+    @property
+    def exit_code(self) -> int:
+        """What `titan-audit verify-onpolicy` exits with: a failed launch's code, else 0 iff passed, else 1."""
+        return self.rc or (0 if self.passed else 1)
 
 
 def verify_onpolicy(
@@ -75,10 +84,16 @@ def verify_onpolicy(
     quiet: bool = False,
     control: bool = False,
     compare_default: bool = False,
+    control_out: str | Path | None = None,
+    default_out: str | Path | None = None,
 ) -> Verification:
-    """Run RUN (and its companions), write RUN/reports/onpolicy.{md,html}; see the module docstring."""
-    from titan_audit.rl.launch import start_rl
+    """Run RUN (and its companions: in RUN/control and RUN/compare-default unless `control_out` and
+    `default_out` name other new directories), write RUN/reports/onpolicy.{md,html}; see the
+    module docstring."""
+    from titan_audit.rl.loop import RL_JOB
     from titan_audit.rl.report import control_shows_gap, write_onpolicy_report
+    from titan_audit.trainer.launch import LaunchOptions
+    from titan_audit.trainer.launch import start as start_job
 
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
@@ -86,32 +101,23 @@ def verify_onpolicy(
     common = [*overrides, "verify=true"]
 
     def start(where: Path, extra: list[str], overwrite_it: bool | str) -> int:
-        return start_rl(
-            source,
-            where,
-            init=init,
-            nproc=nproc,
-            steps=steps,
-            resume=False,
-            overwrite=overwrite_it,
-            overrides=[*common, *extra],
-            quiet=quiet,
-        )
+        options = LaunchOptions(overwrite=overwrite_it, init=init, quiet=quiet)
+        return start_job(RL_JOB, source, where, nproc=nproc, steps=steps, overrides=[*common, *extra], options=options)
 
     rc = start(out, [], overwrite)
     if rc:
-        return Verification(rc)
+        return Verification(rc, out)
     control_run = default_run = None
     if control:
-        control_run = out / CONTROL_RUN
+        control_run = out / CONTROL_RUN if control_out is None else Path(control_out)
         rc = start(control_run, [f"{CONFIG_KEY}={CONTROL}"], False)
         if rc:
-            return Verification(rc)
+            return Verification(rc, control_run)
     if compare_default:
-        default_run = out / DEFAULT_RUN
+        default_run = out / DEFAULT_RUN if default_out is None else Path(default_out)
         rc = start(default_run, ["determinism.batch_invariant=false"], False)
         if rc:
-            return Verification(rc)
+            return Verification(rc, default_run)
     report = write_onpolicy_report(out, default_run, control_run)
     summary = report["summary"]
     verdict: dict[str, Any] = {key: summary[key] for key in VERDICT_KEYS}
@@ -131,4 +137,4 @@ def verify_onpolicy(
         d = report["default"]
         verdict["default"] = {k: d[k] for k in COMPANION_KEYS}
     verdict["passed"] = passed
-    return Verification(0, passed, verdict, report)
+    return Verification(0, passed=passed, verdict=verdict, report=report)

@@ -145,7 +145,7 @@ class ProcessSection:
     data-parallel mode).
 
     device: "cpu", or "cuda" (rank r of a node on GPU LOCAL_RANK; the weights are initialised on
-    the CPU, then moved: trainer/engine.py). It changes the bits of every step, so a resume may not
+    the CPU, then moved: trainer/run.py). It changes the bits of every step, so a resume may not
     change it; `backend = "auto"` resolves by it (nccl for cuda, gloo for cpu)."""
 
     threads: int = 1  # intra-op threads per rank: part of the numerics, never derived from W

@@ -125,7 +125,7 @@ def norm_v2(pieces: list[Piece], *, dp_group=None, dp: int = 1, tp_group=None, t
 
 def tp_dim(param: torch.Tensor) -> int | None:
     """The dim a tensor-parallel placement shards (None: replicated over tp, or no TP): the
-    placement on the mesh dimension named "tp" (trainer/engine.py's Mesh)."""
+    placement on the mesh dimension named "tp" (trainer/mesh.py's Mesh)."""
     if not isinstance(param, DTensor):
         return None
     names = param.device_mesh.mesh_dim_names or ()

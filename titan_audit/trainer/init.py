@@ -1,22 +1,22 @@
 """Where a run's weights start (`train --init`, `rl --init`): another run's latest checkpoint, an
 HF model directory, or the deterministic init of (config.model, seed).
 
-    config = resolve_config(TrainConfig, RECIPES, "recipe", "tiny-dense", out, kind="train",
-                            resume=False, overrides=[], init="hf/qwen3")  # the init's shape
-    load_init(model, "hf/qwen3")                                           # its weights, bitwise
+    kind, shape = init_kind("hf/qwen3")      # what it is and its model's shape (no tensor read)
+    load_init(model, "hf/qwen3")             # its weights, bitwise
 
 Guarantees:
 - `init_kind(init)` names the source ('none' | 'run' | 'hf') with its model config, after a
   preflight that reads no tensor (a run: its manifest's model config and the newest checkpoint's
   small files; an HF directory: config.json, the safetensors headers, every tensor's name and
   shape), or raises a ValueError saying what the path is not.
-- `resolve_config`: with an init, the config's model section takes the init's shape whatever the
-  recipe says: the preset is kept and `model.overrides` holds every ModelConfig field where the
-  init differs from it, so the resolved config (manifest.json) records the shape. A model key the
-  user set (in the TOML file or with --set) that contradicts the init is refused: one line naming
-  the key and both values. An explicit `model.preset` claims that preset's whole shape. Keys that
-  are no part of a checkpoint (activation_checkpointing, router_aux_loss_coef, compute_dtype)
-  stay the config's. All of it runs before any file is written.
+- `model_with_shape` (what trainer/resolve.py applies): with an init, the config's model section
+  takes the init's shape whatever the recipe says: the preset is kept and `model.overrides`
+  holds every ModelConfig field where the init differs from it, so the resolved config
+  (manifest.json) records the shape. A model key the user set (in the TOML file or with --set)
+  that contradicts the init is refused: one line naming the key and both values. An explicit
+  `model.preset` claims that preset's whole shape. Keys that are no part of a checkpoint
+  (activation_checkpointing, router_aux_loss_coef, compute_dtype) stay the config's. All of it
+  runs before any file is written.
 - `load_init` loads the init's weights bitwise into a materialised model, whole or sharded
   (DTensor parameters: each rank reads only its local pieces, never a second full model): a
   run's checkpoint through DCP, its model tensors verified against its hashes.json (no optimizer
@@ -101,46 +101,6 @@ def check_init(init: str | os.PathLike | None, section: ModelSection) -> str:
 
 
 # ---------------------------------------------------------------------------------- the config
-def resolve_config(
-    cls: type,
-    recipes: dict[str, dict[str, Any]],
-    what: str,
-    source: str | None,
-    out: Path,
-    *,
-    kind: str,
-    resume: bool,
-    overrides: list[str] | tuple[str, ...],
-    init: str | os.PathLike | None,
-):
-    """The config of a launch (engine.resolve_config) with its model section set to the init's
-    shape (see the module docstring). On a resume without --init, the run's own model section is
-    the shape (its init may be gone: the checkpoints hold the weights)."""
-    from titan_audit.trainer.engine import resolve_config as resolve
-
-    def load(src: str, sets: list[str]):
-        return typed_config.load(cls, src, recipes, sets, what)
-
-    shape, label = None, None
-    saved = saved_init(out) if init is None and resume and source is not None else None
-    if init is not None:
-        _, shape = init_kind(init)
-        label = f"--init {init}"
-    elif saved is not None:
-        shape = run_model_config(Path(out), f"{out}/manifest.json")
-        label = f"the init of {out} ({saved})"
-    if shape is None or source is None:
-        return resolve(cls, load, source, out, kind=kind, resume=resume, overrides=overrides)
-    data, origin = typed_config.load_source(source, recipes, overrides, what)
-    model = data.get("model", {})
-    if isinstance(model, dict):
-        data["model"] = model_with_shape(model, explicit_model(source, recipes, overrides), shape, label)
-    try:
-        return typed_config.build(cls, data)
-    except ValueError as error:
-        raise ValueError(f"{origin}: {error}") from None
-
-
 def explicit_model(source: str, recipes: dict[str, dict[str, Any]], overrides) -> dict[str, Any]:
     """The model keys the user set: the TOML file's own (not its base recipe's) and --set's."""
     own = {} if source in recipes else {k: v for k, v in typed_config.load_toml(source).items() if k != "recipe"}

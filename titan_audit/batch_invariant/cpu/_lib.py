@@ -186,8 +186,8 @@ def output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     without deterministic mode's NaN fill. Under `torch.use_deterministic_algorithms(True)` (with
     `torch.utils.deterministic.fill_uninitialized_memory`, the default) every `torch.empty` first
     writes NaN into all of its memory so that a read before a write is repeatable; a kernel output
-    is written in full before anyone reads it, so that pass is wasted work (issue 26: 22k fills,
-    ~10% of an rl-tiny BI step, twice that with 2 threads). The storage is allocated directly
+    is written in full before anyone reads it, so that pass is wasted work (thousands of fills a
+    step, a noticeable share of a small BI step). The storage is allocated directly
     (no aten factory fills it) and viewed with `set_`; no bit of any result changes. Small outputs
     take `torch.empty`, whose fill is then cheaper than the extra calls; so does every output
     while a TorchDispatchMode watches the aten ops (the op log of `bisect --step`, audit/oplog.py,
