@@ -82,6 +82,35 @@ def test_hash_and_stats_read_piece_by_piece_are_the_one_pass_values(monkeypatch,
     assert summarize(t, with_stats=False) == (s.dtype, s.shape, s.hash, None, None)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lattice_hash_and_stats_read_piece_by_piece_on_threads_are_the_one_pass_values(monkeypatch, threads):
+    """Above C the lattice lanes of each piece run on every intra-op thread and the stats kernel
+    follows piece by piece (one lattice chunk per thread): the hash is `fingerprint`'s and the
+    statistics the kernel's one-call bits at 1 and 2 threads. Negative control: one element of
+    the middle piece perturbed by one ulp changes the hash."""
+    from titan_audit.audit import summary as summary_module
+    from titan_audit.audit.fingerprint import whole_hash_limit
+    from titan_audit.batch_invariant.cpu import stats as kernel
+
+    monkeypatch.setattr(summary_module, "_LATTICE_CHUNK_BYTES", 8 * kernel.BLOCK)
+    t = torch.randn(7, 3 * kernel.BLOCK + 5, generator=torch.Generator().manual_seed(4)) * 10
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with whole_hash_limit(1024):
+            assert t.nbytes > 3 * threads * summary_module._LATTICE_CHUNK_BYTES
+            s = summarize(t)
+            absmax, total = kernel.absmax_sum(t)
+            assert s.hash == fingerprint(t)
+            assert (s.absmax, s.mean) == (absmax, total / t.numel())
+            perturbed = t.clone()
+            middle = perturbed.view(-1)[t.numel() // 2 : t.numel() // 2 + 1]
+            middle.copy_(torch.nextafter(middle, middle + 1))
+            assert summarize(perturbed).hash == fingerprint(perturbed) != s.hash
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_stats_of_every_dtype_class():
     # float16 and float8 are widened exactly; integers and bools take the exact integer path
     h = torch.tensor([1.5, -2.25, 0.0], dtype=torch.float16)

@@ -216,23 +216,25 @@ def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
 
 
 def _summarize_lattice(tensor: torch.Tensor, meta: _Meta, with_stats: bool) -> Summary:
-    """_summarize_plain() above C bytes: the lattice lanes, and the statistics kernel piece by
-    piece behind them (from cache), or the lanes on every intra-op thread without statistics."""
+    """_summarize_plain() above C bytes: the lattice lanes on every intra-op thread, and the
+    statistics kernel piece by piece behind them (from cache: a piece is one lattice chunk per
+    thread)."""
     dtype = tensor.dtype
     acc = shards.new_lanes()
     absmax = mean = None
+    threads = torch.get_num_threads()
     if with_stats and dtype in _KERNEL:
         address, itemsize = tensor.data_ptr(), dtype.itemsize
         state = _stats.new_state()
         kernel = _stats.kernel_for(dtype)
-        step = _LATTICE_CHUNK_BYTES // itemsize
+        step = _LATTICE_CHUNK_BYTES * threads // itemsize
         for start in range(0, meta.numel, step):
             count = min(step, meta.numel - start)
-            shards.flat_lanes(acc, tensor, start, count)
+            shards.flat_lanes(acc, tensor, start, count, threads)
             kernel(address + start * itemsize, count, state)
         absmax, mean = state[_STATE_LANES], state[_STATE_LANES + 1] / meta.numel
     else:
-        shards.flat_lanes(acc, tensor, 0, meta.numel, torch.get_num_threads())
+        shards.flat_lanes(acc, tensor, 0, meta.numel, threads)
         if with_stats:
             absmax, mean = stats(tensor)
     return Summary(meta.dtype, meta.shape, lattice_digest(dtype, tuple(tensor.shape), (acc[0], acc[1])), absmax, mean)
