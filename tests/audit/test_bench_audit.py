@@ -1,5 +1,5 @@
 """`bench audit` smoke test: the suite runs on every core and reports params/full vs off ratios
-(no timing asserted), and its FSDP2 case counts the bytes each rank hashes and receives (exact
+(no timing asserted), and its FSDP2 and DDP cases count the bytes each rank hashes and receives (exact
 identities on the counters); the real-width case's model has qwen3-0.6b's widths."""
 
 import os
@@ -11,6 +11,7 @@ from titan_audit.bench import BenchOptions, audit_suite, run_suite
 from titan_audit.models.presets import get_preset
 
 FSDP = "FSDP2 W=2 vs W=1, audit params: bytes hashed per rank per step"
+DDP = "DDP W=2 vs W=1, audit params: bytes hashed per rank per step"
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,7 @@ def test_bench_audit_quick_reports_both_levels_on_every_core(quick):
     resume = cases.pop("resume check of the audit log, 10000 steps vs 20")  # --quick: 10^4 steps
     assert resume["long_parts_read"] == resume["short_parts_read"] and resume["long_parts"] > 100
     cases.pop(FSDP)
+    cases.pop(DDP)
     assert set(cases) == {"small-transformer step, audit params vs off", "small-transformer step, audit full vs off"}
     for case in cases.values():
         assert case["baseline"] == "Recorder level off"
@@ -52,6 +54,18 @@ def test_fsdp2_w2_ranks_hash_their_shards_and_receive_lanes_not_tensors(quick):
     assert case["gathered_records_w2"] > 0  # tensors of at most C come to the writer whole
     lattice = case["lattice_records_w2"] * case["received_bytes_per_lattice_record_w2"]
     assert received_0 == lattice + case["gathered_records_w2"] * case["received_bytes_per_gathered_record_w2"]
+    assert case["full_tensor_calls"] == 0
+
+
+def test_ddp_w2_replicas_split_the_tensors_above_c_and_the_writer_keeps_the_small_ones(quick):
+    case = quick[DDP]
+    w1, w2 = case["hashed_bytes_per_rank_w1"], case["hashed_bytes_per_rank_w2"]
+    assert max(w2) < 0.6 * w1[0] and case["met_target"]
+    batch = audit_suite.FSDP_BATCH_QUICK
+    assert sum(w2) == w1[0] + batch[0] * batch[1] * 8 + 4  # every byte once, plus rank 1's microbatch
+    received_0, received_1 = case["received_bytes_per_rank_w2"]
+    assert received_1 == 0 and case["gathered_records_w2"] == 0  # the writer holds the small tensors
+    assert case["lattice_records_w2"] > 0 and received_0 == case["lattice_records_w2"] * 5 * 8
     assert case["full_tensor_calls"] == 0
 
 

@@ -65,13 +65,14 @@ def _model(tp_mesh=None):
     return model
 
 
-def _record_step(model, run_dir, rank):
+def _record_step(model, run_dir, rank, *, split_replicated=False, perturb=None):
     """Known gradients (as the trainer's sharded ones: this rank's pieces), one AdamW step, the
-    step's grad/optim/param records. Every step-level record is written by rank 0."""
+    step's grad/optim/param records. Every step-level record is written by rank 0. `perturb`:
+    (parameter name, index) of this rank's gradient element to change. Returns the counters."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    recorder = Recorder(run_dir, model, level="params", rank=rank, stats=True)
+    recorder = Recorder(run_dir, model, level="params", rank=rank, stats=True, split_replicated=split_replicated)
     recorder.start_step(1)
     for name, p in model.named_parameters():
         g = torch.Generator().manual_seed(len(name))
@@ -79,12 +80,15 @@ def _record_step(model, run_dir, rank):
         p.grad = (
             distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else full
         )
+        if perturb is not None and perturb[0] == name:
+            p.grad[perturb[1]] += 1.0
     recorder.record_grads()
     opt.step()
     recorder.record_optimizer(opt)
     recorder.record_params()
     recorder.end_step()
     recorder.close()
+    return recorder.counters
 
 
 def _forbid_full_tensor():
@@ -134,6 +138,16 @@ def _rank(rank, world_size, root):
         fully_shard(fsdp_tp, mesh=meshes[(2, 2)]["dp"])
         out["placements"] = [str(p.placements) for p in fsdp_tp.parameters()]
         _record_step(fsdp_tp, f"{root}/fsdp-tp22", rank)
+        # DDP: every rank holds the plain model; with split_replicated each hashes its share above C
+        out["ddp_hashed"] = _record_step(_model(), f"{root}/ddp4", rank, split_replicated=True).hashed_bytes
+        # control: rank 2's replica of one gradient differs in a row of its own share (rows 12-17)
+        _record_step(
+            _model(),
+            f"{root}/ddp4-desync",
+            rank,
+            split_replicated=True,
+            perturb=("0.weight", (13, 5)) if rank == 2 else None,
+        )
         DTensor.full_tensor = saved_full_tensor
     return out
 
@@ -142,12 +156,12 @@ def _rank(rank, world_size, root):
 def ranks(tmp_path_factory):  # one 4-rank process group for the module: ~9 s on 2 cores
     root = tmp_path_factory.mktemp("layouts")
     with whole_hash_limit(C):
-        _record_step(_model(), str(root / "w1"), 0)
-    return root, run_ranks(_rank, 4, args=(str(root),))
+        w1_hashed = _record_step(_model(), str(root / "w1"), 0).hashed_bytes
+    return root, run_ranks(_rank, 4, args=(str(root),)), w1_hashed
 
 
 def test_every_layout_fingerprints_and_summarises_as_the_unsharded_tensor(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     with whole_hash_limit(C):
         for k, (name, mesh_shape, placements) in enumerate(_layouts()):
             full = _full(name)
@@ -163,7 +177,7 @@ def test_every_layout_fingerprints_and_summarises_as_the_unsharded_tensor(ranks)
 
 
 def test_control_a_changed_element_and_swapped_rows_give_other_digests(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     with whole_hash_limit(C):
         expected = fingerprint(_full("a"))
     for result in results:
@@ -173,7 +187,7 @@ def test_control_a_changed_element_and_swapped_rows_give_other_digests(ranks):
 
 
 def test_fsdp2_and_fsdp2_x_tp_records_are_the_unsharded_runs_without_full_tensor(ranks):
-    root, results = ranks
+    root, results, _ = ranks
     assert "_StridedShard" in results[0]["placements"][0]  # FSDP2 over a dim-0 TP shard
     for run in ("fsdp4", "fsdp-tp22"):
         result = compare_runs(root / "w1", root / run)
@@ -232,3 +246,22 @@ def test_trainer_records_above_c_are_the_same_at_every_layout(trained, run):
     rows = read_audit_log(trained / run).to_pylist()
     embed = [r for r in rows if r["phase"] == "param" and r["name"] == "embed_tokens.weight"]
     assert embed and embed[0]["shape"] == "[2048, 256]"  # 128 C: hashed by pieces
+
+
+def test_ddp_replicas_split_the_hashing_and_write_the_unsharded_records(ranks):
+    """Under DDP (plain tensors on every rank, split_replicated) the records are the unsharded
+    run's and each rank hashes about a quarter of W = 1's bytes above C (the tensors of at most C
+    stay whole on the writer). Control: one element of rank 2's replica of a gradient, in its
+    own share, changed: that record differs."""
+    root, results, w1_hashed = ranks
+    result = compare_runs(root / "w1", root / "ddp4")
+    assert result.identical, result.first_divergence
+    assert result.compared == result.records_a == result.records_b == 3 * 5
+    # above C: 0.weight [24, 32] and 1.weight [20, 24] fp32 in grad, exp_avg, exp_avg_sq, param
+    large = 4 * (24 * 32 + 20 * 24) * 4
+    assert [r["ddp_hashed"] for r in results[1:]] == [large // 4] * 3  # 6 of 24 and 5 of 20 rows each
+    assert results[0]["ddp_hashed"] == w1_hashed - large + large // 4  # the writer: its share + the small ones
+    desync = compare_runs(root / "w1", root / "ddp4-desync")
+    assert not desync.identical
+    first = desync.first_divergence
+    assert (first["phase"], first["name"]) == ("grad", "0.weight")

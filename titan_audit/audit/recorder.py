@@ -29,39 +29,35 @@ Guarantees:
   forward that produced the tensor; a k-th further backward through the same output (with
   retain_graph) records as `name#k`. A forward that runs inside backward (activation-checkpoint
   recomputation) is not recorded again, so checkpointing does not change the log.
-- Distributed: records with a microbatch >= 0 are written by the rank that processes that
-  microbatch (with `writes_microbatches=False`, a tensor-parallel peer that processes the same
-  microbatches as another rank, by none). Step-level records (microbatch -1: grad, optim, param,
-  ckpt) are written by rank `replicated_rank` only (others skip them at no cost), so a DDP run and
-  a single-process run log the same records. A DTensor is recorded as its logical tensor (the
-  same record as unsharded, at any DP / FSDP2 / TP layout) without `full_tensor()`: each rank
-  hashes the piece it holds (audit.fingerprint's lattice digest above C bytes; a tensor of at
-  most C is gathered to the writer and hashed whole) and only 16 bytes of lanes per record
-  (plus partial statistics where asked) go to the writer, in one exchange per mesh for all the
-  DTensors of one call (record_grads, record_params, record_optimizer, record_many). It is a
-  collective, so every rank of its mesh must make the same record calls in the same order; a
-  step-level one is written by `replicated_rank` (a mesh without it exchanges nothing), another
-  by the lowest rank of the mesh. Under a DTensor, absmax is exact and mean's last bits may
-  depend on the layout (summary.summarize_sharded). A dumped DTensor (`dump_names`) is gathered
-  (full values are what a dump asks for).
+- Distributed: a record with a microbatch >= 0 is written by the rank that processes that
+  microbatch (none with `writes_microbatches=False`: a TP peer of another rank). A step-level
+  record (grad, optim, param, ckpt) is written by rank `replicated_rank`, so a DDP run and a
+  single-process run log the same records; the other ranks skip a plain tensor's at no cost,
+  or, with `split_replicated` (DDP: every rank holds the same tensors), take their share of
+  those above C: each hashes 1/W of the dim-0 rows and sends 40 bytes. A DTensor is recorded as
+  its logical tensor (the same record at any DP / FSDP2 / TP layout) without `full_tensor()`:
+  each rank hashes the piece it holds (audit.fingerprint's lattice digest above C bytes; a
+  tensor of at most C is gathered to the writer and hashed whole), in one exchange per mesh
+  for all the records of one call (record_grads, record_params, record_optimizer,
+  record_many). These are collectives: every rank of the mesh (of the world, for
+  `split_replicated`) makes the same record calls in the same order; a step-level record is
+  written by `replicated_rank` (a mesh without it exchanges nothing), another by the lowest
+  rank of the mesh. absmax is exact; mean's last bits may depend on the layout
+  (summary.summarize_sharded). A dumped DTensor (`dump_names`) is gathered whole.
 - Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
 - Opening a run whose audit log has parts (a resume appends to it) reads back the parts of its
-  rank it appends to (audit.log's docstring says which, and which checks mark them read): a
-  damaged one raises ValueError naming it ("RUN/audit/part-...: unreadable (...); the audit log
-  of this run is damaged: ...") before anything is appended. Older parts stand on their digests
-  in the index (`titan-audit verify RUN` reads every part), so opening costs the same however
-  long the run.
+  rank it appends to (audit.log says which): a damaged one raises ValueError naming it before
+  anything is appended. Older parts stand on their digests in the index (`titan-audit verify
+  RUN` reads every part), so opening costs the same however long the run.
 - Optionally (`dump_names`, `dump_steps`) full tensor values go to RUN/dumps.zarr (audit.dumps).
-- `absmax`/`mean` (informational, never compared) are computed for the phases in `stats`
-  (default: all but grad, optim, param and ckpt, where they would cost an extra pass of the
-  statistics kernel over the model's memory each step; `stats=True` for all); elsewhere they
-  are null.
+- `absmax`/`mean` (informational, never compared) for the phases in `stats` (default: all but
+  grad, optim, param and ckpt, where the statistics kernel would add a pass over the model's
+  memory each step; `stats=True` for all); elsewhere null.
 - Cost: a few microseconds of Python per record. A call that records many tensors hashes its
   plain CPU tensors of at most C bytes (no statistics) in one kernel call on every intra-op
-  thread as it returns (summary.summarize_batch): the same rows, order and `seq` as one call per
-  tensor. A hook record of a tensor another hook recorded in the same (step, microbatch), its
-  version counter unchanged, reuses that summary; explicit records are always hashed afresh.
+  thread (summary.summarize_batch; the same rows, order and `seq`). A hook record of a tensor
+  recorded in the same (step, microbatch), its version counter unchanged, reuses that summary.
   `counters` (audit.shards.DigestCounters) counts the bytes this rank hashed and received.
 """
 
@@ -76,10 +72,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from titan_audit.audit.dumps import DumpWriter
+from titan_audit.audit.fingerprint import whole_hash_bytes
 from titan_audit.audit.log import AuditLogWriter
+from titan_audit.audit.pieces import is_dtensor
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
 from titan_audit.audit.shards import DigestCounters
 from titan_audit.audit.summary import Summary, batch_meta, summarize, summarize_batch, summarize_sharded
@@ -95,23 +94,17 @@ DEFAULT_STATS_PHASES = ("rollout", "data", "forward", "logprob", "loss", "backwa
 
 
 def _dist_rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _dist_world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _RECENT_SUMMARIES = 8  # hook records whose summary a second record of the same tensor can reuse
 # A record is one tuple: step, phase, microbatch, name, the Summary's fields, rank, seq.
 assert SCHEMA.names[4:9] == list(Summary._fields), "Summary's fields must be SCHEMA's columns 4-8"
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if type(tensor) in _PLAIN_TYPES:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 class Recorder:
@@ -128,6 +121,7 @@ class Recorder:
         rank: int | None = None,
         replicated_rank: int = 0,
         writes_microbatches: bool = True,
+        split_replicated: bool = False,
         flush_every_steps: int = 50,
         stats: bool | Iterable[str] = DEFAULT_STATS_PHASES,
         dump_names: Iterable[str] = (),
@@ -142,6 +136,7 @@ class Recorder:
         self.rank = _dist_rank() if rank is None else rank
         self.replicated_rank = replicated_rank
         self.writes_microbatches = writes_microbatches
+        self.split_replicated = split_replicated and _dist_world() > 1
         self.flush_every_steps = flush_every_steps
         self.stats_phases = frozenset(PHASES if stats is True else () if stats is False else stats)
         for phase in self.stats_phases:
@@ -156,8 +151,8 @@ class Recorder:
         self._paused = False
         self._recent: dict[tuple[int, bool], tuple[weakref.ref, int, Summary]] = {}  # (id, with_stats)
         self._rows: list[tuple] = []  # one tuple per record, in SCHEMA's column order
-        # DTensor records of the current batch (slot in _rows or None, the row's fields, the item
-        # for summarize_sharded), summarised together when the batch ends
+        # DTensor (and split replicated) records of the current batch (slot in _rows or None, the
+        # row's fields, the item for summarize_sharded), summarised together when the batch ends
         self._pending: list[tuple[int | None, tuple, tuple]] | None = None
         # plain records of the current batch that summary.summarize_batch takes (slot in _rows,
         # the row's fields, the tensor, its batch_meta), hashed together when the batch ends
@@ -333,8 +328,11 @@ class Recorder:
         return self._params  # the Recorder's module's parameters, listed once at construction
 
     def _record(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
-        if type(tensor) not in _PLAIN_TYPES and _is_dtensor(tensor):
-            self._record_dtensor(phase, name, tensor, microbatch, step)
+        if type(tensor) not in _PLAIN_TYPES and is_dtensor(tensor):
+            self._record_shared(phase, name, tensor, microbatch, step)
+            return
+        if microbatch == STEP_LEVEL and self.split_replicated and tensor.nbytes > whole_hash_bytes():
+            self._record_shared(phase, name, tensor, microbatch, step)  # every rank hashes its share
             return
         if microbatch == STEP_LEVEL and self.rank != self.replicated_rank:
             return
@@ -355,15 +353,14 @@ class Recorder:
         if self._dump_wanted(name, step):
             self._dump(step, phase, microbatch, name, tensor)
 
-    def _record_dtensor(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
-        """A DTensor's record from the ranks' pieces (module doc): its row's slot is taken now
-        (the row order and `seq` are those of an unsharded run) and filled when the batch ends."""
-        import torch.distributed as dist
-
+    def _record_shared(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
+        """A DTensor's record (or a replicated plain tensor's, `split_replicated`) from the ranks'
+        pieces (module doc): its row's slot is taken now (the row order and `seq` are those of an
+        unsharded run) and filled when the batch ends."""
         if microbatch == STEP_LEVEL:
             dst, writes = self.replicated_rank, self.rank == self.replicated_rank
         else:
-            dst = int(tensor.device_mesh.mesh.min())
+            dst = int(tensor.device_mesh.mesh.min())  # a plain tensor comes here at step level only
             writes = self.writes_microbatches and dist.get_rank() == dst
         slot, fields = None, ()
         if writes:
@@ -373,7 +370,7 @@ class Recorder:
             self._rows.append(None)  # filled by _summarize_pending
         entry = (slot, fields, (tensor, phase in self.stats_phases, dst))
         if self._dump_wanted(name, step):
-            full = tensor.full_tensor()  # collective: every rank of the mesh takes part
+            full = tensor.full_tensor() if is_dtensor(tensor) else tensor  # collective for a DTensor
             if writes:
                 self._dump(step, phase, microbatch, name, full)
         if self._pending is None:
@@ -442,7 +439,7 @@ class Recorder:
         with_stats = phase in self.stats_phases
         # Never reused: explicit records (a parameter after an optimizer that writes through
         # `.data`, which bumps no counter), an inference tensor (it keeps no version counter).
-        # DTensors do not come here (_record_dtensor).
+        # DTensors do not come here (_record_shared).
         if phase not in _HOOK_PHASES or type(tensor) not in _PLAIN_TYPES or tensor.is_inference():
             summary = summarize(tensor, with_stats=with_stats)
             self.counters.hashed_bytes += tensor.nbytes

@@ -16,7 +16,9 @@ Guarantees:
 - `combine(items)`: what many DTensors' pieces add up to, on the rank that needs it: a tensor
   of more than `whole_bytes` as the sum of the ranks' lanes (and their partial absmax / sum),
   one of at most `whole_bytes` gathered whole; one gather per process group and destination for
-  all the items, and none in a group the destination is not part of. With `counters`
+  all the items, and none in a group the destination is not part of. A plain tensor that every
+  rank holds whole (DDP) is combined like a DTensor replicated over the default group: each
+  rank hashes its share of the dim-0 rows, so the work is split W ways. With `counters`
   (`DigestCounters`) it adds the tensor bytes this rank hashed and the bytes it received from
   the other ranks (a few integer additions per call).
 """
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_audit.audit.pieces import Piece, coordinate, piece_of, replica, share_of
+from titan_audit.audit.pieces import Piece, coordinate, is_dtensor, piece_of, replica, share_of
 from titan_audit.batch_invariant.cpu import lattice as _kernel
 
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -269,6 +271,14 @@ def _combine_large(rows: list[torch.Tensor], k: int, with_stats: bool) -> Combin
     return Combined(lanes=lane_pair, absmax=absmax, total=total)
 
 
+def _held(tensor: torch.Tensor) -> tuple[torch.Tensor, Piece, int, int]:
+    """(local tensor, its piece, replica part, parts) of a DTensor, or of a plain tensor that every
+    rank of the default group holds whole (DDP's replicated parameters: `combine`)."""
+    if is_dtensor(tensor):
+        return tensor.to_local(), piece_of(tensor), *replica(tensor)
+    return tensor, Piece.whole(tensor.shape), dist.get_rank(), dist.get_world_size()
+
+
 def combine(
     items: Sequence[tuple[torch.Tensor, bool, int | None]],
     *,
@@ -281,14 +291,21 @@ def combine(
     items in the same order. One gather per (process group, dst) of the lanes of the large
     tensors (5 int64 per tensor per rank), one of the pieces of the tensors of at most
     `whole_bytes` bytes (sent by the first of their replicas); a group without `dst` skips
-    both. `partial_stats(local)` -> (absmax, sum) of a rank's share (as floats). `counters`:
-    the bytes this rank hashes here (its shares of the large tensors) and receives are added to
-    it (a small tensor gathered whole is hashed by the caller, which counts its bytes)."""
-    tensors = [reduced(t) for t, _, _ in items]
+    both. A plain tensor among the items is one that every rank of the default group holds
+    whole (replicated, as under DDP), larger than `whole_bytes`: the ranks split its dim-0
+    rows as a DTensor's replicas do. `partial_stats(local)` -> (absmax, sum) of a rank's share
+    (as floats). `counters`: the bytes this rank hashes here (its shares of the large tensors)
+    and receives are added to it (a small tensor gathered whole is hashed by the caller, which
+    counts its bytes)."""
+    tensors = [reduced(t) if is_dtensor(t) else t for t, _, _ in items]
     batches: dict[tuple[tuple[int, ...], int | None], list[int]] = {}
     groups: dict[tuple[int, ...], object | None] = {}
     for i, (t, (_, _, dst)) in enumerate(zip(tensors, items)):
-        group, ranks = group_of(t.device_mesh)
+        if is_dtensor(t):
+            group, ranks = group_of(t.device_mesh)
+        else:
+            assert t.numel() * t.element_size() > whole_bytes, "a replicated plain tensor <= C is hashed by its writer"
+            group, ranks = None, list(range(dist.get_world_size()))
         groups[tuple(ranks)] = group
         batches.setdefault((tuple(ranks), dst), []).append(i)
     out: list[Combined | None] = [None] * len(items)
@@ -301,8 +318,7 @@ def combine(
         if large:
             rows = []
             for i in large:
-                t = tensors[i]
-                rows.append(_stats_row(t.to_local(), piece_of(t), *replica(t), items[i][1], partial_stats))
+                rows.append(_stats_row(*_held(tensors[i]), items[i][1], partial_stats))
             sent = torch.tensor(rows, dtype=torch.int64)
             gathered = gather(sent, group, ranks, dst)
             if gathered is not None:

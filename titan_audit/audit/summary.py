@@ -298,7 +298,8 @@ def summarize_many(tensors: Sequence[torch.Tensor], *, threads: int = 1) -> list
 def summarize_sharded(
     items: list[tuple[torch.Tensor, bool, int | None]], counters: shards.DigestCounters | None = None
 ) -> list[Summary | None]:
-    """Summaries of DTensors, each (tensor, with_stats, dst), from the pieces the ranks hold: on
+    """Summaries of DTensors (or of plain tensors above C that every rank holds whole, as under
+    DDP: shards.combine), each (tensor, with_stats, dst), from the pieces the ranks hold: on
     rank `dst` (every rank when None), None elsewhere. Collective (audit/shards.py `combine`):
     every rank of each tensor's mesh calls it with the same items in the same order; one
     exchange per process group and dst for the whole list. A tensor of at most C bytes is

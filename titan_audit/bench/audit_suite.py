@@ -1,5 +1,5 @@
 """`bench audit`: training-step time with the audit Recorder at `params` and `full` against `off`,
-and the bytes an FSDP2 rank hashes and receives for its records.
+and the bytes an FSDP2 or DDP rank hashes and receives for its records.
 
 One step = forward + backward + AdamW step on one microbatch, with the Recorder calls a trainer
 makes (start_step, set_microbatch, record_data, record_loss, record_grads, record_optimizer,
@@ -28,6 +28,9 @@ Cases:
   rank hashes its shard of the tensors above C; the writer also hashes the tensors of at most C,
   gathered to it whole). Extra keys: bytes received per lattice record (5 int64 from the other
   rank), per gathered record, and the calls made to DTensor.full_tensor (0).
+- DDP W=2 against W=1: the same model whole on every rank and the same microbatch on each (the
+  replicas stay equal), a Recorder with `split_replicated`: each rank hashes its half of the
+  dim-0 rows of the tensors above C, the writer alone those of at most C (target 0.6).
 - `resume check`: the check a resume makes of the audit log before it appends
   (audit.log.check_audit_log, read-only here so each call reads the same parts) on the log of a
   run killed 25 steps after its checkpoint at step N (`generated_log`: a checkpoint and flush
@@ -269,11 +272,13 @@ def fsdp_config(quick: bool):
     return dataclasses.replace(get_preset("tiny-dense"), **(FSDP_MODEL_QUICK if quick else FSDP_MODEL))
 
 
-def fsdp_rank(rank: int, world_size: int, quick: bool, run_dir: str) -> dict[str, Any]:
-    """One rank of the FSDP2 case (run_local_ranks): the model fully_shard-ed per block and at the
-    root over the W ranks, FSDP_STEPS AdamW steps of one microbatch per rank, a Recorder at level
-    params; per step the Recorder's counters (bytes hashed, received), and the calls made to
-    DTensor.full_tensor (counted; a record never makes one)."""
+def fsdp_rank(rank: int, world_size: int, quick: bool, run_dir: str, mode: str = "fsdp") -> dict[str, Any]:
+    """One rank of the FSDP2 (or DDP) case (run_local_ranks): the model fully_shard-ed per block
+    and at the root over the W ranks (DDP: whole on every rank, the same microbatch on each, so
+    the replicas stay equal without a reduction, and a Recorder with split_replicated),
+    FSDP_STEPS AdamW steps of one microbatch per rank, a Recorder at level params; per step the
+    Recorder's counters (bytes hashed, received), and the calls made to DTensor.full_tensor
+    (counted; a record never makes one)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -281,9 +286,10 @@ def fsdp_rank(rank: int, world_size: int, quick: bool, run_dir: str) -> dict[str
 
     config = fsdp_config(quick)
     model = build(config, seed=0)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    if mode == "fsdp":
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     full_tensor_calls = [0]
     full_tensor = DTensor.full_tensor
 
@@ -296,8 +302,11 @@ def fsdp_rank(rank: int, world_size: int, quick: bool, run_dir: str) -> dict[str
     steps = 1 if quick else FSDP_STEPS
     per_step = []
     try:
-        recorder = Recorder(run_dir, model, level="params", rank=rank, flush_every_steps=steps)
-        ids = torch.randint(0, config.vocab_size, batch, generator=torch.Generator().manual_seed(rank))
+        recorder = Recorder(
+            run_dir, model, level="params", rank=rank, flush_every_steps=steps, split_replicated=mode == "ddp"
+        )
+        seed = rank if mode == "fsdp" else 0
+        ids = torch.randint(0, config.vocab_size, batch, generator=torch.Generator().manual_seed(seed))
         step = _make_step(model, config.vocab_size, ids, recorder, microbatch=rank, warm_up=False)
         for _ in range(steps):
             before = dataclasses.asdict(recorder.counters)
@@ -310,14 +319,14 @@ def fsdp_rank(rank: int, world_size: int, quick: bool, run_dir: str) -> dict[str
     return {"per_step": per_step, "full_tensor_calls": full_tensor_calls[0]}
 
 
-def _fsdp_case(options: BenchOptions, tmp: str) -> BytesCase:
+def _bytes_case(options: BenchOptions, tmp: str, mode: str = "fsdp") -> BytesCase:
     from titan_audit.trainer.local_ranks import run_local_ranks
 
-    runs = {w: run_local_ranks(fsdp_rank, w, args=(options.quick, f"{tmp}/fsdp-w{w}")) for w in (1, 2)}
+    runs = {w: run_local_ranks(fsdp_rank, w, args=(options.quick, f"{tmp}/{mode}-w{w}", mode)) for w in (1, 2)}
     per_rank = {w: [r["per_step"][-1] for r in ranks] for w, ranks in runs.items()}  # the last step
     one, two = per_rank[1][0], per_rank[2]
     case = BytesCase(
-        case="FSDP2 W=2 vs W=1, audit params: bytes hashed per rank per step",
+        case=f"{'FSDP2' if mode == 'fsdp' else 'DDP'} W=2 vs W=1, audit params: bytes hashed per rank per step",
         baseline="W=1 (one rank hashes every record)",
         candidate="W=2 (max over the ranks)",
         baseline_s=one["hashed_bytes"],
@@ -457,8 +466,10 @@ def _cases(options: BenchOptions, progress: Callable[[str], None]) -> list[Case]
             progress(preset)
             cases.append(_real_width_case(options, tmp))
             progress(REAL_WIDTH_CASE)
-        cases.append(_fsdp_case(options, tmp))
+        cases.append(_bytes_case(options, tmp, "fsdp"))
         progress("FSDP2 W=2")
+        cases.append(_bytes_case(options, tmp, "ddp"))
+        progress("DDP W=2")
         cases.append(_resume_case(options, tmp))
         progress("resume check")
     return cases
