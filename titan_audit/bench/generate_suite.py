@@ -1,7 +1,7 @@
 """`bench generate`: tokens/s of the built-in generator in BI mode against the same generator on
 native ops, and against a plain HF-transformers `generate` of the same model; with
 `--generator vllm` (`BenchOptions.generator`), our BI model inside vLLM against vLLM's default
-mode on the same weights (`vllm_generate_suite`, target <= 1.5x).
+mode on the same weights (`vllm_generate_suite`, target <= VLLM_TARGET_RATIO, 1.25x).
 
 Workload (one timed call): tiny-dense (deterministic init, seed 0), B prompts of 32 random tokens
 (distinct prompt ids, one sample each), 32 new tokens per sample by sampling at temperature 1.0
