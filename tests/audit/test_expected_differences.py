@@ -44,3 +44,27 @@ def test_run_directories_without_a_config_expect_nothing(tmp_path):
     (tmp_path / "bare").mkdir()
     assert len(run_expected_differences(a, b)) == 1
     assert run_expected_differences(a, tmp_path / "bare") == []
+
+
+def test_digest_settings_that_differ_are_named(tmp_path):
+    """A run's manifest says how its records were hashed (`digest`); two runs that say otherwise,
+    or one recorded before runs said it (lattice version 1 above C) whose records differ, are
+    named with that cause; controls: the same settings, or no difference found, say nothing."""
+    from titan_audit.audit.run_manifest import digest_differences, digest_settings
+
+    now = digest_settings()
+    assert now == {"lattice": 2, "whole_hash_bytes": 2 << 20}
+    old = {"lattice": 1, "whole_hash_bytes": 2 << 20}
+    (named,) = digest_differences({"digest": old}, {"digest": now}, differed=False)
+    assert "'lattice': 1" in named and "'lattice': 2" in named
+    (before,) = digest_differences({}, {"digest": now}, ("golden", "run"), differed=True)
+    assert before.startswith("golden was recorded before manifests named their digest")
+    assert digest_differences({}, {"digest": now}, differed=False) == []
+    assert digest_differences({"digest": now}, {"digest": dict(now)}, differed=True) == []
+    a = _run(tmp_path / "a", _config(1, True))
+    b = _run(tmp_path / "b", _config(1, True))
+    manifest = json.loads((b / "manifest.json").read_text())
+    (b / "manifest.json").write_text(json.dumps({**manifest, "digest": now}))
+    assert run_expected_differences(a, b) == []
+    (warning,) = run_expected_differences(a, b, differed=True)
+    assert warning.startswith("A was recorded before")

@@ -1,8 +1,9 @@
 """The lattice digest above C bytes (audit/fingerprint.py): its kernel against a numpy rendering
-of the documented formula on every ISA variant and thread count, pieces of any layout adding up
-to the whole tensor's digest, today's xxh3 kept up to C, and the controls: a one-element change
-(any bits of any word) is always found, two swapped elements or the same bits under another
-dtype or shape give another digest."""
+of the documented formula (version 2, and version 1 kept for old checkpoints) on every ISA
+variant and thread count, across 4096-word blocks, pieces of any layout adding up to the whole
+tensor's digest, today's xxh3 kept up to C, and the controls: a one-element change (any bits of
+any word) is always found, two changes inside one block or in two blocks, two swapped elements or
+the same bits under another dtype or shape give another digest; version 1's digest is another."""
 
 import math
 
@@ -51,9 +52,10 @@ def _tensor(dtype, shape=(37, 29), seed=0):
     return (torch.randn(shape, generator=g) * 7).to(dtype)
 
 
+@pytest.mark.parametrize("shape", [(37, 29), (97, 131)], ids=["one-block", "blocks"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_above_c_the_digest_is_the_documented_sum_on_every_variant_and_thread_count(dtype):
-    t = _tensor(dtype)
+def test_above_c_the_digest_is_the_documented_sum_on_every_variant_and_thread_count(dtype, shape):
+    t = _tensor(dtype, shape)
     expected = _documented(t)
     with whole_hash_limit(SMALL_C):
         for isa in _lib.available_isas():
@@ -73,15 +75,33 @@ def test_threads_split_a_long_tensor_without_changing_the_lanes():
     assert shards.lanes(t, layout.Piece.whole(t.shape), threads=3) == one
 
 
-def test_word_indices_past_2_to_the_32_follow_the_formula_on_every_variant():
-    words = torch.randint(0, 1 << 16, (3000,), dtype=torch.int32)
-    for start in ((1 << 32) - 1000, (5 << 32) + 7):
-        ref = lattice.reference_lanes(words.numpy().view(np.uint32), np.arange(start, start + 3000, dtype=np.uint64))
+@pytest.mark.parametrize("version", lattice.VERSIONS)
+@pytest.mark.parametrize("width", lattice.WORD_BYTES)
+def test_each_version_follows_its_formula_on_every_variant_at_any_start_and_width(version, width):
+    """Runs that start inside a block, cross several, end in a vector tail; indices past 2^32."""
+    n = 9001
+    numpy_type = {1: np.uint8, 2: np.uint16, 4: np.uint32}[width]
+    words = np.random.default_rng(width).integers(0, np.iinfo(numpy_type).max, n, dtype=numpy_type, endpoint=True)
+    data = torch.from_numpy(words)
+    for start in (0, 4090, (1 << 32) - 1000, (5 << 32) + 7):
+        ref = lattice.reference_lanes(words, np.arange(start, start + n, dtype=np.uint64), version)
         for isa in _lib.available_isas():
-            with _lib.forced_isa(isa):
+            with _lib.forced_isa(isa), lattice.using_version(version):
                 out = lattice.new_lanes()
-                lattice.span(out, words.data_ptr(), 4, 3000, start)
+                lattice.span(out, data.data_ptr(), width, n, start)
                 assert (out[0], out[1]) == ref, (isa, start)
+
+
+def test_control_version_1_gives_another_digest_and_unknown_versions_are_refused():
+    t = torch.randn(97, 131)
+    with whole_hash_limit(SMALL_C):
+        current = fingerprint(t)
+        with lattice.using_version(1):
+            assert fingerprint(t) != current
+        assert fingerprint(t) == current
+    with pytest.raises(ValueError, match="unknown digest version 3"):
+        with lattice.using_version(3):
+            pass
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -189,3 +209,15 @@ def test_control_swapped_elements_and_another_dtype_or_shape_give_other_digests(
         assert fingerprint(t.view(torch.int32)) != base
         rolled = t.roll(1, dims=1)  # every row shifted by one column
         assert fingerprint(rolled) != base
+
+
+def test_control_two_changes_in_one_block_or_in_two_blocks_are_found():
+    """Inside a block the two terms share B (NH's inner sum); across blocks each has its own B."""
+    t = torch.randn(128, 96)  # 12288 words: three blocks of 4096
+    with whole_hash_limit(SMALL_C):
+        base = fingerprint(t)
+        for i, j in ((10, 11), (100, 4000), (4095, 4096), (7, 12000)):
+            changed = t.clone().view(-1)
+            changed.view(torch.int32)[i] += 1  # one ulp up here ...
+            changed.view(torch.int32)[j] -= 1  # ... and one down there: the integer sum is unchanged
+            assert fingerprint(changed.view(128, 96)) != base, (i, j)

@@ -1,8 +1,9 @@
-"""Checkpoint verification by piece (hashes.json format 2, audit/by_piece.py): each tensor's
+"""Checkpoint verification by piece (hashes.json format 3, audit/by_piece.py): each tensor's
 digest is its audit fingerprint, each piece's lanes are checked by the ranks that read it, also
-after resharding (FSDP2 W = 4 saved, W = 2 loaded); format 1 checkpoints still load and verify.
-Controls: a flipped byte in one piece's file is reported with that piece, the rank that wrote it
-and the rank that read it; a wrong format-1 digest is refused."""
+after resharding (FSDP2 W = 4 saved, W = 2 loaded); format 2 (lattice version 1) and format 1
+checkpoints still load and verify. Controls: a flipped byte in one piece's file is reported with
+that piece, the rank that wrote it and the rank that read it; a wrong format-1 digest is refused;
+format 2's lanes checked as format 3's are refused."""
 
 import json
 
@@ -13,6 +14,7 @@ from trainer.test_checkpoint import _flip_a_weight_byte
 
 from titan_audit.audit import fingerprint
 from titan_audit.audit.fingerprint import whole_digest, whole_hash_limit
+from titan_audit.batch_invariant.cpu import lattice
 from titan_audit.trainer.checkpoint import Checkpointer, CorruptCheckpointError
 
 C = 512  # bytes: the weights below are several times C, the biases smaller
@@ -36,13 +38,13 @@ def _step(model, optimizer):
     optimizer.step()
 
 
-def test_format_2_holds_the_record_digests_and_the_pieces(tmp_path):
+def test_format_3_holds_the_record_digests_and_the_pieces(tmp_path):
     model, optimizer = _model_and_optimizer()
     _step(model, optimizer)
     with whole_hash_limit(C):
         Checkpointer(tmp_path).save(1, model, optimizer, {})
         hashes = json.loads((tmp_path / "checkpoints" / "step_00000001" / "hashes.json").read_text())
-        assert hashes["format"] == 2 and hashes["whole_hash_bytes"] == C
+        assert hashes["format"] == 3 and hashes["whole_hash_bytes"] == C
         weight, bias = model[0].weight, model[0].bias
         assert hashes["tensors"]["model.0.weight"] == fingerprint(weight)  # the audit record's digest
         assert hashes["tensors"]["model.0.bias"] == fingerprint(bias) == whole_digest(bias)  # at most C: xxh3
@@ -87,6 +89,27 @@ def test_flipped_byte_names_the_piece_and_format_1_still_loads(tmp_path):
     path.write_text(json.dumps({**legacy, "param_groups": hashes["param_groups"]}))
     with pytest.raises(CorruptCheckpointError, match=r"1 tensor\(s\) do not match hashes.json, first model\.2\.bias"):
         ckpt.load(1, *_model_and_optimizer())
+
+
+def test_format_2_checkpoints_verify_with_lattice_version_1(tmp_path):
+    """A checkpoint an older titan-audit wrote (format 2: lattice version 1 lanes) still loads and
+    verifies; control: the same lanes labelled format 3 are checked as version 2's and refused."""
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer)
+    ckpt = Checkpointer(tmp_path)
+    path = ckpt.path(1) / "hashes.json"
+    with whole_hash_limit(C):
+        with lattice.using_version(1):
+            ckpt.save(1, model, optimizer, {})
+        hashes = json.loads(path.read_text())
+        path.write_text(json.dumps({**hashes, "format": 2}))
+        fresh, fresh_opt = _model_and_optimizer(seed=5)
+        ckpt.load(1, fresh, fresh_opt)
+        assert torch.equal(fresh[0].weight.view(torch.int32), model[0].weight.view(torch.int32))
+        path.write_text(json.dumps({**hashes, "format": 3}))
+        # every piece's lanes (all 16 tensors: 4 parameters, 3 AdamW states each) are version 1's
+        with pytest.raises(CorruptCheckpointError, match=r": 16 tensor\(s\) do not match hashes.json"):
+            ckpt.load(1, *_model_and_optimizer())
 
 
 def _fsdp(world_size):

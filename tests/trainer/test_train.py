@@ -47,6 +47,7 @@ def test_tiny_dense_is_bitwise_identical_at_world_sizes_1_2_4(dense):
     manifest = json.loads((root / "w4" / "manifest.json").read_text())
     assert manifest["world_size_history"][0]["world_size"] == 4
     assert "fingerprint_version" in manifest["fingerprint"] and manifest["config"]["seed"] == 0
+    assert manifest["digest"] == {"lattice": 2, "whole_hash_bytes": 2 << 20}
 
 
 def test_loss_goes_down_on_the_synthetic_corpus(dense):

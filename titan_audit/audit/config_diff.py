@@ -21,6 +21,7 @@ Guarantees:
   in BI mode it never changes the bits) outside batch-invariant mode, where TP runs native kernels
   and a plain all_reduce of the partial sums. Empty when both runs are in BI mode or share one TP
   degree; `compare` prints it as a warning and `golden check` as a note, above the verdict.
+  `run_expected_differences` adds the runs' `digest_differences` (run_manifest.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from titan_audit.audit.run_manifest import MANIFEST, read_manifest
+from titan_audit.audit.run_manifest import MANIFEST, digest_differences, read_manifest
 
 # Config keys that never change the bits of a step (how long, how often it saves or flushes, how
 # it launches). Differences elsewhere are reported.
@@ -115,15 +116,17 @@ def expected_differences(config_a: Any, config_b: Any, *, names: tuple[str, str]
     ]
 
 
-def run_expected_differences(run_a: str | os.PathLike, run_b: str | os.PathLike) -> list[str]:
-    """`expected_differences` of two run directories' manifest configs ([] when either has none)."""
-    configs = []
+def run_expected_differences(
+    run_a: str | os.PathLike, run_b: str | os.PathLike, *, differed: bool = False
+) -> list[str]:
+    """`expected_differences` of two run directories' manifest configs, then their
+    `digest_differences` (run_manifest.py; `differed`: the records were found to differ)."""
+    manifests = []
     for run in (Path(run_a), Path(run_b)):
-        config = read_manifest(run).get("config") if (run / MANIFEST).is_file() else None
-        if not isinstance(config, dict):
-            return []
-        configs.append(config)
-    return expected_differences(*configs)
+        manifests.append(read_manifest(run) if (run / MANIFEST).is_file() else {})
+    configs = [m.get("config") for m in manifests]
+    out = expected_differences(*configs) if all(isinstance(c, dict) for c in configs) else []
+    return out + digest_differences(*manifests, differed=differed)
 
 
 def change_text(change: tuple[str, Any, Any]) -> str:

@@ -18,27 +18,36 @@ every rank and in every run compared; `whole_hash_limit` changes it for tests an
 - above C: the lattice digest. The tensor is read as words (the element's bits for 1-, 2- and
   4-byte dtypes; an 8-byte element is 2 words, a 16-byte one 4, low half first) at global word
   index j = row-major element index * words per element + k. Two lanes, each a sum modulo 2^64
-  over the words, lane L += F_L(u_j ^ K_L) with u_j = ((j mod 2^32) << 32 | word) ^
-  (floor(j / 2^32) * KH) and F_0, F_1 two 64-bit bijections (batch_invariant/cpu/lattice.py,
-  kernels/lattice.cpp). With (k_0, k_1) the two 64-bit halves of xxh3_128(b"titan-audit.tensor.
-  lattice.v1|" + dtype name + b"|" + shape + b"|"):
+  of one term per word (batch_invariant/cpu/lattice.py, kernels/lattice.cpp; version 2):
+      lane L += B_L(floor(j / 4096)) * ((word ^ X_L) * T_L[j mod 4096])
+  with T_L[t] odd 32-bit keys (a fixed table of 4096), B_L(b) odd 64-bit keys (a 64-bit
+  bijection of the block index b) and the inner product exact in 64 bits. With (k_0, k_1) the
+  two 64-bit halves of xxh3_128(b"titan-audit.tensor.lattice.v2|" + dtype name + b"|" + shape +
+  b"|"):
     digest = "%016x%016x" % ((lane_0 + k_0) mod 2^64, (lane_1 + k_1) mod 2^64)
   A sum does not depend on order, so a rank adds the terms of the elements it holds and only the
   16 bytes of its two lanes travel (audit/shards.py): the same digest at any DP, FSDP2 (uneven
   dim-0 chunks included), TP (dim 0 or 1) or composed layout, from one pass over each rank's
   own memory (our compiled kernel, vectorised; threads split it without changing the sum).
+  Version 1 (the key b"...lattice.v1|", one 64-bit bijection of (index, word) per term and lane)
+  cost four 64-bit multiplies a word; checkpoints written with it (hashes.json format 2) are
+  still checked with it (`lattice.using_version`); run records written with it differ from
+  version 2's above C (the run manifest's `digest` says which: audit/run_manifest.py).
 
 What the lattice digest detects, for two tensors of one dtype and shape (docs/audit.md):
 - a change confined to one word (one element of at most 4 bytes: any bit pattern): always, in
-  both lanes: the lane moves by F(u') - F(u) != 0 mod 2^64 since F is a bijection and u is
-  injective in the word for a fixed index;
+  both lanes: the term moves by B * T * d mod 2^64 with d the difference of the two xor-ed words
+  (0 < |d| < 2^32) and B * T odd, hence invertible mod 2^64: never 0;
 - any other difference (several elements, two elements swapped, a shifted row): both lanes'
-  sums of F over the differing (index, word) terms must cancel mod 2^64; for F modelled as two
-  independent random functions that happens with probability 2^-128 per pair of tensors,
-  xxh3-128's order. It is a checksum against accidents, not a MAC: someone choosing the data to
-  collide can (a generalised birthday search over the sums), as with xxh3.
+  sums of the term differences must cancel mod 2^64. For keys modelled as random odd numbers
+  that happens with probability about 2^-31 per lane for differences inside one block of 4096
+  words (the inner sum is NH's universal hash, whose bound this is) and about 2^-63 per lane
+  across blocks (B multiplies each block's inner sum), so about 2^-62 per pair of tensors with
+  the two independent lanes: a 64-bit checksum's order (version 1 claimed 2^-128 under the
+  random-function model, at 4x the cost). It is a checksum against accidents, not a MAC: someone
+  choosing the data to collide can.
 - another dtype or shape: the header's key differs (a collision needs lane differences equal
-  to the keys' difference: 2^-128 under the same model).
+  to the keys' difference: 2^-128 for the hashed keys).
 
 A contiguous CPU tensor is read in place (zero copy); a DTensor is hashed by `fingerprint` as
 its logical tensor: every rank of its mesh must call it together (a collective; every rank
@@ -55,15 +64,16 @@ import torch
 import xxhash
 
 from titan_audit.audit import pieces, shards
+from titan_audit.batch_invariant.cpu import lattice as _lattice
 
 HEADER_PREFIX = b"titan-audit.tensor.v1|"
-LATTICE_PREFIX = b"titan-audit.tensor.lattice.v1|"
+LATTICE_PREFIXES = {1: b"titan-audit.tensor.lattice.v1|", 2: b"titan-audit.tensor.lattice.v2|"}
 WHOLE_HASH_BYTES = 2 << 20  # C: the tiny goldens' largest record (embed_tokens [2048, 256] fp32) is exactly this
 _MASK = (1 << 64) - 1
 
 _whole_bytes = WHOLE_HASH_BYTES
 _header_cache: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
-_key_cache: dict[tuple[torch.dtype, tuple[int, ...]], tuple[int, int]] = {}
+_key_cache: dict[tuple[int, torch.dtype, tuple[int, ...]], tuple[int, int]] = {}
 
 
 def whole_hash_bytes() -> int:
@@ -98,11 +108,12 @@ def _header(dtype: torch.dtype, shape: tuple[int, ...], prefix: bytes = HEADER_P
 
 def lattice_digest(dtype: torch.dtype, shape: tuple[int, ...], lanes: tuple[int, int]) -> str:
     """The lattice digest (module doc) of a tensor of `dtype` and `shape` whose words' two lanes
-    (all its elements, added up) are `lanes`."""
-    key = (dtype, tuple(shape))
+    (all its elements, added up, in `lattice.version()`) are `lanes`."""
+    version = _lattice.version()
+    key = (version, dtype, tuple(shape))
     keys = _key_cache.get(key)
     if keys is None:
-        whole = xxhash.xxh3_128(_header(dtype, tuple(shape), LATTICE_PREFIX)).intdigest()
+        whole = xxhash.xxh3_128(_header(dtype, tuple(shape), LATTICE_PREFIXES[version])).intdigest()
         keys = (whole >> 64, whole & _MASK)
         if len(_key_cache) < 65536:
             _key_cache[key] = keys

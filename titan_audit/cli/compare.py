@@ -33,7 +33,10 @@ from titan_audit.cli.output import print_json
 def compare(run_a: Path, run_b: Path, as_json: bool, phase: str | None, names: str | None, steps: str | None) -> None:
     """Join RUN_A's and RUN_B's audit records on (step, phase, microbatch, name); exit 1 if any differ."""
     result = compare_runs(run_a, run_b, phase=phase, names=names, steps=steps)
-    data = {**result.to_dict(), "expected_differences": run_expected_differences(run_a, run_b)}
+    data = {
+        **result.to_dict(),
+        "expected_differences": run_expected_differences(run_a, run_b, differed=not result.identical),
+    }
     if as_json:
         print_json(data)
     else:

@@ -35,7 +35,7 @@ import pyarrow.dataset as ds
 from titan_audit.audit import config_diff
 from titan_audit.audit.compare import CompareResult, steps_text
 from titan_audit.audit.log import read_audit_log
-from titan_audit.audit.run_manifest import MANIFEST, read_manifest
+from titan_audit.audit.run_manifest import MANIFEST, digest_differences, read_manifest
 from titan_audit.audit.run_metrics import METRICS
 from titan_audit.golden.selection import (
     compare_selection,
@@ -158,6 +158,7 @@ def check_golden(
         _check_overlap(golden, run_dir)
         compare = compare_selection(golden, run_dir)
         if not compare.identical:
+            notes.extend(digest_differences(golden.manifest, manifest, ("golden", "run"), differed=True))
             first = compare.first_divergence
             failures.append(
                 f"audit records differ: first divergence at step {first['step']}, phase {first['phase']}, "

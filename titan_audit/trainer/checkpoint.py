@@ -4,7 +4,7 @@ Guarantees:
 - Atomic at the directory level. A save writes `checkpoints/.step_NNNNNNNN.partial/` and renames it
   to `checkpoints/step_NNNNNNNN/` only after every file is written and synced; `hashes.json` is the
   last file written. A crash at any moment leaves the previous good checkpoint visible and intact.
-- Verified, by the rank that wrote or read each piece. `hashes.json` (format 2) holds, for every
+- Verified, by the rank that wrote or read each piece. `hashes.json` (format 3) holds, for every
   model and optimizer tensor, its fingerprint (audit.fingerprint: the same string as its audit
   record at any layout), its dtype and shape, and its pieces as the ranks held them at the save:
   index runs, lattice lanes and holders (audit/by_piece.py). After the save each rank hashes only
@@ -12,8 +12,9 @@ Guarantees:
   against every recorded piece it overlaps, and the ranks of each mesh add up 16 bytes per piece
   (lanes add up over any partition): so a checkpoint written at W = 4 under FSDP2 verifies at W
   = 2, no tensor is gathered but those of at most C bytes to rank 0 at the save, and a flipped
-  byte is reported with its piece, its writers and the ranks that read it. A checkpoint of
-  format 1 (every tensor's whole xxh3) still loads and verifies, gathering DTensors. `load`
+  byte is reported with its piece, its writers and the ranks that read it. Format 2 (the same
+  with lattice lanes of version 1) still loads and verifies with that version's lanes, and format
+  1 (every tensor's whole xxh3) still loads and verifies, gathering DTensors. `load`
   refuses a checkpoint whose bytes differ, which catches flipped bytes and truncated files;
   `load_latest(fallback=True)` then falls back to the newest older checkpoint that verifies,
   says so on stderr (rank 0) and moves the corrupt ones aside to `corrupt-step_NNNNNNNN` (kept,
@@ -37,7 +38,7 @@ Guarantees:
 Layout of one checkpoint:
     step_NNNNNNNN/model_optim/    DCP files
     step_NNNNNNNN/trainer.json    rank-agnostic state (JSON)
-    step_NNNNNNNN/hashes.json     {"format": 2, "step": N, "whole_hash_bytes": C,
+    step_NNNNNNNN/hashes.json     {"format": 3, "step": N, "whole_hash_bytes": C,
                                    "tensors": {name: fingerprint}, "meta": {name: "float32[4, 8]"},
                                    "pieces": {name: [{"index", "lanes", "ranks"}]}, "param_groups": [...]}
 """
@@ -71,13 +72,15 @@ from titan_audit import faults
 from titan_audit.atomic import write_json_atomic
 from titan_audit.audit.by_piece import digests_by_piece, verify_by_piece
 from titan_audit.audit.fingerprint import whole_digest, whole_hash_bytes, whole_hash_limit
+from titan_audit.batch_invariant.cpu import lattice
 from titan_audit.log import get_logger
 from titan_audit.trainer.crash import crash_point
 
 log = get_logger(__name__)
 
 FORMAT_VERSION = 1  # trainer.json
-HASHES_FORMAT = 2  # hashes.json: 2 digests by piece; 1 (whole xxh3 of every tensor) still loads
+HASHES_FORMAT = 3  # hashes.json: 3 digests by piece (lattice v2); 2 (lattice v1) and 1 (whole xxh3) still load
+_LATTICE_BY_FORMAT = {2: 1, 3: 2}  # the lattice version of each by-piece format
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -267,7 +270,8 @@ class Checkpointer:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         named, groups = _named_tensors(model, optimizer)
         if expected.get("format", 1) >= 2:  # each rank checks the pieces it read
-            with whole_hash_limit(int(expected.get("whole_hash_bytes", whole_hash_bytes()))):
+            limit = int(expected.get("whole_hash_bytes", whole_hash_bytes()))
+            with whole_hash_limit(limit), lattice.using_version(_LATTICE_BY_FORMAT[expected["format"]]):
                 differing = verify_by_piece(named, expected, str(path / "hashes.json"))
         else:
             actual = _whole_hashes(named)

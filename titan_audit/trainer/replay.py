@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 
 from titan_audit.audit import CompareResult, compare_runs, read_audit_log
 from titan_audit.audit.log import AuditLogWriter
+from titan_audit.audit.run_manifest import digest_settings
 from titan_audit.audit.schema import SCHEMA
 from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
@@ -90,6 +91,7 @@ def prepare_replay(
             "seed": source.get("seed"),
             "world_size_history": [],
             "replay_of": {"run": str(run.resolve()), "from_step": from_step},
+            "digest": digest_settings(),
         },
     )
     return out

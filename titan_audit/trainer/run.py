@@ -39,7 +39,7 @@ import torch.distributed as dist
 from titan_audit import deterministic
 from titan_audit.audit import Recorder, run_lock
 from titan_audit.audit.log import mark_known
-from titan_audit.audit.run_manifest import record_census
+from titan_audit.audit.run_manifest import digest_settings, record_census
 from titan_audit.log import get_logger
 from titan_audit.trainer import typed_config
 from titan_audit.trainer.checkpoint import Checkpointer
@@ -172,6 +172,7 @@ class Run:
         manifest["fingerprint"] = deterministic.fingerprint(self.mesh.device).to_dict()
         manifest["packages"] = package_versions()
         if not self.resume:
+            manifest["digest"] = digest_settings()
             manifest.update(self.job.manifest_extra(self.config, self.options, self.checked))
         return manifest
 

@@ -1,18 +1,26 @@
 """The two 64-bit lanes of the audit's order-free tensor digest, on our compiled kernel
 (`kernels/lattice.cpp`; audit/fingerprint.py defines the digest on top of them).
 
-Guarantee: `rows(...)` adds to `lanes`, modulo 2^64, lane 0 += F0(u_j ^ K0) and lane 1 +=
-F1(u_j ^ K1) over the words x_j it is given (1, 2 or 4 bytes, zero-extended) at their global word
-indices j, with u_j = ((j mod 2^32) << 32 | x_j) ^ (floor(j / 2^32) * KH) (constants and the two
-64-bit bijections F0, F1 in kernels/lattice.cpp). Integer addition modulo 2^64 does not depend
-on order, so the lanes are the same on every CPU, ISA variant and thread count, and the lanes
-of disjoint pieces, added, are the lanes of their union. `reference_lanes` is the same function
-in numpy (slow; for tests and the bench).
+Guarantee: `rows(...)` adds to `lanes`, modulo 2^64, one term per word x_j it is given (1, 2 or 4
+bytes, zero-extended to 32 bits) that depends only on the word and its global word index j:
+- version 2 (`VERSION`, blocked): lane L += B_L(floor(j / 4096)) * ((x_j ^ X_L) * T_L[j mod 4096]),
+  the inner product exact in 64 bits, T_L a table of 4096 odd 32-bit keys and B_L(b) an odd 64-bit
+  key per block of 4096 words (both from the bijections F_0, F_1);
+- version 1 (mixed; what `hashes.json` format 2 holds): lane L += F_L(u_j ^ K_L) with u_j =
+  ((j mod 2^32) << 32 | x_j) ^ (floor(j / 2^32) * KH).
+Constants and F_0, F_1 (MurmurHash3's and splitmix64's finalisers) are in kernels/lattice.cpp.
+Integer addition modulo 2^64 does not depend on order (and B_L distributes over it), so the lanes
+are the same on every CPU, ISA variant and thread count, and the lanes of disjoint pieces, added,
+are the lanes of their union. `reference_lanes` is the same function in numpy (slow; for tests and
+the bench). The version in use is `version()`: `VERSION` unless `using_version` says otherwise
+(only to check digests written with version 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -20,13 +28,40 @@ import torch
 from titan_audit.batch_invariant.cpu import _lib
 
 WORD_BYTES = (1, 2, 4)
-K0, K1, KH = 0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D1  # as in kernels/lattice.cpp (and F0, F1)
+VERSIONS = (1, 2)
+VERSION = 2
+# as in kernels/lattice.cpp (with F0, F1 below)
+K0, K1, KH = 0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D1
+KT0, KT1, X0, X1 = 0x082EFA98EC4E6C89, 0x452821E638D01377, 0xBE5466CF, 0x34E90C6C
+BLOCK = 4096
 MASK = (1 << 64) - 1
+
+_version = VERSION
+
+
+def version() -> int:
+    """The lattice version `rows` and `span` compute (and audit/fingerprint.py keys digests by)."""
+    return _version
+
+
+@contextlib.contextmanager
+def using_version(v: int) -> Iterator[None]:
+    """Compute version `v`'s lanes inside (to check digests written with it)."""
+    global _version
+    if v not in VERSIONS:
+        raise ValueError(f"lattice: unknown digest version {v!r}; this titan-audit knows {VERSIONS}")
+    saved, _version = _version, v
+    try:
+        yield
+    finally:
+        _version = saved
+
 
 _lib.declare(
     "lattice_rows",
     None,
     [
+        ctypes.c_int32,  # version
         ctypes.c_void_p,  # base
         ctypes.c_int32,  # word width in bytes
         ctypes.c_int64,  # rows
@@ -63,7 +98,7 @@ def rows(
     assert local.numel() == global_start.numel()
     if run and local.numel():
         _lib.kernel("lattice_rows")(
-            base, width, local.numel(), run, local.data_ptr(), global_start.data_ptr(), max(1, threads), lanes
+            _version, base, width, local.numel(), run, local.data_ptr(), global_start.data_ptr(), max(1, threads), lanes
         )
 
 
@@ -75,7 +110,7 @@ def span(lanes: ctypes.Array, address: int, width: int, words: int, first_index:
     if words:
         local, first = ctypes.c_int64(0), ctypes.c_int64(first_index)
         _lib.kernel("lattice_rows")(
-            address, width, 1, words, ctypes.addressof(local), ctypes.addressof(first), max(1, threads), lanes
+            _version, address, width, 1, words, ctypes.addressof(local), ctypes.addressof(first), max(1, threads), lanes
         )
 
 
@@ -92,12 +127,29 @@ F0 = (33, 0xFF51AFD7ED558CCD, 33, 0xC4CEB9FE1A85EC53, 33)  # MurmurHash3's fmix6
 F1 = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)  # splitmix64's finaliser
 
 
-def reference_lanes(words: np.ndarray, indices: np.ndarray) -> tuple[int, int]:
-    """The lanes of unsigned `words` (uint8/16/32) at global word `indices`, in numpy (module doc)."""
+def _tables() -> tuple[np.ndarray, np.ndarray]:
+    t = np.arange(BLOCK, dtype=np.uint64)
+    return tuple(
+        (_finalise(t ^ np.uint64(k), *f) & np.uint64(0xFFFFFFFF)) | np.uint64(1) for k, f in ((KT0, F0), (KT1, F1))
+    )
+
+
+def reference_lanes(words: np.ndarray, indices: np.ndarray, v: int | None = None) -> tuple[int, int]:
+    """The lanes (version `v`, default `version()`) of unsigned `words` (uint8/16/32) at global
+    word `indices`, in numpy (module doc)."""
+    v = _version if v is None else v
     with np.errstate(over="ignore"):
         x = words.astype(np.uint64)
         j = indices.astype(np.uint64)
-        u = ((j << np.uint64(32)) | x) ^ ((j >> np.uint64(32)) * np.uint64(KH))
-        a = int(_finalise(u ^ np.uint64(K0), *F0).sum(dtype=np.uint64))
-        b = int(_finalise(u ^ np.uint64(K1), *F1).sum(dtype=np.uint64))
+        if v == 1:
+            u = ((j << np.uint64(32)) | x) ^ ((j >> np.uint64(32)) * np.uint64(KH))
+            a = int(_finalise(u ^ np.uint64(K0), *F0).sum(dtype=np.uint64))
+            b = int(_finalise(u ^ np.uint64(K1), *F1).sum(dtype=np.uint64))
+            return a, b
+        t0, t1 = _tables()
+        block, offset = j // np.uint64(BLOCK), (j % np.uint64(BLOCK)).astype(np.int64)
+        b0 = _finalise(block ^ np.uint64(K0), *F0) | np.uint64(1)
+        b1 = _finalise(block ^ np.uint64(K1), *F1) | np.uint64(1)
+        a = int((b0 * ((x ^ np.uint64(X0)) * t0[offset])).sum(dtype=np.uint64))
+        b = int((b1 * ((x ^ np.uint64(X1)) * t1[offset])).sum(dtype=np.uint64))
     return a, b
