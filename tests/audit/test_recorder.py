@@ -174,12 +174,13 @@ def test_paused_records_nothing_and_flush_cadence(tmp_path):
     assert recorder.pending == 0
     model(torch.ones(1, 2))
     assert recorder.pending == 1
-    assert recorder.end_step() is None  # 1 step since the last flush
+    recorder.end_step()  # 1 step since the last flush: nothing written
     recorder.start_step(1)
     model(torch.ones(1, 2))
-    path = recorder.end_step()
-    assert path is not None and path.name == "part-r00000-00000000.parquet"
+    recorder.end_step()  # the part is written in the background ...
     assert recorder.pending == 0
+    assert recorder.flush() is None  # ... and flush waits for it (nothing else buffered)
+    assert [p.name for p in (tmp_path / "audit").glob("part-*")] == ["part-r00000-00000000.parquet"]
     assert read_audit_log(tmp_path).num_rows == 2
     recorder.close()
 
@@ -348,3 +349,30 @@ def test_explicit_records_are_always_hashed_afresh(tmp_path):
         recorder.record("param", "after", weight)
     rows = {r["name"]: r["hash"] for r in _rows(tmp_path)}
     assert rows["before"] == fingerprint(torch.ones(3)) != rows["after"] == fingerprint(torch.full((3,), 3.0))
+
+
+def test_end_step_writes_its_part_in_the_background_and_the_next_flush_raises_its_error(tmp_path, monkeypatch):
+    """The periodic part is written on the log's background thread; `flush` waits for it (the
+    part is there) and raises what writing it raised (a full disk here), not silently."""
+    from titan_audit.audit.log import AuditLogWriter
+
+    model = nn.Linear(2, 2)
+    recorder = Recorder(tmp_path, model, level="params", flush_every_steps=1)
+    recorder.start_step(0)
+    recorder.record_params()
+    recorder.end_step()
+    assert recorder.flush() is None
+    assert read_audit_log(tmp_path).num_rows == 2
+
+    def full_disk(self, columns):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(AuditLogWriter, "write", full_disk)
+    recorder.start_step(1)
+    recorder.record_params()
+    recorder.end_step()  # returns at once: the error is the background thread's
+    with pytest.raises(OSError, match="No space left on device"):
+        recorder.flush()
+    monkeypatch.undo()
+    recorder.close()
+    assert read_audit_log(tmp_path).num_rows == 2

@@ -2,9 +2,12 @@
 
 Guarantees:
 - Each flush writes one part, `RUN/audit/part-r<rank>-<n>.parquet`, first to a hidden temporary
-  name in the same directory, fsynced, then renamed. A crash (SIGKILL included) at any moment
-  leaves only complete parts under part names; a half-written temporary (`.part-*.tmp`) is never
-  read. So the reader returns every record up to the last complete part.
+  name in the same directory, fsynced, then renamed. `AuditLogWriter.submit` writes a part on
+  one background thread (parts in order, one at a time; `wait` returns when it is committed and
+  raises what the write raised), so a training step need not wait for its encoding and fsyncs.
+  A crash (SIGKILL included) at any moment leaves only complete parts under part names; a
+  half-written temporary (`.part-*.tmp`) is never read. So the reader returns every record up to
+  the last complete part.
 - Parts are per rank and numbered on from that rank's last part (its index, and any part
   committed after the index was last written), so several ranks can write into one run
   directory, and a resumed run appends without overwriting anything. No part is ever
@@ -45,6 +48,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +103,34 @@ class AuditLogWriter:
         _check_rank(index, self.check, after_step=None, last=verify)
         self.index = index
         self.next_part = index.next_part()
+        self._pool: ThreadPoolExecutor | None = None
+        self._writing: Future | None = None
+
+    def submit(self, rows: list[tuple]) -> None:
+        """Write the part of `rows` (tuples in SCHEMA's column order) on the background thread,
+        after the part before it (`wait`s for that one first, raising what it raised)."""
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-audit-log")
+        self._writing = self._pool.submit(self.write_rows, rows)
+
+    def wait(self) -> Path | None:
+        """The path of the part `submit` is writing, once committed (None if none is in flight)."""
+        writing, self._writing = self._writing, None
+        return None if writing is None else writing.result()
+
+    def close(self) -> None:
+        """`wait`, then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    def write_rows(self, rows: list[tuple]) -> Path | None:
+        """`write` of rows given as tuples in SCHEMA's column order."""
+        return self.write(dict(zip(SCHEMA.names, map(list, zip(*rows)))))
 
     def write(self, columns: dict[str, Sequence]) -> Path | None:
         """Write one part from column lists (SCHEMA's names); None when there are no rows."""

@@ -46,6 +46,8 @@ Guarantees:
   (summary.summarize_sharded). A dumped DTensor (`dump_names`) is gathered whole.
 - Records are buffered in memory and written as one atomic Parquet part per flush (audit.log),
   so a crash loses at most the records since the last flush; call `flush()` at every checkpoint.
+  `end_step`'s periodic part is written on a background thread; `flush` and `close` wait for it,
+  and an error writing it is raised by the next end_step, flush or close.
 - Opening a run whose audit log has parts (a resume appends to it) reads back the parts of its
   rank it appends to (audit.log says which): a damaged one raises ValueError naming it before
   anything is appended. Older parts stand on their digests in the index (`titan-audit verify
@@ -80,7 +82,7 @@ from titan_audit.audit.fingerprint import whole_hash_bytes
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.pieces import is_dtensor
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
-from titan_audit.audit.shards import DigestCounters
+from titan_audit.audit.shards import DigestCounters, rank_and_world
 from titan_audit.audit.summary import Summary, batch_meta, summarize, summarize_batch, summarize_sharded
 
 LEVELS = ("off", "params", "full")
@@ -91,14 +93,6 @@ _HOOK_PHASES = ("forward", "backward")
 # gradient and optimizer state each step): there they would add the statistics kernel's pass
 # (~0.6x the hash) over the model's memory to every step of the `params` level.
 DEFAULT_STATS_PHASES = ("rollout", "data", "forward", "logprob", "loss", "backward")
-
-
-def _dist_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _dist_world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -133,10 +127,11 @@ class Recorder:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
         self.run_dir = Path(run_dir)
         self.level = level
-        self.rank = _dist_rank() if rank is None else rank
+        process_rank, world = rank_and_world()
+        self.rank = process_rank if rank is None else rank
         self.replicated_rank = replicated_rank
         self.writes_microbatches = writes_microbatches
-        self.split_replicated = split_replicated and _dist_world() > 1
+        self.split_replicated = split_replicated and world > 1
         self.flush_every_steps = flush_every_steps
         self.stats_phases = frozenset(PHASES if stats is True else () if stats is False else stats)
         for phase in self.stats_phases:
@@ -190,20 +185,27 @@ class Recorder:
         self.microbatch = int(microbatch)
         self._recent.clear()
 
-    def end_step(self) -> Path | None:
-        """End the step; flush when `flush_every_steps` steps have passed since the last flush."""
+    def end_step(self) -> None:
+        """End the step; every `flush_every_steps` steps the buffered records go to a part
+        written in the background (audit.log's `submit`; `flush` waits for it)."""
         self._steps_since_flush += 1
         if self._steps_since_flush >= self.flush_every_steps:
-            return self.flush()
-        return None
+            self._steps_since_flush = 0
+            if self._writer is not None and self._rows:
+                assert self._pending is None, "end_step() inside a batch of DTensor records"
+                self._writer.submit(self._rows)
+                self._rows = []
 
     def flush(self) -> Path | None:
-        """Write the buffered records as one atomic part; returns its path (None if nothing)."""
+        """Write the buffered records as one atomic part, after the one `end_step` began; its path."""
         self._steps_since_flush = 0
-        if self._writer is None or not self._rows:
+        if self._writer is None:
+            return None
+        self._writer.wait()
+        if not self._rows:
             return None
         assert self._pending is None, "flush() inside a batch of DTensor records"
-        path = self._writer.write(dict(zip(SCHEMA.names, map(list, zip(*self._rows)))))
+        path = self._writer.write_rows(self._rows)
         self._rows = []
         return path
 
@@ -213,6 +215,8 @@ class Recorder:
             handle.remove()
         self._handles.clear()
         self.flush()
+        if self._writer is not None:
+            self._writer.close()
 
     def __enter__(self) -> Recorder:
         return self

@@ -148,6 +148,13 @@ def to_unsigned(value: int) -> int:
 # ------------------------------------------------------------------ collectives
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 outside torch.distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def group_of(mesh) -> tuple[object | None, list[int]]:
     """(process group, its global ranks in group order) of a DTensor's mesh: the default group
     when the mesh spans every rank, the mesh's own group when it is 1-d."""
