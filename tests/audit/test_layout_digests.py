@@ -6,8 +6,11 @@
   tensor on every rank, above C (the lattice digest) and at most C (gathered, xxh3), with exact
   absmax; a Recorder under real FSDP2 (`fully_shard`) and under a (dp, tp) = (2, 2) mesh with
   TP-sharded weights writes the records of the unsharded run, calling no `full_tensor()`;
+- under DDP (`split_replicated`), 4 replicas each hash their share of the dim-0 rows of every
+  step-level tensor above C and write the records of the unsharded run, at 1/W of the bytes;
 - controls: a one-element change on one rank's shard, and two elements swapped between the
-  pieces of two ranks, give other digests;
+  pieces of two ranks, give other digests; a DDP replica perturbed in its own share changes the
+  record;
 - (slow) the trainer's audit logs at W = 1, 2, 4 in DP and FSDP2 and at (dp, tp) = (1, 2) and
   (2, 2), with C = 16 KiB so that tiny-dense's tensors (up to 128 C) take the lattice path
   sharded, are identical record for record.

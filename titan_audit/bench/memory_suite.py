@@ -17,7 +17,8 @@ peak, the op after which the largest was reached and where in our code, peak RSS
 and each rank's), the same-host exchange file (mapped, once per host) measured and predicted,
 seconds.
 Two more cases when the grid holds their points (the memory goals), ratio <= 1 met:
-- `dp W=1: peak(V=16) - peak(V=2)` against 3 x 4P (at most three more gradient copies);
+- `dp W=1: peak(V=16) - peak(V=2)` against 3 x 4P (at most three more gradient copies) and
+  DP_GROWTH_DATA bytes per extra microbatch (its token batches and small tensors, ~2 KB each);
 - `fsdp V=8: peak(W=4)` against 0.45 x peak(W=1) (memory per rank shrinks with W).
 A case's sides are bytes: its JSON says `baseline_bytes` / `candidate_bytes` (`MemoryCase`).
 `--quick` (without a grid of its own): `QUICK_GRID`, tiny-dense at W = 2, V = 2, one step, both modes.
@@ -57,6 +58,7 @@ MEMORY_POLICY_OFF = {"TITAN_AUDIT_MALLOC": "default", "THP_MEM_ALLOC_ENABLE": "0
 FORMULA = "formula (docs/memory.md)"
 MEASURED = "peak live tensor bytes (max over ranks)"
 DP_GROWTH = (1, 2, 16, 3)  # W, V from, V to, bound in gradient copies (4P)
+DP_GROWTH_DATA = 4096  # bytes per extra microbatch besides the copies: its batches, loss scalars
 FSDP_SHRINK = (8, 1, 4, 0.45)  # V, W from, W to, bound as a fraction
 
 
@@ -158,11 +160,12 @@ def relation_cases(measured: dict[tuple[str, int, int], int], shape: Shape) -> l
     cases = []
     w, v_from, v_to, copies = DP_GROWTH
     if ("dp", w, v_from) in measured and ("dp", w, v_to) in measured:
-        growth, bound = measured[("dp", w, v_to)] - measured[("dp", w, v_from)], copies * FP32 * shape.params
+        growth = measured[("dp", w, v_to)] - measured[("dp", w, v_from)]
+        bound = copies * FP32 * shape.params + (v_to - v_from) * DP_GROWTH_DATA
         cases.append(
             MemoryCase(
                 case=f"memory dp W={w}: peak(V={v_to}) - peak(V={v_from})",
-                baseline=f"{copies} x 4P",
+                baseline=f"{copies} x 4P + {DP_GROWTH_DATA} bytes per extra microbatch",
                 candidate=f"peak(V={v_to}) - peak(V={v_from})",
                 baseline_s=bound,
                 candidate_s=growth,
