@@ -1,6 +1,6 @@
 """Digests of many named tensors recorded by the piece each rank holds, and their verification
-by the ranks that hold the pieces later, at any layout (a checkpoint's hashes.json format 2:
-trainer/checkpoint.py).
+by the ranks that hold the pieces later, at any layout (a checkpoint's hashes.json formats 2 and
+3, whose lanes are lattice versions 1 and 2: trainer/checkpoint.py).
 
 Guarantees:
 - `digests_by_piece(named)` (collective; rank 0 gets the result): for every tensor, its

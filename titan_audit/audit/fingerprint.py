@@ -44,7 +44,7 @@ What the lattice digest detects, for two tensors of one dtype and shape (docs/au
   words (the inner sum is NH's universal hash, whose bound this is) and about 2^-63 per lane
   across blocks (B multiplies each block's inner sum), so about 2^-62 per pair of tensors with
   the two independent lanes: a 64-bit checksum's order (version 1 claimed 2^-128 under the
-  random-function model, at 4x the cost). It is a checksum against accidents, not a MAC: someone
+  random-function model, at 3-4x the cost). It is a checksum against accidents, not a MAC: someone
   choosing the data to collide can.
 - another dtype or shape: the header's key differs (a collision needs lane differences equal
   to the keys' difference: 2^-128 for the hashed keys).
