@@ -117,69 +117,68 @@ const Tables& tables() {
     return t;
 }
 
+// One vector of words for the blocked loop below: `kWords` words zero-extended to 32 bits
+// (`load`), and `madd`: s += the products (x ^ X) * T of those words and their keys k (even
+// positions, then the odd ones shifted down; the odd keys come from the table one word on).
 #if defined(TA_ISA_AVX512)
-// 16 words, zero-extended to 32 bits.
-inline __m512i load16(const uint32_t* p) { return _mm512_loadu_si512(p); }
-inline __m512i load16(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
-inline __m512i load16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-
-// s += the 16 products (x ^ X) * T of words x and keys k (even positions, then odd).
-inline __m512i madd16(__m512i s, __m512i x, __m512i xkey, const uint32_t* k) {
-    const __m512i y = _mm512_xor_si512(x, xkey);
-    s = _mm512_add_epi64(s, _mm512_mul_epu32(y, _mm512_loadu_si512(k)));
-    return _mm512_add_epi64(s, _mm512_mul_epu32(_mm512_srli_epi64(y, 32), _mm512_loadu_si512(k + 1)));
-}
-
-template <typename W>
-inline int64_t blocked_vector(const W* p, int64_t n, const uint32_t* k0, const uint32_t* k1, uint64_t& s0, uint64_t& s1) {
-    const __m512i x0 = _mm512_set1_epi32((int)X0), x1 = _mm512_set1_epi32((int)X1);
-    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __builtin_prefetch((const char*)(p + i) + kPrefetchBytes, 0, 1);
-        const __m512i x = load16(p + i);
-        a = madd16(a, x, x0, k0 + i);
-        b = madd16(b, x, x1, k1 + i);
+struct Vec {
+    using T = __m512i;
+    static constexpr int64_t kWords = 16;
+    static T zero() { return _mm512_setzero_si512(); }
+    static T splat(uint32_t x) { return _mm512_set1_epi32((int)x); }
+    static T load(const uint32_t* p) { return _mm512_loadu_si512(p); }
+    static T load(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
+    static T load(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+    static T madd(T s, T x, T xkey, const uint32_t* k) {
+        const T y = _mm512_xor_si512(x, xkey);
+        s = _mm512_add_epi64(s, _mm512_mul_epu32(y, _mm512_loadu_si512(k)));
+        return _mm512_add_epi64(s, _mm512_mul_epu32(_mm512_srli_epi64(y, 32), _mm512_loadu_si512(k + 1)));
     }
-    s0 += _mm512_reduce_add_epi64(a);
-    s1 += _mm512_reduce_add_epi64(b);
-    return i;
-}
+    static uint64_t sum(T s) { return _mm512_reduce_add_epi64(s); }
+};
 #elif defined(TA_ISA_AVX2)
-inline __m256i load8(const uint32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline __m256i load8(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
-inline __m256i load8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+struct Vec {
+    using T = __m256i;
+    static constexpr int64_t kWords = 8;
+    static T zero() { return _mm256_setzero_si256(); }
+    static T splat(uint32_t x) { return _mm256_set1_epi32((int)x); }
+    static T load(const uint32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+    static T load(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
+    static T load(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+    static T madd(T s, T x, T xkey, const uint32_t* k) {
+        const T y = _mm256_xor_si256(x, xkey);
+        s = _mm256_add_epi64(s, _mm256_mul_epu32(y, _mm256_loadu_si256((const __m256i*)k)));
+        return _mm256_add_epi64(s, _mm256_mul_epu32(_mm256_srli_epi64(y, 32), _mm256_loadu_si256((const __m256i*)(k + 1))));
+    }
+    static uint64_t sum(T s) {
+        alignas(32) uint64_t l[4];
+        _mm256_store_si256((__m256i*)l, s);
+        return l[0] + l[1] + l[2] + l[3];
+    }
+};
+#endif
 
-inline __m256i madd8(__m256i s, __m256i x, __m256i xkey, const uint32_t* k) {
-    const __m256i y = _mm256_xor_si256(x, xkey);
-    s = _mm256_add_epi64(s, _mm256_mul_epu32(y, _mm256_loadu_si256((const __m256i*)k)));
-    return _mm256_add_epi64(s, _mm256_mul_epu32(_mm256_srli_epi64(y, 32), _mm256_loadu_si256((const __m256i*)(k + 1))));
-}
-
+// The whole vectors of n words (keys k0, k1 from the same offset) into s0, s1; returns how many
+// words it took (0 on the scalar variant, whose loop below takes them all).
 template <typename W>
 inline int64_t blocked_vector(const W* p, int64_t n, const uint32_t* k0, const uint32_t* k1, uint64_t& s0, uint64_t& s1) {
-    const __m256i x0 = _mm256_set1_epi32((int)X0), x1 = _mm256_set1_epi32((int)X1);
-    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+#if defined(TA_ISA_AVX512) || defined(TA_ISA_AVX2)
+    const Vec::T x0 = Vec::splat(X0), x1 = Vec::splat(X1);
+    Vec::T a = Vec::zero(), b = Vec::zero();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
+    for (; i + Vec::kWords <= n; i += Vec::kWords) {
         __builtin_prefetch((const char*)(p + i) + kPrefetchBytes, 0, 1);
-        const __m256i x = load8(p + i);
-        a = madd8(a, x, x0, k0 + i);
-        b = madd8(b, x, x1, k1 + i);
+        const Vec::T x = Vec::load(p + i);
+        a = Vec::madd(a, x, x0, k0 + i);
+        b = Vec::madd(b, x, x1, k1 + i);
     }
-    alignas(32) uint64_t la[4], lb[4];
-    _mm256_store_si256((__m256i*)la, a);
-    _mm256_store_si256((__m256i*)lb, b);
-    s0 += la[0] + la[1] + la[2] + la[3];
-    s1 += lb[0] + lb[1] + lb[2] + lb[3];
+    s0 += Vec::sum(a);
+    s1 += Vec::sum(b);
     return i;
-}
 #else
-template <typename W>
-inline int64_t blocked_vector(const W*, int64_t, const uint32_t*, const uint32_t*, uint64_t&, uint64_t&) {
     return 0;
-}
 #endif
+}
 
 // n words from p at global indices g .. g+n-1 (any n, any g).
 template <typename W>
