@@ -60,26 +60,35 @@ def test_stats_inf_and_nan():
     assert math.isnan(absmax) and math.isnan(mean)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_hash_and_stats_read_piece_by_piece_are_the_one_pass_values(monkeypatch, dtype):
-    """A tensor longer than CHUNK_BYTES goes to the stats kernel and the hasher in pieces: the hash
-    is still `fingerprint`'s and the statistics the kernel's one-call bits. Negative control: the
-    last element's lowest bit flipped (in the last piece) changes the hash."""
-    from titan_audit.audit import summary as summary_module
+def test_hash_and_stats_run_at_once_are_the_separate_values(dtype, threads):
+    """At most C bytes the hash and the statistics kernel run in one call, on two threads when
+    there are two and the tensor is large enough: the hash is still `fingerprint`'s and the
+    statistics the kernel's own bits, below and above the size that takes two threads. Negative
+    controls: the last element's lowest bit flipped changes the hash; the largest element
+    doubled changes absmax (both read the bytes given)."""
     from titan_audit.batch_invariant.cpu import stats as kernel
 
-    monkeypatch.setattr(summary_module, "CHUNK_BYTES", 8 * kernel.BLOCK)  # a whole block of every dtype
-    t = (torch.randn(3, 5 * kernel.BLOCK + 7, generator=torch.Generator().manual_seed(3)) * 100).to(dtype)
-    assert t.nbytes > 3 * summary_module.CHUNK_BYTES
-    s = summarize(t)
-    absmax, total = kernel.absmax_sum(t)
-    assert s.hash == fingerprint(t)
-    assert (s.absmax, s.mean) == (absmax, total / t.numel())
-    assert s.absmax == float(t.double().abs().max())
-    flipped = t.clone()
-    flipped.view(-1)[-1:].view(torch.uint8)[0] ^= 1  # lowest byte of the last element, little-endian
-    assert summarize(flipped).hash == fingerprint(flipped) != s.hash
-    assert summarize(t, with_stats=False) == (s.dtype, s.shape, s.hash, None, None)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for numel in (5, 3 * kernel.BLOCK + 7, (1 << 18) // dtype.itemsize + 3):
+            t = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 100).to(dtype)
+            s = summarize(t)
+            absmax, total = kernel.absmax_sum(t)
+            assert s.hash == fingerprint(t)
+            assert (s.absmax, s.mean) == (absmax, total / t.numel())
+            assert s.absmax == float(t.double().abs().max())
+            flipped = t.clone()
+            flipped.view(-1)[-1:].view(torch.uint8)[0] ^= 1  # lowest byte of the last element, little-endian
+            assert summarize(flipped).hash == fingerprint(flipped) != s.hash
+            doubled = t.clone()
+            doubled[t.abs().argmax()] *= 2
+            assert summarize(doubled).absmax == 2 * s.absmax
+            assert summarize(t, with_stats=False) == (s.dtype, s.shape, s.hash, None, None)
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -14,11 +14,10 @@ Guarantees:
   one pass of our compiled kernel (batch_invariant/cpu/stats.py, kernels/stats.cpp): absmax is
   exact; mean = the sum in the kernel's fixed order (float32 lanes per 1024-element block, then
   float64 lanes and a fixed tree; float64 input: float64 lanes) / numel, the same bits on every
-  CPU, ISA and thread count. A tensor goes to the hasher and then to the kernel, piece by piece
-  when larger than `CHUNK_BYTES`, so the kernel reads each piece from cache (for a tensor that is
-  not in cache, one trip through memory instead of two). The hasher goes first because it streams
-  from memory faster than the kernel does, and the kernel reads from cache faster than the
-  hasher. float16 and the float8 types are widened to float32 first (exact); integer and bool
+  CPU, ISA and thread count. A tensor of at most C bytes goes to the hasher and the kernel in
+  one call that runs them at once on two intra-op threads (batch_invariant/cpu/digest.py
+  `xxh3_128_stats`), so the record takes one read of its bytes in wall time instead of two.
+  float16 and the float8 types are widened to float32 first (exact); integer and bool
   tensors take numpy's min/max and an int64 torch sum; complex: NaN. The statistics cost about
   0.6x the hash.
 - A DTensor is never materialised whole (`summarize_sharded`, a collective: every rank of its
@@ -50,18 +49,12 @@ import xxhash
 from titan_audit.audit import pieces, shards
 from titan_audit.audit.fingerprint import _header, fingerprint, lattice_digest, whole_hash_bytes
 from titan_audit.batch_invariant.cpu import stats as _stats
-from titan_audit.batch_invariant.cpu.digest import xxh3_128_many
+from titan_audit.batch_invariant.cpu.digest import xxh3_128_many, xxh3_128_stats
 
-# Bytes fed to the hasher and then to the stats kernel at a time (whole kernel blocks of every
-# dtype): small enough for the second read to hit L2, large enough that the per-piece Python
-# cost (~2 us) stays near 1% of the piece's time. For a 64 MB tensor out of cache it took the
-# pair from 11.4 ms (two trips through memory) to 8.1-9.2 ms (hash alone: 5.9-6.7 ms).
-CHUNK_BYTES = 1 << 18
-assert all(CHUNK_BYTES % (_stats.BLOCK * dtype.itemsize) == 0 for dtype in _stats.DTYPES), "whole kernel blocks"
-
-# The piece size above C: larger (the lattice kernel is slower per byte than xxh3, so the
-# per-piece Python cost matters less) and still L2-resident for the statistics kernel behind it.
-_LATTICE_CHUNK_BYTES = 4 * CHUNK_BYTES
+# The piece size above C, per thread: the lattice lanes of a piece, then the statistics kernel
+# over it from L2 (whole kernel blocks of every dtype).
+_LATTICE_CHUNK_BYTES = 1 << 20
+assert all(_LATTICE_CHUNK_BYTES % (_stats.BLOCK * dtype.itemsize) == 0 for dtype in _stats.DTYPES), "whole blocks"
 _KERNEL = dict(_stats.KERNELS)
 _WIDEN = {torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 _NUMPY_MINMAX = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
@@ -183,31 +176,18 @@ def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
     """summarize() of a tensor for which `_is_plain` holds."""
     dtype = tensor.dtype
     meta = _meta(dtype, tensor.shape)
-    hasher = xxhash.xxh3_128(meta.header)
     absmax = mean = None
     nbytes = meta.nbytes
     if nbytes > whole_hash_bytes():
         return _summarize_lattice(tensor, meta, with_stats)
+    hasher = xxhash.xxh3_128(meta.header)
     if not nbytes:
         if with_stats:
             absmax = mean = math.nan
-    elif with_stats and dtype in _KERNEL:
-        address = tensor.data_ptr()
-        memory = meta.buffer.from_address(address)  # `tensor` stays alive until we return
+    elif with_stats and dtype in _KERNEL:  # the hash and the statistics at once, on two threads
         state = _stats.new_state()
-        kernel = _stats.kernel_for(dtype)
-        if nbytes <= CHUNK_BYTES:
-            hasher.update(memory)
-            kernel(address, meta.numel, state)
-        else:  # piece by piece: the kernel reads what the hasher just read, from cache
-            view = memoryview(memory)
-            itemsize = dtype.itemsize
-            step = CHUNK_BYTES // itemsize
-            for start in range(0, meta.numel, step):
-                count = min(step, meta.numel - start)
-                hasher.update(view[start * itemsize : (start + count) * itemsize])
-                kernel(address + start * itemsize, count, state)
-        absmax, mean = state[_STATE_LANES], state[_STATE_LANES + 1] / meta.numel
+        digest = xxh3_128_stats(meta.header, tensor.data_ptr(), nbytes, dtype, torch.get_num_threads(), state)
+        return Summary(meta.dtype, meta.shape, digest, state[_STATE_LANES], state[_STATE_LANES + 1] / meta.numel)
     else:
         hasher.update(meta.buffer.from_address(tensor.data_ptr()))
         if with_stats:
