@@ -49,9 +49,10 @@ What the lattice digest detects, for two tensors of one dtype and shape (docs/au
 - another dtype or shape: the header's key differs (a collision needs lane differences equal
   to the keys' difference: 2^-128 for the hashed keys).
 
-A contiguous CPU tensor is read in place (zero copy); a DTensor is hashed by `fingerprint` as
-its logical tensor: every rank of its mesh must call it together (a collective; every rank
-gets the digest).
+A contiguous CPU tensor is read in place (zero copy); a tensor on a GPU above C is hashed on
+its device (audit/device_lanes.py: the same lanes, no host copy), one of at most C is copied to
+the host; a DTensor is hashed by `fingerprint` as its logical tensor: every rank of its mesh
+must call it together (a collective; every rank gets the digest).
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ def lattice_digest(dtype: torch.dtype, shape: tuple[int, ...], lanes: tuple[int,
     return f"{(lanes[0] + keys[0]) & _MASK:016x}{(lanes[1] + keys[1]) & _MASK:016x}"
 
 
-def _logical_cpu_tensor(tensor: torch.Tensor, *, contiguous: bool = True) -> torch.Tensor:
+def _logical_cpu_tensor(tensor: torch.Tensor, *, contiguous: bool = True, move: bool = True) -> torch.Tensor:
     """The tensor's logical value as a plain CPU tensor (no copy when it is one; `contiguous`:
-    made contiguous). A DTensor here is gathered (`whole_digest` only)."""
+    made contiguous; `move=False`: left on its device). A DTensor here is gathered
+    (`whole_digest` only)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"fingerprint expects a torch.Tensor, got {type(tensor).__name__}")
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
@@ -138,7 +140,7 @@ def _logical_cpu_tensor(tensor: torch.Tensor, *, contiguous: bool = True) -> tor
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
         tensor = tensor.resolve_neg()
-    if tensor.device.type != "cpu":
+    if move and tensor.device.type != "cpu":
         tensor = tensor.cpu()
     return tensor.contiguous() if contiguous else tensor
 
@@ -190,9 +192,9 @@ def fingerprint(tensor: torch.Tensor) -> str:
         return _fingerprint_dtensor(tensor)
     if _is_plain_contiguous(tensor) and tensor.nbytes <= _whole_bytes:
         return _xxh3(tensor)  # the fast path: a plain contiguous CPU tensor, read in place
-    plain = _logical_cpu_tensor(tensor, contiguous=False)
+    plain = _logical_cpu_tensor(tensor, contiguous=False, move=False)  # above C a device hashes its own
     if plain.numel() * plain.element_size() <= _whole_bytes:
-        return _xxh3(plain.contiguous())
+        return _xxh3(plain.cpu().contiguous())
     return lattice_digest(plain.dtype, tuple(plain.shape), shards.lanes(plain, pieces.Piece.whole(plain.shape)))
 
 

@@ -9,7 +9,9 @@ Guarantees:
   bytes), an 8-byte element is 2 words and a 16-byte complex one 4 (little-endian halves, at
   word indices q*i .. q*i+q-1 of element i). So the lanes of disjoint pieces add up, modulo
   2^64, to the lanes of the whole tensor, whatever the layout. Memory is read in place: a
-  strided view costs nothing unless its last dimension is not contiguous (then one copy).
+  strided view costs nothing unless its last dimension is not contiguous (then one copy). A
+  piece on another device (a GPU rank's) is hashed there (audit/device_lanes.py: the same
+  integers, no host copy).
 - `gather(...)`: one collective over a mesh's process group (the default group when the mesh
   spans every rank), to one rank or to all, of one fixed-size tensor per rank; every rank of
   the group must call it in the same order.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titan_audit.audit import device_lanes
 from titan_audit.audit.pieces import Piece, coordinate, is_dtensor, piece_of, replica, share_of
 from titan_audit.batch_invariant.cpu import lattice as _kernel
 
@@ -102,6 +105,12 @@ def row_tables(
     return run, local_off.expand(shape).reshape(-1).contiguous(), global_off.expand(shape).reshape(-1).contiguous()
 
 
+def hashed_on_device(local: torch.Tensor) -> bool:
+    """Whether `lanes` hashes `local` on its own device (torch ops) rather than with the CPU
+    kernel: a tensor on any device but the CPU."""
+    return local.device.type != "cpu"
+
+
 def lanes(
     local: torch.Tensor, piece: Piece, positions: Sequence[torch.Tensor] | None = None, threads: int | None = None
 ) -> tuple[int, int]:
@@ -109,26 +118,38 @@ def lanes(
     `piece` of its logical tensor (module doc)."""
     if tuple(local.shape) != piece.local_shape and not (local.dim() == 0 and piece.local_shape == ()):
         raise ValueError(f"lanes: local shape {tuple(local.shape)} is not the piece's {piece.local_shape}")
-    if local.device.type != "cpu":
-        local = local.cpu()
+    on_device = hashed_on_device(local)
+    if on_device and _kernel.version() != device_lanes.VERSION:
+        local, on_device = local.cpu(), False  # an older version's lanes: the CPU kernel
     if local.numel() == 0 or (positions is not None and any(len(p) == 0 for p in positions)):
         return 0, 0
-    first = _row_block_start(local, piece) if positions is None else None
+    first = _row_block_start(local, piece) if positions is None and not on_device else None
     if first is not None:  # one run of row-major memory at consecutive global indices: no tables
         out = _kernel.new_lanes()
         flat_lanes(out, local, 0, local.numel(), threads or torch.get_num_threads(), first=first)
         return out[0], out[1]
+    words, run, local_off, global_off = word_rows(local, piece, positions)
+    if on_device:
+        return device_lanes.row_lanes(words, run, local_off, global_off)
+    out = _kernel.new_lanes()
+    threads = threads or torch.get_num_threads()
+    _kernel.rows(out, words.data_ptr(), words.element_size(), run, local_off, global_off, threads)
+    return out[0], out[1]
+
+
+def word_rows(
+    local: torch.Tensor, piece: Piece, positions: Sequence[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """(the word view of `local`, run, local word offsets, global word indices): the rows of
+    words the lattice kernel (or device_lanes) walks for the elements at `positions` (default
+    all; none of them empty) of `local`, which holds `piece`."""
     if positions is None:
         positions = tuple(torch.arange(n) for n in piece.local_shape)
     words, wpiece = _words(local.detach(), piece)
     dims = max(local.dim(), 1)  # a 0-d tensor is hashed as its one element at index 0
     given = tuple(positions) if local.dim() else (torch.zeros(1, dtype=torch.int64),)
     positions = (*given, *(torch.arange(len(i)) for i in wpiece.index[dims:]))
-    run, local_off, global_off = row_tables(words.stride(), wpiece, positions)
-    out = _kernel.new_lanes()
-    threads = threads or torch.get_num_threads()
-    _kernel.rows(out, words.data_ptr(), words.element_size(), run, local_off, global_off, threads)
-    return out[0], out[1]
+    return words, *row_tables(words.stride(), wpiece, positions)
 
 
 def add_lanes(values: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -170,22 +191,31 @@ def group_of(mesh) -> tuple[object | None, list[int]]:
     )
 
 
+def transport_device(group: object | None = None) -> torch.device:
+    """The device whose tensors `group`'s backend moves: this rank's GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather(
     tensor: torch.Tensor, group: object | None, ranks: Sequence[int], dst: int | None
 ) -> list[torch.Tensor] | None:
     """Every group rank's `tensor` (same shape and dtype on all), in group order: on `dst` only
-    (None elsewhere), or on every rank when dst is None. A group of one: no collective."""
+    (None elsewhere), or on every rank when dst is None, on `tensor`'s device (moved to the one
+    the backend needs for the collective: a few bytes a record). A group of one: no collective."""
     if len(ranks) == 1:
         return [tensor]
-    tensor = tensor.contiguous()
+    home, wire = tensor.device, transport_device(group)
+    tensor = tensor.contiguous().to(wire)
     if dst is None:
         out = [torch.empty_like(tensor) for _ in ranks]
         dist.all_gather(out, tensor, group=group)
-        return out
+        return [t.to(home) for t in out]
     me = dist.get_rank()
     out = [torch.empty_like(tensor) for _ in ranks] if me == dst else None
     dist.gather(tensor, out, dst=dst, group=group)
-    return out
+    return None if out is None else [t.to(home) for t in out]
 
 
 # ------------------------------------------------------------------ combining pieces across ranks

@@ -25,8 +25,10 @@ Guarantees:
   lanes (plus its absmax and sum when statistics are asked), at most C its piece goes to the
   receiving rank, which hashes the whole tensor as unsharded. So the hash does not depend on
   the sharding; absmax is exact; mean is the ranks' partial sums added in the group's rank
-  order, divided by numel: its last bits may depend on the layout (it is informational). A
-  CUDA tensor (or a rank's CUDA piece) is copied to the CPU once.
+  order, divided by numel: its last bits may depend on the layout (it is informational).
+- A tensor on a GPU (or a rank's GPU piece) above C is hashed and summarised on its device
+  (audit/device_lanes.py: the same hash; absmax exact, the sum torch's float64 sum there, so a
+  mean's last bits may differ from a CPU run's); one of at most C is copied to the CPU once.
 - Per-(dtype, shape) text (dtype name, shape, hash header) is cached, so a record of a small
   tensor costs a few microseconds of Python.
 - `summarize_many` / `summarize_batch`: the summaries without statistics of many tensors, the
@@ -137,6 +139,17 @@ def _is_plain(t: torch.Tensor) -> bool:
     )
 
 
+def _on_device(t: torch.Tensor) -> bool:
+    """A plain strided tensor whose data `shards.lanes` hashes on its own device (not the CPU)."""
+    return (
+        type(t) in _PLAIN_TYPES
+        and shards.hashed_on_device(t)
+        and not t.is_meta
+        and t.layout is torch.strided
+        and not t.is_quantized
+    )
+
+
 def _kernel_absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
     state = _stats.new_state()
     _stats.kernel_for(tensor.dtype)(tensor.data_ptr(), tensor.numel(), state)
@@ -156,6 +169,8 @@ def absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
     dtype = tensor.dtype
     if numel == 0 or tensor.is_complex() or tensor.layout is not torch.strided:
         return math.nan, math.nan
+    if shards.hashed_on_device(tensor):
+        return _device_absmax_sum(tensor)
     if dtype in _KERNEL:
         return _kernel_absmax_sum(tensor.contiguous())
     if dtype in _WIDEN or (dtype.is_floating_point and dtype not in _NUMPY_MINMAX):
@@ -170,6 +185,35 @@ def absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
         low_t, high_t = torch.aminmax(tensor)
         low, high = float(low_t), float(high_t)
     return max(abs(low), abs(high)), float(tensor.sum(dtype=torch.int64))
+
+
+def _device_absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
+    """absmax_sum of a tensor on another device (a GPU rank's piece), computed there: absmax
+    exact; the sum is torch's (float64 for floating types, int64 for integers) in the device's
+    own order, so a mean's last bits may differ from a CPU run's (it is informational)."""
+    if tensor.dtype is torch.bool:
+        tensor = tensor.view(torch.uint8)
+    elif tensor.dtype in _WIDEN:
+        tensor = tensor.float()  # exact
+    low, high = torch.aminmax(tensor)
+    total = tensor.sum(dtype=torch.float64 if tensor.dtype.is_floating_point else torch.int64)
+    low, high, total = torch.stack([low.double(), high.double(), total.double()]).tolist()
+    if math.isnan(low) or math.isnan(high):
+        return math.nan, total
+    return max(abs(low), abs(high)), total
+
+
+def _summarize_on_device(tensor: torch.Tensor, with_stats: bool) -> Summary:
+    """summarize() of a plain tensor above C bytes on another device: the lattice lanes and the
+    statistics computed there (audit/device_lanes.py), no host copy."""
+    tensor = tensor.detach()
+    lanes = shards.lanes(tensor, pieces.Piece.whole(tensor.shape))
+    absmax = mean = None
+    if with_stats:
+        absmax, total = absmax_sum(tensor)
+        mean = total / tensor.numel()
+    digest = lattice_digest(tensor.dtype, tuple(tensor.shape), lanes)
+    return Summary(dtype_name(tensor.dtype), shape_text(tensor.shape), digest, absmax, mean)
 
 
 def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
@@ -229,6 +273,8 @@ def summarize(tensor: torch.Tensor, *, with_stats: bool = True) -> Summary:
         (summary,) = summarize_sharded([(tensor, with_stats, None)])
         assert summary is not None, "every rank receives the summary"
         return summary
+    if _on_device(tensor) and tensor.nbytes > whole_hash_bytes():
+        return _summarize_on_device(tensor, with_stats)
     plain = plain_cpu(tensor)
     if _is_plain(plain):
         return _summarize_plain(plain, with_stats)

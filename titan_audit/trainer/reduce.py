@@ -60,6 +60,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from titan_audit.audit.shards import transport_device
 from titan_audit.trainer.shared_exchange import SharedExchange
 
 Node = tuple[int, int]  # [lo, hi) over microbatch indices
@@ -137,13 +138,6 @@ def tree_sum(values: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.
         return values[lo]
     mid = split_point(lo, hi)
     return tree_sum(values, lo, mid) + tree_sum(values, mid, hi)
-
-
-def transport_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device whose tensors `group`'s backend moves: this rank's GPU for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def gather_in_index_order(local: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -127,11 +127,21 @@ F0 = (33, 0xFF51AFD7ED558CCD, 33, 0xC4CEB9FE1A85EC53, 33)  # MurmurHash3's fmix6
 F1 = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)  # splitmix64's finaliser
 
 
-def _tables() -> tuple[np.ndarray, np.ndarray]:
+def tables() -> tuple[np.ndarray, np.ndarray]:
+    """Version 2's key tables T_0, T_1 (uint64 arrays of 4096 odd values below 2^32)."""
     t = np.arange(BLOCK, dtype=np.uint64)
     return tuple(
         (_finalise(t ^ np.uint64(k), *f) & np.uint64(0xFFFFFFFF)) | np.uint64(1) for k, f in ((KT0, F0), (KT1, F1))
     )
+
+
+def block_keys(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Version 2's block keys B_0(b), B_1(b) (odd uint64) of the block numbers `blocks` (uint64)."""
+    with np.errstate(over="ignore"):
+        return (
+            _finalise(blocks ^ np.uint64(K0), *F0) | np.uint64(1),
+            _finalise(blocks ^ np.uint64(K1), *F1) | np.uint64(1),
+        )
 
 
 def reference_lanes(words: np.ndarray, indices: np.ndarray, v: int | None = None) -> tuple[int, int]:
@@ -146,10 +156,9 @@ def reference_lanes(words: np.ndarray, indices: np.ndarray, v: int | None = None
             a = int(_finalise(u ^ np.uint64(K0), *F0).sum(dtype=np.uint64))
             b = int(_finalise(u ^ np.uint64(K1), *F1).sum(dtype=np.uint64))
             return a, b
-        t0, t1 = _tables()
+        t0, t1 = tables()
         block, offset = j // np.uint64(BLOCK), (j % np.uint64(BLOCK)).astype(np.int64)
-        b0 = _finalise(block ^ np.uint64(K0), *F0) | np.uint64(1)
-        b1 = _finalise(block ^ np.uint64(K1), *F1) | np.uint64(1)
+        b0, b1 = block_keys(block)
         a = int((b0 * ((x ^ np.uint64(X0)) * t0[offset])).sum(dtype=np.uint64))
         b = int((b1 * ((x ^ np.uint64(X1)) * t1[offset])).sum(dtype=np.uint64))
     return a, b

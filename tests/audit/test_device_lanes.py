@@ -1,0 +1,158 @@
+"""device_lanes: the lattice lanes in torch integer ops (the path a GPU rank's piece takes) are
+the CPU kernel's integers, run here on CPU tensors through the same ops. Negative controls: one
+word changed, two elements swapped, and the same words at other global indices give other lanes."""
+
+import pytest
+import torch
+
+from titan_audit.audit import device_lanes, shards
+from titan_audit.audit.pieces import Piece
+from titan_audit.batch_invariant.cpu import lattice
+
+
+def _both(local: torch.Tensor, piece: Piece, positions=None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(the CPU kernel's lanes, the torch-ops lanes) of the same elements."""
+    return shards.lanes(local, piece, positions), device_lanes.row_lanes(*shards.word_rows(local, piece, positions))
+
+
+def _random(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return torch.randint(-100, 100, shape, generator=g).to(dtype)
+    return (torch.randn(shape, generator=g) * 1e3).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.bool, torch.float64, torch.int64],
+    ids=str,
+)
+def test_whole_tensor_lanes_are_the_kernels_in_every_word_width(dtype):
+    t = _random((3, 2 * lattice.BLOCK + 77), dtype, 1)  # rows cross block boundaries
+    kernel, ops = _both(t, Piece.whole(t.shape))
+    assert ops == kernel
+    assert lattice.version() == device_lanes.VERSION
+
+
+def test_complex_and_0d():
+    z = torch.randn(5, 7, dtype=torch.complex64)
+    assert _both(z, Piece.whole(z.shape))[1] == _both(z, Piece.whole(z.shape))[0]
+    s = torch.tensor(3.5)
+    assert device_lanes.row_lanes(*shards.word_rows(s, Piece.whole(()))) == shards.lanes(s, Piece.whole(()))
+
+
+def test_pieces_positions_and_strided_views(monkeypatch):
+    """A column shard (rows of a few words at scattered global indices), a subset of positions,
+    and a transposed view, with slices of 1000 words so that several slices run (short rows) and
+    a long row is cut into slices."""
+    monkeypatch.setattr(device_lanes, "SLICE_WORDS", 1000)
+    full = _random((40, 3000), torch.float32, 2)
+    cols = torch.arange(1000, 1700)
+    piece = Piece(tuple(full.shape), (torch.arange(40), cols))
+    local = full[:, 1000:1700].clone()
+    kernel, ops = _both(local, piece)
+    assert ops == kernel
+    positions = (torch.tensor([0, 3, 4, 39]), torch.arange(5, 600))
+    kernel, ops = _both(local, piece, positions)
+    assert ops == kernel
+    view = full.t()  # strides (1, 3000): the last dimension is not contiguous
+    kernel, ops = _both(view, Piece.whole(view.shape))
+    assert ops == kernel
+    long_rows = _random((2, 4500), torch.bfloat16, 3)  # each row longer than a slice
+    kernel, ops = _both(long_rows, Piece.whole(long_rows.shape))
+    assert ops == kernel
+
+
+def test_word_indices_past_two_to_the_32():
+    """Three rows of a logical [2^21 + 8, 2^12] float32 tensor (2^33 words): the global indices
+    and block numbers are past 2^32 (what a 70B model's embedding reaches)."""
+    shape = ((1 << 21) + 8, 1 << 12)
+    rows = torch.tensor([(1 << 20) + 1, (1 << 21) + 3, (1 << 21) + 7])
+    piece = Piece(shape, (rows, torch.arange(shape[1])))
+    local = _random((3, shape[1]), torch.float32, 4)
+    kernel, ops = _both(local, piece)
+    assert ops == kernel
+
+
+def test_controls_one_word_a_swap_and_another_index_move_the_lanes():
+    t = _random((4, 5000), torch.float32, 5)
+    piece = Piece.whole(t.shape)
+    base = device_lanes.row_lanes(*shards.word_rows(t, piece))
+    changed = t.clone()
+    changed.view(torch.int32)[2, 4097] ^= 1 << 31  # one bit of one word
+    swapped = t.clone()
+    swapped[1, 10], swapped[1, 11] = t[1, 11], t[1, 10]
+    moved = Piece((5, 5000), (torch.arange(1, 5), torch.arange(5000)))  # the same words one row later
+    for other in (
+        device_lanes.row_lanes(*shards.word_rows(changed, piece)),
+        device_lanes.row_lanes(*shards.word_rows(swapped, piece)),
+        device_lanes.row_lanes(*shards.word_rows(t, moved)),
+    ):
+        assert other != base
+        assert all(a != b for a, b in zip(other, base))  # both lanes move
+
+
+def test_refuses_other_versions_and_word_types():
+    t = torch.randn(10)
+    with lattice.using_version(1), pytest.raises(ValueError, match="version 2"):
+        device_lanes.row_lanes(*shards.word_rows(t, Piece.whole(t.shape)))
+    with pytest.raises(ValueError, match="words must be one of"):
+        device_lanes.row_lanes(t, 10, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+
+def test_fingerprint_and_summary_through_the_device_path_are_the_cpu_ones(monkeypatch):
+    """With every tensor routed to the device path (as a GPU tensor is), a tensor above C has
+    the fingerprint and summary hash of the CPU kernel, and the same absmax; the mean is the
+    device's float64 sum (informational: close, not compared). Control: one element moved by one
+    ulp changes the device path's hash."""
+    from titan_audit.audit import summary
+    from titan_audit.audit.fingerprint import fingerprint, whole_hash_limit
+
+    t = _random((300, 1000), torch.float32, 6)
+    with whole_hash_limit(1024):
+        expected_hash, expected = fingerprint(t), summary.summarize(t)
+        monkeypatch.setattr(shards, "hashed_on_device", lambda local: True)
+        assert fingerprint(t) == expected_hash
+        got = summary._summarize_on_device(t, True)
+        assert (got.dtype, got.shape, got.hash, got.absmax) == expected[:4]
+        assert got.mean == pytest.approx(expected.mean, rel=1e-6)  # float32 lanes per block vs float64
+        nudged = t.clone()
+        nudged[123, 456] = torch.nextafter(nudged[123, 456], torch.tensor(float("inf")))
+        assert summary._summarize_on_device(nudged, False).hash != got.hash
+        assert fingerprint(nudged) != expected_hash
+
+
+def test_device_statistics_of_every_dtype_class(monkeypatch):
+    from titan_audit.audit import summary
+
+    monkeypatch.setattr(shards, "hashed_on_device", lambda local: True)
+    assert summary.absmax_sum(torch.tensor([1.5, -2.25, 0.0], dtype=torch.float16)) == (2.25, -0.75)
+    assert summary.absmax_sum(torch.tensor([-128, 3, 2], dtype=torch.int8)) == (128.0, -123.0)
+    assert summary.absmax_sum(torch.tensor([True, False, True])) == (1.0, 2.0)
+    absmax, total = summary.absmax_sum(torch.tensor([1.0, float("nan"), -3.0]))
+    assert absmax != absmax and total != total  # NaN propagated
+    assert summary.absmax_sum(torch.tensor([1.0, float("-inf")])) == (float("inf"), float("-inf"))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_lanes_summary_and_fingerprint_are_the_cpu_ones():
+    """On a GPU: a CUDA tensor above C (whole, a column piece, a bfloat16 one) gets the CPU
+    kernel's lanes, fingerprint and summary hash with no host copy of it. Control: one element
+    changed on the device changes the fingerprint."""
+    from titan_audit.audit import summary
+    from titan_audit.audit.fingerprint import fingerprint, whole_hash_limit
+
+    t = _random((257, 3 * lattice.BLOCK + 5), torch.float32, 7)
+    dev = t.cuda()
+    piece = Piece(tuple(t.shape), (torch.arange(257), torch.arange(100, 5000)))
+    assert shards.lanes(dev[:, 100:5000], piece) == shards.lanes(t[:, 100:5000].contiguous(), piece)
+    b = t.bfloat16()
+    assert shards.lanes(b.cuda(), Piece.whole(b.shape)) == shards.lanes(b, Piece.whole(b.shape))
+    with whole_hash_limit(1024):
+        assert fingerprint(dev) == fingerprint(t)
+        on_gpu, on_cpu = summary.summarize(dev), summary.summarize(t)
+        assert on_gpu[:4] == on_cpu[:4]
+        dev[3, 4] += 1
+        assert fingerprint(dev) != fingerprint(t)

@@ -1,0 +1,97 @@
+"""The lattice lanes of a tensor's words on the device that holds them (a GPU rank's piece), in
+torch integer ops: the digest of a CUDA tensor above C needs no host copy of it.
+
+Guarantees:
+- `row_lanes(words, run, local_off, global_off)` returns the two lanes that the CPU kernel
+  (batch_invariant/cpu/lattice.py, version 2) gives for the same rows: row r is `run` words at
+  word offset local_off[r] from `words`' first element and at global word indices
+  global_off[r], global_off[r] + 1, ...; each word is zero-extended from its width (the unsigned
+  value of a uint8 / int16 / int32 word). The term of word x_j is
+  B_L(j / 4096) * ((x_j ^ X_L) * T_L[j mod 4096]) modulo 2^64, computed in int64: (x ^ X) and T
+  are below 2^32, so their product and every later product and sum are carried as int64 with the
+  bits of the unsigned result, because torch's int64 multiplication and summation wrap modulo
+  2^64 (two's complement) on the CPU and on CUDA. tests/audit/test_device_lanes.py checks the
+  integers against the CPU kernel on CPU tensors (every word width, rows in and across blocks,
+  word indices past 2^32); on a GPU the same ops run on the device.
+- Memory: the rows go in slices of at most SLICE_WORDS words, so the temporaries on the device
+  are a few int64 tensors of SLICE_WORDS elements whatever the tensor's size. The host sends each
+  slice its block keys (8 bytes per block of 4096 words, per lane) and reads back the two lanes
+  once per call.
+- Only the current version (2) is computed here; a caller checking version-1 lanes copies the
+  piece to the host (shards.lanes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from titan_audit.batch_invariant.cpu import lattice as _kernel
+
+VERSION = 2
+SLICE_WORDS = 1 << 21
+_SHIFT = _kernel.BLOCK.bit_length() - 1  # j >> _SHIFT is j's block
+assert 1 << _SHIFT == _kernel.BLOCK
+_WORD_MASK = {torch.uint8: 0xFF, torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
+_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _key_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """T_0, T_1 as int64 tensors on `device` (made once per device)."""
+    tables = _tables.get(device)
+    if tables is None:
+        tables = tuple(torch.from_numpy(t.astype(np.int64)).to(device) for t in _kernel.tables())
+        _tables[device] = tables
+    return tables
+
+
+def _block_keys(first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """B_0, B_1 of blocks first .. first + count - 1, as int64 (the uint64 bits) on `device`."""
+    keys = _kernel.block_keys(np.arange(first, first + count, dtype=np.uint64))
+    return tuple(torch.from_numpy(k.view(np.int64)).to(device) for k in keys)
+
+
+def _add_slice(acc: torch.Tensor, words: torch.Tensor, j: torch.Tensor, lowest: int, highest: int) -> None:
+    """acc[L] += the lane-L terms of `words` (1-d, one word dtype) at global word indices `j`
+    (1-d int64, every value in [lowest, highest])."""
+    device = words.device
+    x = words.to(torch.int64) & _WORD_MASK[words.dtype]
+    first_block = lowest >> _SHIFT
+    keys = _block_keys(first_block, (highest >> _SHIFT) - first_block + 1, device)
+    offset = j & (_kernel.BLOCK - 1)
+    block = (j >> _SHIFT) - first_block
+    for lane, (table, mix) in enumerate(zip(_key_tables(device), (_kernel.X0, _kernel.X1))):
+        acc[lane] += (keys[lane][block] * ((x ^ mix) * table[offset])).sum()
+
+
+def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
+    """The lanes of the rows of `words` (module doc): `local_off` and `global_off` are int64 CPU
+    tensors of one entry per row, `words` a word-dtype view (uint8, int16 or int32) on any device."""
+    if words.dtype not in _WORD_MASK:
+        raise ValueError(f"device lanes: words must be one of {sorted(map(str, _WORD_MASK))}, got {words.dtype}")
+    if _kernel.version() != VERSION:
+        raise ValueError(f"device lanes compute lattice version {VERSION}, not {_kernel.version()}")
+    rows = local_off.numel()
+    if rows == 0 or run == 0:
+        return 0, 0
+    device = words.device
+    extent = 1 + int(local_off.max()) + run - 1
+    flat = words.as_strided((extent,), (1,))  # the memory the rows lie in, from the first element
+    acc = torch.zeros(2, dtype=torch.int64, device=device)
+    if run >= SLICE_WORDS:  # long rows: each in slices of consecutive words
+        for r in range(rows):
+            lo, go = int(local_off[r]), int(global_off[r])
+            for start in range(0, run, SLICE_WORDS):
+                n = min(SLICE_WORDS, run - start)
+                j = torch.arange(go + start, go + start + n, dtype=torch.int64, device=device)
+                _add_slice(acc, flat[lo + start : lo + start + n], j, go + start, go + start + n - 1)
+    else:  # short rows: whole rows per slice
+        per = SLICE_WORDS // run
+        columns = torch.arange(run, dtype=torch.int64, device=device)
+        for r in range(0, rows, per):
+            lo, go = local_off[r : r + per], global_off[r : r + per]
+            index = (lo.to(device)[:, None] + columns).reshape(-1)
+            j = (go.to(device)[:, None] + columns).reshape(-1)
+            _add_slice(acc, flat[index], j, int(go.min()), int(go.max()) + run - 1)
+    a, b = acc.tolist()
+    return a & _kernel.MASK, b & _kernel.MASK
