@@ -196,6 +196,44 @@ def test_step_level_records_only_on_replicated_rank(tmp_path):
     assert [(r["phase"], r["rank"], r["microbatch"]) for r in rows] == [("loss", 1, 3)]
 
 
+def _step_rows(run_dir, model, **kwargs):
+    """The rows of one step's record_grads, record_optimizer and record_params (after a step)."""
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(3, model.in_features)).square().sum().backward()
+    opt.step()
+    with Recorder(run_dir, model, level="params", **kwargs) as recorder:
+        recorder.start_step(0)
+        recorder.record_grads()
+        recorder.record_optimizer(opt)
+        recorder.record_params()
+    return [tuple(r.values()) for r in _rows(run_dir)]
+
+
+def test_step_level_calls_in_one_list_are_the_records_made_one_by_one(tmp_path):
+    """record_grads / _optimizer / _params take the one-list path when every tensor is a plain
+    CPU tensor of at most C (here), and the per-record path otherwise (a dump pattern asked for):
+    the same rows, order and seq. Control: one parameter element changed moves that row's hash."""
+    from titan_audit.audit.fingerprint import whole_hash_limit
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Linear(40, 30)
+
+    fast = _step_rows(tmp_path / "fast", build())
+    slow = _step_rows(tmp_path / "slow", build(), dump_names=("no-such-name",))
+    assert fast == slow and len(fast) == 2 + 3 * 2 + 2  # grads, AdamW's step / exp_avg / exp_avg_sq, params
+    assert [r[-1] for r in fast] == list(range(len(fast)))  # seq
+    with whole_hash_limit(1024):  # the weight above C: the per-record path with the batch
+        mixed = _step_rows(tmp_path / "mixed", build())
+    assert [r[:4] + r[-2:] for r in mixed] == [r[:4] + r[-2:] for r in fast]
+    changed = build()
+    with torch.no_grad():
+        changed.bias[0] += 1
+    moved = _step_rows(tmp_path / "changed", changed)
+    assert [i for i, (a, b) in enumerate(zip(fast, moved)) if a != b] != []
+    assert moved[-1][3] == "bias" and moved[-1][6] != fast[-1][6]
+
+
 def test_stats_policy_default_skips_bulk_step_level_phases(tmp_path):
     model = nn.Linear(2, 2)
     for name, stats in (("default", None), ("all", True), ("none", False)):

@@ -58,7 +58,9 @@ Guarantees:
   memory each step; `stats=True` for all); elsewhere null.
 - Cost: a few microseconds of Python per record. A call that records many tensors hashes its
   plain CPU tensors of at most C bytes (no statistics) in one kernel call on every intra-op
-  thread (summary.summarize_batch; the same rows, order and `seq`). A hook record of a tensor
+  thread (summary.summarize_batch; the same rows, order and `seq`); record_grads, record_params
+  and record_optimizer, when all their tensors are such and this rank writes them, make their
+  rows in one list with no call per record. A hook record of a tensor
   recorded in the same (step, microbatch), its version counter unchanged, reuses that summary.
   `counters` (audit.shards.DigestCounters) counts the bytes this rank hashed and received.
 """
@@ -75,10 +77,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from titan_audit.audit.dumps import DumpWriter
 from titan_audit.audit.fingerprint import whole_hash_bytes
+from titan_audit.audit.hooks import ModuleHooks
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.pieces import is_dtensor
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
@@ -86,7 +88,6 @@ from titan_audit.audit.shards import DigestCounters, rank_and_world
 from titan_audit.audit.summary import Summary, batch_meta, summarize, summarize_batch, summarize_sharded
 
 LEVELS = ("off", "params", "full")
-ROOT_NAME = "<root>"
 STEP_LEVEL = -1
 _HOOK_PHASES = ("forward", "backward")
 # absmax/mean by default for everything but the bulk step-level phases (every parameter, its
@@ -101,7 +102,7 @@ _RECENT_SUMMARIES = 8  # hook records whose summary a second record of the same 
 assert SCHEMA.names[4:9] == list(Summary._fields), "Summary's fields must be SCHEMA's columns 4-8"
 
 
-class Recorder:
+class Recorder(ModuleHooks):
     """Records fingerprints of a run's tensors per step (see the module docstring)."""
 
     def __init__(
@@ -277,34 +278,26 @@ class Recorder:
 
     def record_params(self, module: torch.nn.Module | None = None) -> None:
         """Every parameter of the module (phase param, step level)."""
-        if not self._active("param"):
-            return
-        with self._batch():
-            for name, param in self._named_parameters(module):
-                self._record("param", name, param, STEP_LEVEL, self._current_step())
+        if self._active("param"):
+            self._record_step("param", list(self._named_parameters(module)))
 
     def record_grads(self, module: torch.nn.Module | None = None) -> None:
         """Every parameter's .grad after reduction (phase grad, step level); None grads skipped."""
-        if not self._active("grad"):
-            return
-        with self._batch():
-            for name, param in self._named_parameters(module):
-                if param.grad is not None:
-                    self._record("grad", name, param.grad, STEP_LEVEL, self._current_step())
+        if self._active("grad"):
+            self._record_step("grad", [(n, p.grad) for n, p in self._named_parameters(module) if p.grad is not None])
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> None:
         """Optimizer state after the step (phase optim, step level): `param_name.state_key`."""
         if not self._active("optim"):
             return
         names = self._param_names if module is None else {id(p): n for n, p in module.named_parameters()}
-        step = self._current_step()
-        with self._batch():
-            for g, group in enumerate(optimizer.param_groups):
-                for i, param in enumerate(group["params"]):
-                    pname = names.get(id(param), f"group{g}.param{i}")
-                    for key, value in optimizer.state.get(param, {}).items():
-                        if isinstance(value, torch.Tensor):
-                            self._record("optim", f"{pname}.{key}", value, STEP_LEVEL, step)
+        named = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                pname = names.get(id(param), f"group{g}.param{i}")
+                state = optimizer.state.get(param, {}).items()
+                named += [(f"{pname}.{key}", value) for key, value in state if isinstance(value, torch.Tensor)]
+        self._record_step("optim", named)
 
     def record_checkpoint(self, state: Mapping[str, Any], prefix: str = "", *, flush: bool = True) -> None:
         """Every tensor of a checkpoint's (nested) state dict (phase ckpt, step level), then (by
@@ -356,6 +349,28 @@ class Recorder:
             self._rows.append((step, phase, microbatch, name, *summary, self.rank, seq))
         if self._dump_wanted(name, step):
             self._dump(step, phase, microbatch, name, tensor)
+
+    def _record_step(self, phase: str, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Step-level records of `named` in order, the rows (and `seq`) _record makes one by one.
+        When this rank writes them all, none is dumped and each is a plain CPU tensor of at most
+        C without statistics: one summarize_batch and no call per record."""
+        step = self._current_step()
+        metas = None
+        if self.rank == self.replicated_rank and phase not in self.stats_phases and not self.dump_names:
+            metas = [batch_meta(tensor) for _, tensor in named]
+        if metas is None or self._deferred is not None or any(meta is None for meta in metas):
+            with self._batch():
+                for name, tensor in named:
+                    self._record(phase, name, tensor, STEP_LEVEL, step)
+            return
+        seq = self._seq.get(STEP_LEVEL, 0)
+        self._seq[STEP_LEVEL] = seq + len(named)
+        summaries = summarize_batch([tensor for _, tensor in named], metas, torch.get_num_threads())
+        rank = self.rank
+        self._rows += [
+            (step, phase, STEP_LEVEL, n, *s, rank, seq + i) for i, ((n, _), s) in enumerate(zip(named, summaries))
+        ]
+        self.counters.hashed_bytes += sum(meta.nbytes for meta in metas)
 
     def _record_shared(self, phase: str, name: str, tensor: torch.Tensor, microbatch: int, step: int) -> None:
         """A DTensor's record (or a replicated plain tensor's, `split_replicated`) from the ranks'
@@ -458,55 +473,6 @@ class Recorder:
             del self._recent[next(iter(self._recent))]  # the oldest
         self._recent[key] = (weakref.ref(tensor), tensor._version, summary)
         return summary
-
-    # hooks ------------------------------------------------------------------
-    def selected_modules(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        out = []
-        for qname, sub in module.named_modules():
-            name = qname or ROOT_NAME
-            if any(fnmatch.fnmatchcase(name, p) for p in self.patterns) and not any(
-                fnmatch.fnmatchcase(name, p) for p in self.exclude
-            ):
-                out.append((name, sub))
-        return out
-
-    def _attach_hooks(self, module: torch.nn.Module) -> None:
-        for name, sub in self.selected_modules(module):
-            self._handles.append(sub.register_forward_hook(self._make_forward_hook(name)))
-
-    def _make_forward_hook(self, module_name: str):
-        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            if self._paused or self.step is None:
-                return
-            if torch._C._current_graph_task_id() != -1:
-                return  # a forward run by the autograd engine: activation-checkpoint recomputation
-            step, mb = self.step, self.microbatch
-            count = self._calls.get((mb, module_name), 0)
-            self._calls[(mb, module_name)] = count + 1
-            base = module_name if count == 0 else f"{module_name}@{count}"
-            if isinstance(output, torch.Tensor):
-                leaves = [("", output)]
-            else:
-                flat, _ = tree_flatten_with_path(output)
-                leaves = [(keystr(path), leaf) for path, leaf in flat if isinstance(leaf, torch.Tensor)]
-            for suffix, tensor in leaves:
-                name = base + suffix
-                self._record("forward", name, tensor, mb, step)
-                if tensor.requires_grad:
-                    tensor.register_hook(self._make_grad_hook(name, mb, step))
-
-        return hook
-
-    def _make_grad_hook(self, name: str, microbatch: int, step: int):
-        fired = [0]
-
-        def hook(grad: torch.Tensor) -> None:
-            if not self._paused:
-                # a second backward through the same graph (retain_graph) records as name#1, ...
-                self._record("backward", name if not fired[0] else f"{name}#{fired[0]}", grad, microbatch, step)
-                fired[0] += 1
-
-        return hook
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
