@@ -85,3 +85,22 @@ def test_real_width_case_has_the_qwen3_widths_and_is_left_out_of_quick(quick):
     assert config.num_hidden_layers == 2 and config.tie_word_embeddings
     assert not any(name.startswith(audit_suite.REAL_WIDTH_CASE) for name in quick)
     assert audit_suite.TARGETS["real_width_params"] == 1.10
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_balanced_orders_put_each_side_after_each_other_equally_often(n):
+    """Control (n >= 3): rotating one order (what the suite did before) only ever puts side
+    i + 1 after side i: n of the n(n - 1) ordered pairs."""
+    from collections import Counter
+
+    from titan_audit.bench.audit_suite import balanced_orders
+
+    def follows(orders):
+        return Counter((o[i], o[i + 1]) for o in orders for i in range(len(o) - 1))
+
+    orders = balanced_orders(n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    counts = follows(orders)
+    assert len(counts) == n * (n - 1) and len(set(counts.values())) == 1
+    rotated = [list(range(r, n)) + list(range(r)) for r in range(n)]
+    assert len(follows(rotated)) == n if n >= 3 else follows(rotated) == counts

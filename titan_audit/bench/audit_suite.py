@@ -6,12 +6,13 @@ makes (start_step, set_microbatch, record_data, record_loss, record_grads, recor
 record_params, end_step flushing a Parquet part every FLUSH_EVERY steps). Baseline: the same
 step with a Recorder at level `off` (it installs no hook and records nothing). Every side of a
 case steps one model instance; the extra key `off_again_ratio` is a second `off` side's time over
-the first's: the run's own noise floor, to read the targets against. The suite runs on every core this process may
-use (`threads` = its CPU affinity, or --threads): the Recorder hashes a batch of records on all
-the intra-op threads, so its cost cannot hide on an idle core. Sides are interleaved batch by
-batch (the order rotated each repeat); a side's time is the median over the repeats (the ratio
-of the minima is the extra key `ratio_of_minima`). Records go to a temporary run directory
-deleted afterwards.
+the first's: the run's own noise floor, to read the targets against. The suite runs on every
+core this process may use (`threads` = its CPU affinity, or --threads): the Recorder hashes a
+batch of records on all the intra-op threads, so its cost cannot hide on an idle core. Sides
+are interleaved batch by batch, each repeat in one of `balanced_orders` (each side follows each
+other side equally often); a side's time is the median over the repeats, at least
+MODEL_REPEATS of them for the small-model cases (the ratio of the minima is the extra key
+`ratio_of_minima`). Records go to a temporary run directory deleted afterwards.
 
 Cases:
 - `small-transformer` (a plain `nn.Module` defined here: the Recorder assumes nothing about the
@@ -69,6 +70,9 @@ from titan_audit.bench.core import BenchOptions, Case, _batch_time, _calibrate, 
 
 TARGETS = {"params": 1.03, "full": 1.10, "resume": 1.2, "real_width_params": 1.10, "fsdp_hashed": 0.6}
 FLUSH_EVERY = 10
+# Batches per side of a small-model case (at least; --repeats may ask more): a batch is one
+# step of 40-120 ms there, and a median over a few steps moved by +-5% from run to run.
+MODEL_REPEATS = 40
 REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS = "qwen3-0.6b", 2
 REAL_WIDTH_BATCH = (2, 64)  # sequences x tokens per step, as bench train's real-width case
 REAL_WIDTH_WARMUP = 2  # steps per side before timing
@@ -164,19 +168,35 @@ def _make_step(
     return step
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n sides in which each side runs right after each other side equally often
+    (a Williams design: n orders for even n, 2n for odd), so that what one side leaves in the
+    caches and the allocator weighs on every other side alike."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(i + r) % n for i in first] for r in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
+
+
 def time_medians(fns: dict[str, Callable[[], None]], options: BenchOptions) -> dict[str, tuple[float, float]]:
     """Per-call seconds of each fn as (median, minimum) over `repeats` batches (core's batch
-    sizing), the fns interleaved batch by batch, the order rotated each repeat so that no side
-    always runs after the same one; the garbage collector is off while timing."""
+    sizing), the fns interleaved batch by batch in `balanced_orders`; the garbage collector is
+    off while timing."""
     names = list(fns)
+    orders = balanced_orders(len(names))
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         calls = {name: _calibrate(fns[name], options.min_batch_s) for name in names}
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(options.repeats):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                times[name].append(_batch_time(fns[name], calls[name]))
+            for i in orders[r % len(orders)]:
+                times[names[i]].append(_batch_time(fns[names[i]], calls[names[i]]))
     finally:
         if was_enabled:
             gc.enable()
@@ -226,7 +246,8 @@ def _model_cases(
 
         return paused_step
 
-    times = time_medians({side: side_step(side) for side in levels}, options)
+    samples = options if options.quick else dataclasses.replace(options, repeats=max(options.repeats, MODEL_REPEATS))
+    times = time_medians({side: side_step(side) for side in levels}, samples)
     cases = []
     for level in ("params", "full"):
         case = _level_case(label, level, times, TARGETS[level])
