@@ -121,9 +121,9 @@ def lattice_digest(dtype: torch.dtype, shape: tuple[int, ...], lanes: tuple[int,
     return f"{(lanes[0] + keys[0]) & _MASK:016x}{(lanes[1] + keys[1]) & _MASK:016x}"
 
 
-def _logical_cpu_tensor(tensor: torch.Tensor, *, contiguous: bool = True, move: bool = True) -> torch.Tensor:
-    """The tensor's logical value as a plain CPU tensor (no copy when it is one; `contiguous`:
-    made contiguous; `move=False`: left on its device). A DTensor here is gathered
+def _logical_tensor(tensor: torch.Tensor, *, contiguous: bool = True, to_cpu: bool = True) -> torch.Tensor:
+    """The tensor's logical value as a plain tensor on the CPU (`to_cpu`; else on its device),
+    no copy when it is one already (`contiguous`: made contiguous). A DTensor here is gathered
     (`whole_digest` only)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"fingerprint expects a torch.Tensor, got {type(tensor).__name__}")
@@ -140,7 +140,7 @@ def _logical_cpu_tensor(tensor: torch.Tensor, *, contiguous: bool = True, move: 
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
         tensor = tensor.resolve_neg()
-    if move and tensor.device.type != "cpu":
+    if to_cpu and tensor.device.type != "cpu":
         tensor = tensor.cpu()
     return tensor.contiguous() if contiguous else tensor
 
@@ -182,7 +182,7 @@ def whole_digest(tensor: torch.Tensor) -> str:
     """xxh3-128 of the header and all the bytes, at any size (the definition at most C bytes
     use; a checkpoint of hashes.json format 1 holds it for every tensor). A DTensor is gathered
     (`full_tensor()`, a collective)."""
-    return _xxh3(tensor if _is_plain_contiguous(tensor) else _logical_cpu_tensor(tensor))
+    return _xxh3(tensor if _is_plain_contiguous(tensor) else _logical_tensor(tensor))
 
 
 def fingerprint(tensor: torch.Tensor) -> str:
@@ -192,7 +192,7 @@ def fingerprint(tensor: torch.Tensor) -> str:
         return _fingerprint_dtensor(tensor)
     if _is_plain_contiguous(tensor) and tensor.nbytes <= _whole_bytes:
         return _xxh3(tensor)  # the fast path: a plain contiguous CPU tensor, read in place
-    plain = _logical_cpu_tensor(tensor, contiguous=False, move=False)  # above C a device hashes its own
+    plain = _logical_tensor(tensor, contiguous=False, to_cpu=False)  # above C a device hashes its own
     if plain.numel() * plain.element_size() <= _whole_bytes:
         return _xxh3(plain.cpu().contiguous())
     return lattice_digest(plain.dtype, tuple(plain.shape), shards.lanes(plain, pieces.Piece.whole(plain.shape)))

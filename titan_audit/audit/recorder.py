@@ -60,9 +60,9 @@ Guarantees:
   plain CPU tensors of at most C bytes (no statistics) in one kernel call on every intra-op
   thread (summary.summarize_batch; the same rows, order and `seq`); record_grads, record_params
   and record_optimizer, when all their tensors are such and this rank writes them, make their
-  rows in one list with no call per record. A hook record of a tensor
-  recorded in the same (step, microbatch), its version counter unchanged, reuses that summary.
-  `counters` (audit.shards.DigestCounters) counts the bytes this rank hashed and received.
+  rows in one list with no call per record. A hook record of a tensor recorded in the same
+  (step, microbatch), its version counter unchanged, reuses that summary. `counters`
+  (audit.shards.DigestCounters) counts the bytes this rank hashed and received.
 """
 
 from __future__ import annotations
