@@ -156,3 +156,40 @@ def test_on_cuda_the_lanes_summary_and_fingerprint_are_the_cpu_ones():
         assert on_gpu[:4] == on_cpu[:4]
         dev[3, 4] += 1
         assert fingerprint(dev) != fingerprint(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex128, torch.bool, torch.bfloat16], ids=str)
+def test_row_blocks_through_shards_lanes_are_the_kernels(monkeypatch, dtype):
+    """shards.lanes routes a piece of whole dim-0 rows (a whole tensor, an FSDP2 shard) on a
+    device as one row of words with no index tables: the CPU kernel's lanes for every word
+    width, and for a 0-d tensor."""
+    t = _random((10, 1000), dtype, 8)
+    pieces = [(t, Piece.whole(t.shape)), (t[3:7], Piece(tuple(t.shape), (torch.arange(3, 7), torch.arange(1000))))]
+    expected = [shards.lanes(local, piece) for local, piece in pieces]
+    s = torch.tensor(2.5, dtype=torch.float64)
+    expected_0d = shards.lanes(s, Piece.whole(()))
+    monkeypatch.setattr(shards, "hashed_on_device", lambda local: True)
+    assert [shards.lanes(local, piece) for local, piece in pieces] == expected
+    assert shards.lanes(s, Piece.whole(())) == expected_0d
+
+
+def test_device_path_temporaries_are_bounded_by_the_slice_not_the_tensor(monkeypatch):
+    """Live tensor bytes while a 4 MB tensor (a whole one, then a column piece) is hashed through
+    the device path with slices of 4096 words: at most what exists already (the tensor and its
+    piece's index tensors, counted once an op reads them) plus 16 int64 temporaries of a slice
+    (512 KiB), i.e. nothing of the tensor's size is allocated."""
+    from titan_audit.live_bytes import LiveBytes
+
+    monkeypatch.setattr(device_lanes, "SLICE_WORDS", 4096)
+    monkeypatch.setattr(shards, "hashed_on_device", lambda local: True)
+    t = _random((1 << 20,), torch.float32, 9)
+    column = _random((1024, 1024), torch.float32, 10)
+    cases = [
+        (t, Piece.whole(t.shape)),
+        (column[:, 100:900], Piece((1024, 1024), (torch.arange(1024), torch.arange(100, 900)))),
+    ]
+    for local, piece in cases:
+        with LiveBytes() as tracker:
+            shards.lanes(local, piece)
+        existing = local.untyped_storage().nbytes() + sum(i.untyped_storage().nbytes() for i in piece.index)
+        assert tracker.peak["cpu"] <= existing + 16 * 8 * 4096

@@ -14,7 +14,8 @@ Guarantees:
   integers against the CPU kernel on CPU tensors (every word width, rows in and across blocks,
   word indices past 2^32); on a GPU the same ops run on the device.
 - Memory: the rows go in slices of at most SLICE_WORDS words, so the temporaries on the device
-  are a few int64 tensors of SLICE_WORDS elements whatever the tensor's size. The host sends each
+  are a few int64 tensors of SLICE_WORDS elements whatever the tensor's size (shards.lanes gives
+  a block of whole rows as one row, with no per-element index). The host sends each
   slice its block keys (8 bytes per block of 4096 words, per lane) and reads back the two lanes
   once per call.
 - Only the current version (2) is computed here; a caller checking version-1 lanes copies the

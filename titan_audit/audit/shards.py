@@ -70,6 +70,16 @@ def _words(local: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, Piece]:
     return local, Piece(tuple(shape), tuple(index))
 
 
+def _flat_words(local: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as one row of words (`_words`' widths: an element of 8 or 16
+    bytes is 2 or 4 int32 words, a complex one its real and imaginary parts in turn)."""
+    flat = local.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    size = flat.element_size()
+    return flat.view(_WORD_DTYPES[size] if size <= 4 else torch.int32)
+
+
 def _consecutive(idx: torch.Tensor) -> bool:
     return len(idx) <= 1 or bool((idx[1:] - idx[:-1] == 1).all())
 
@@ -123,7 +133,12 @@ def lanes(
         local, on_device = local.cpu(), False  # an older version's lanes: the CPU kernel
     if local.numel() == 0 or (positions is not None and any(len(p) == 0 for p in positions)):
         return 0, 0
-    first = _row_block_start(local, piece) if positions is None and not on_device else None
+    first = _row_block_start(local, piece) if positions is None else None
+    if first is not None and on_device:  # one row of words: no tables, no per-element indices
+        words = _flat_words(local)
+        q = words.numel() // local.numel()
+        start = torch.tensor([first * q], dtype=torch.int64)
+        return device_lanes.row_lanes(words, words.numel(), torch.zeros(1, dtype=torch.int64), start)
     if first is not None:  # one run of row-major memory at consecutive global indices: no tables
         out = _kernel.new_lanes()
         flat_lanes(out, local, 0, local.numel(), threads or torch.get_num_threads(), first=first)
