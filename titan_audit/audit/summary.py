@@ -220,22 +220,19 @@ def _summarize_plain(tensor: torch.Tensor, with_stats: bool) -> Summary:
     """summarize() of a tensor for which `_is_plain` holds."""
     dtype = tensor.dtype
     meta = _meta(dtype, tensor.shape)
-    absmax = mean = None
     nbytes = meta.nbytes
     if nbytes > whole_hash_bytes():
         return _summarize_lattice(tensor, meta, with_stats)
-    hasher = xxhash.xxh3_128(meta.header)
-    if not nbytes:
-        if with_stats:
-            absmax = mean = math.nan
-    elif with_stats and dtype in _KERNEL:  # the hash and the statistics at once, on two threads
+    if nbytes and with_stats and dtype in _KERNEL:  # the hash and the statistics at once, on two threads
         state = _stats.new_state()
         digest = xxh3_128_stats(meta.header, tensor.data_ptr(), nbytes, dtype, torch.get_num_threads(), state)
         return Summary(meta.dtype, meta.shape, digest, state[_STATE_LANES], state[_STATE_LANES + 1] / meta.numel)
-    else:
+    hasher = xxhash.xxh3_128(meta.header)
+    absmax = mean = None
+    if nbytes:
         hasher.update(meta.buffer.from_address(tensor.data_ptr()))
-        if with_stats:
-            absmax, mean = stats(tensor)
+    if with_stats:
+        absmax, mean = stats(tensor)  # NaN, NaN when empty
     return Summary(meta.dtype, meta.shape, hasher.hexdigest(), absmax, mean)
 
 
