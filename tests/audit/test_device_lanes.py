@@ -76,21 +76,26 @@ def test_word_indices_past_two_to_the_32():
     assert ops == kernel
 
 
-def test_controls_one_word_a_swap_and_another_index_move_the_lanes():
-    t = _random((4, 5000), torch.float32, 5)
+@pytest.mark.control
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
+def test_controls_one_word_a_swap_and_another_index_move_the_lanes(dtype):
+    """Marked `control`, so it also runs under every forced ATen capability and kernel variant
+    (tests/test_controls_under_variants.py): the torch-ops lanes equal the CPU kernel's there too
+    (ATen's int64 vector code differs by capability), and each constructed difference moves both
+    lanes: one bit of one word, two swapped elements, the same words one row later."""
+    t = _random((4, 5000), dtype, 5)
     piece = Piece.whole(t.shape)
     base = device_lanes.row_lanes(*shards.word_rows(t, piece))
+    assert base == shards.lanes(t, piece)
     changed = t.clone()
-    changed.view(torch.int32)[2, 4097] ^= 1 << 31  # one bit of one word
+    changed.view(torch.uint8)[2, 4097 * t.element_size()] ^= 1 << 7  # one bit of one word
     swapped = t.clone()
-    swapped[1, 10], swapped[1, 11] = t[1, 11], t[1, 10]
+    swapped[1, 10], swapped[1, 11] = t[1, 11].clone(), t[1, 10].clone()
+    assert not torch.equal(swapped, t)
     moved = Piece((5, 5000), (torch.arange(1, 5), torch.arange(5000)))  # the same words one row later
-    for other in (
-        device_lanes.row_lanes(*shards.word_rows(changed, piece)),
-        device_lanes.row_lanes(*shards.word_rows(swapped, piece)),
-        device_lanes.row_lanes(*shards.word_rows(t, moved)),
-    ):
-        assert other != base
+    for local, where in ((changed, piece), (swapped, piece), (t, moved)):
+        other = device_lanes.row_lanes(*shards.word_rows(local, where))
+        assert other == shards.lanes(local, where)
         assert all(a != b for a, b in zip(other, base))  # both lanes move
 
 

@@ -60,6 +60,7 @@ def test_stats_inf_and_nan():
     assert math.isnan(absmax) and math.isnan(mean)
 
 
+@pytest.mark.control  # also under every forced kernel variant (tests/test_controls_under_variants.py)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_hash_and_stats_run_at_once_are_the_separate_values(dtype, threads):
