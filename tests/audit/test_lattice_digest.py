@@ -144,6 +144,41 @@ def test_strided_and_transposed_views_hash_as_their_logical_tensor():
         assert summarize(t.t().contiguous().t()).hash == expected
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["kernel", "device-path"])
+def test_a_whole_tensor_is_hashed_without_a_per_element_index(monkeypatch, on_device):
+    """shards.whole_lanes (what fingerprint and summary take above C) gives the lanes of the
+    tensor's whole piece for contiguous, strided, transposed, 0-d, complex and empty tensors,
+    and hashing a 4 MiB 1-D tensor allocates no tensor of its size: the whole piece's index
+    alone (an int64 per element) would be 8 MiB. The bound: the tensor plus 1 MiB (the device
+    path's temporaries, 16 int64 words of a slice, are 512 KiB at 4096-word slices). Control:
+    the same bound fails for `lanes` of that whole piece."""
+    from titan_audit.audit import device_lanes
+    from titan_audit.live_bytes import LiveBytes
+
+    if on_device:  # the device path's torch ops, run on the CPU tensors
+        monkeypatch.setattr(shards, "hashed_on_device", lambda local: True)
+        monkeypatch.setattr(device_lanes, "SLICE_WORDS", 4096)
+    cases = [
+        torch.randn(64, 48),
+        torch.randn(64, 48).t(),
+        torch.randn(64, 96)[:, ::2],
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.randn(5, 7, dtype=torch.complex64),
+        torch.empty(0, 3),
+    ]
+    for t in cases:
+        assert shards.whole_lanes(t) == shards.lanes(t, layout.Piece.whole(t.shape)), tuple(t.shape)
+    flat = torch.randn(1 << 20)
+    with whole_hash_limit(SMALL_C):
+        with LiveBytes() as tracker:
+            digest = fingerprint(flat)
+        assert digest == lattice_digest(flat.dtype, (1 << 20,), shards.lanes(flat, layout.Piece.whole(flat.shape)))
+        assert tracker.peak["cpu"] <= flat.nbytes + (1 << 20)
+        with LiveBytes() as control:
+            shards.lanes(flat, layout.Piece.whole(flat.shape))
+        assert control.peak["cpu"] > flat.nbytes + (1 << 20)
+
+
 def test_up_to_c_the_xxh3_fingerprint_is_unchanged_and_c_is_2_mib():
     assert WHOLE_HASH_BYTES == whole_hash_bytes() == 2 << 20
     at_c = torch.randn(2048, 256)  # the tiny goldens' largest record: exactly C bytes

@@ -195,7 +195,7 @@ def fingerprint(tensor: torch.Tensor) -> str:
     plain = _logical_tensor(tensor, contiguous=False, to_cpu=False)  # above C a device hashes its own
     if plain.numel() * plain.element_size() <= _whole_bytes:
         return _xxh3(plain.cpu().contiguous())
-    return lattice_digest(plain.dtype, tuple(plain.shape), shards.lanes(plain, pieces.Piece.whole(plain.shape)))
+    return lattice_digest(plain.dtype, tuple(plain.shape), shards.whole_lanes(plain))
 
 
 def _fingerprint_dtensor(tensor: torch.Tensor) -> str:

@@ -134,21 +134,39 @@ def lanes(
     if local.numel() == 0 or (positions is not None and any(len(p) == 0 for p in positions)):
         return 0, 0
     first = _row_block_start(local, piece) if positions is None else None
-    if first is not None and on_device:  # one row of words: no tables, no per-element indices
-        words = _flat_words(local)
-        q = words.numel() // local.numel()
-        start = torch.tensor([first * q], dtype=torch.int64)
-        return device_lanes.row_lanes(words, words.numel(), torch.zeros(1, dtype=torch.int64), start)
-    if first is not None:  # one run of row-major memory at consecutive global indices: no tables
-        out = _kernel.new_lanes()
-        flat_lanes(out, local, 0, local.numel(), threads or torch.get_num_threads(), first=first)
-        return out[0], out[1]
+    if first is not None:
+        return _block_lanes(local, first, on_device, threads)
     words, run, local_off, global_off = word_rows(local, piece, positions)
     if on_device:
         return device_lanes.row_lanes(words, run, local_off, global_off)
     out = _kernel.new_lanes()
     threads = threads or torch.get_num_threads()
     _kernel.rows(out, words.data_ptr(), words.element_size(), run, local_off, global_off, threads)
+    return out[0], out[1]
+
+
+def whole_lanes(tensor: torch.Tensor, threads: int | None = None) -> tuple[int, int]:
+    """`lanes(tensor, Piece.whole(tensor.shape))`. When the tensor's memory is its row-major
+    value (contiguous, no conj/neg bit) no whole piece is built: its index would hold an int64
+    per position of each dimension, for a 1-D tensor 8 bytes an element beside the data."""
+    if tensor.numel() and _plain_row_major(tensor):
+        on_device = hashed_on_device(tensor)
+        if on_device and _kernel.version() != device_lanes.VERSION:
+            tensor, on_device = tensor.cpu(), False  # an older version's lanes: the CPU kernel
+        return _block_lanes(tensor, 0, on_device, threads)
+    return lanes(tensor, Piece.whole(tensor.shape), threads=threads)
+
+
+def _block_lanes(local: torch.Tensor, first: int, on_device: bool, threads: int | None) -> tuple[int, int]:
+    """The lanes of a contiguous `local` whose elements are the logical tensor's consecutive
+    elements from global index `first` on: one run of words, no tables, no per-element index."""
+    if on_device:
+        words = _flat_words(local)
+        q = words.numel() // local.numel()
+        start = torch.tensor([first * q], dtype=torch.int64)
+        return device_lanes.row_lanes(words, words.numel(), torch.zeros(1, dtype=torch.int64), start)
+    out = _kernel.new_lanes()
+    flat_lanes(out, local, 0, local.numel(), threads or torch.get_num_threads(), first=first)
     return out[0], out[1]
 
 
@@ -443,12 +461,18 @@ def flat_lanes(out: object, tensor: torch.Tensor, start: int, count: int, thread
     _kernel.span(out, tensor.data_ptr() + start * itemsize, width, count * q, (first + start) * q, threads)
 
 
+def _plain_row_major(local: torch.Tensor) -> bool:
+    return (
+        local.layout is torch.strided
+        and not (local.is_quantized or local.is_conj() or local.is_neg())
+        and local.is_contiguous()
+    )
+
+
 def _row_block_start(local: torch.Tensor, piece: Piece) -> int | None:
     """The global element index of `local`'s first element when it is a block of whole dim-0
     rows in plain row-major memory (a whole tensor, an FSDP2 shard), else None."""
-    if local.layout is not torch.strided or local.is_quantized or local.is_conj() or local.is_neg():
-        return None
-    if not local.is_contiguous():
+    if not _plain_row_major(local):
         return None
     if not piece.index:  # 0-d: its one element
         return 0

@@ -207,7 +207,7 @@ def _summarize_on_device(tensor: torch.Tensor, with_stats: bool) -> Summary:
     """summarize() of a plain tensor above C bytes on another device: the lattice lanes and the
     statistics computed there (audit/device_lanes.py), no host copy."""
     tensor = tensor.detach()
-    lanes = shards.lanes(tensor, pieces.Piece.whole(tensor.shape))
+    lanes = shards.whole_lanes(tensor)
     absmax = mean = None
     if with_stats:
         absmax, total = absmax_sum(tensor)
