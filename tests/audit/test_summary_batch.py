@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 from titan_audit.audit.fingerprint import whole_hash_limit
-from titan_audit.audit.summary import batch_meta, summarize, summarize_batch, summarize_many
+from titan_audit.audit.summary import batch_meta, batch_metas, summarize, summarize_batch, summarize_many
 from titan_audit.batch_invariant.cpu import _lib
 from titan_audit.batch_invariant.cpu.digest import xxh3_128_many
 
@@ -112,3 +112,16 @@ def test_batch_meta_takes_plain_contiguous_cpu_tensors_of_at_most_c_bytes():
     with whole_hash_limit(1023):
         assert batch_meta(t) is None
     assert ctypes.sizeof(batch_meta(t).buffer) == 1024
+
+
+def test_batch_metas_is_batch_meta_of_each_or_none_when_one_is_not_taken():
+    """batch_metas (the step-level calls' check) is [batch_meta(t) ...] when every tensor is
+    taken, and None as soon as one is not: transposed, above C, or a conj view."""
+    ts = [torch.zeros(16, 16), torch.ones(3, dtype=torch.bfloat16), torch.tensor(2.0), torch.zeros(0, 4)]
+    assert batch_metas(ts) == [batch_meta(t) for t in ts]
+    assert batch_metas([]) == []
+    assert batch_metas([*ts, ts[0].t()]) is None
+    assert batch_metas([torch.zeros(2, dtype=torch.complex64).conj(), *ts]) is None
+    with whole_hash_limit(1023):
+        assert batch_metas(ts) is None
+        assert batch_metas(ts[1:]) == [batch_meta(t) for t in ts[1:]]

@@ -85,7 +85,15 @@ from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.pieces import is_dtensor
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
 from titan_audit.audit.shards import DigestCounters, rank_and_world
-from titan_audit.audit.summary import Summary, batch_meta, summarize, summarize_batch, summarize_sharded
+from titan_audit.audit.summary import (
+    Summary,
+    batch_digests,
+    batch_meta,
+    batch_metas,
+    summarize,
+    summarize_batch,
+    summarize_sharded,
+)
 
 LEVELS = ("off", "params", "full")
 STEP_LEVEL = -1
@@ -355,20 +363,23 @@ class Recorder(ModuleHooks):
         When this rank writes them all, none is dumped and each is a plain CPU tensor of at most
         C without statistics: one summarize_batch and no call per record."""
         step = self._current_step()
-        metas = None
+        metas = tensors = None
         if self.rank == self.replicated_rank and phase not in self.stats_phases and not self.dump_names:
-            metas = [batch_meta(tensor) for _, tensor in named]
-        if metas is None or self._deferred is not None or any(meta is None for meta in metas):
+            tensors = [tensor for _, tensor in named]
+            metas = batch_metas(tensors)
+        if metas is None or self._deferred is not None:
             with self._batch():
                 for name, tensor in named:
                     self._record(phase, name, tensor, STEP_LEVEL, step)
             return
         seq = self._seq.get(STEP_LEVEL, 0)
         self._seq[STEP_LEVEL] = seq + len(named)
-        summaries = summarize_batch([tensor for _, tensor in named], metas, torch.get_num_threads())
+        digests = batch_digests(tensors, metas, torch.get_num_threads())
         rank = self.rank
+        # SCHEMA's order, as _record's rows (no statistics: the phase is not in stats_phases)
         self._rows += [
-            (step, phase, STEP_LEVEL, n, *s, rank, seq + i) for i, ((n, _), s) in enumerate(zip(named, summaries))
+            (step, phase, STEP_LEVEL, n, m.dtype, m.shape, d, None, None, rank, seq + i)
+            for i, ((n, _), m, d) in enumerate(zip(named, metas, digests))
         ]
         self.counters.hashed_bytes += sum(meta.nbytes for meta in metas)
 

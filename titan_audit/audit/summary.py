@@ -290,13 +290,34 @@ def batch_meta(tensor: torch.Tensor) -> _Meta | None:
     return None
 
 
+def batch_metas(tensors: Sequence[torch.Tensor]) -> list[_Meta] | None:
+    """[batch_meta(t) for t in tensors] when every one is a tensor `summarize_batch` takes,
+    else None (one loop: a step-level call asks it for every parameter each step)."""
+    limit = whole_hash_bytes()
+    cache = _meta_cache
+    metas = []
+    for t in tensors:
+        if not _is_plain(t):
+            return None
+        meta = cache.get((t.dtype, t.shape)) or _meta(t.dtype, t.shape)
+        if meta.nbytes > limit:
+            return None
+        metas.append(meta)
+    return metas
+
+
+def batch_digests(tensors: Sequence[torch.Tensor], metas: Sequence[_Meta], threads: int = 1) -> list[str]:
+    """The hashes `summarize_batch` gives (its module-doc guarantee), without the Summaries."""
+    return xxh3_128_many(
+        [meta.header for meta in metas], [t.data_ptr() for t in tensors], [meta.nbytes for meta in metas], threads
+    )
+
+
 def summarize_batch(tensors: Sequence[torch.Tensor], metas: Sequence[_Meta], threads: int = 1) -> list[Summary]:
     """summarize(t, with_stats=False) of tensors whose `batch_meta` is `metas` (the same bits):
     one call of our xxh3 kernel (batch_invariant/cpu/digest.py) reads them all in place on
     `threads` threads, each thread taking whole tensors, largest first."""
-    digests = xxh3_128_many(
-        [meta.header for meta in metas], [t.data_ptr() for t in tensors], [meta.nbytes for meta in metas], threads
-    )
+    digests = batch_digests(tensors, metas, threads)
     return [Summary(meta.dtype, meta.shape, digest, None, None) for meta, digest in zip(metas, digests)]
 
 
