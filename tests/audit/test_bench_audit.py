@@ -32,7 +32,8 @@ def test_bench_audit_quick_reports_both_levels_on_every_core(quick):
     for case in cases.values():
         assert case["baseline"] == "Recorder level off"
         assert case["ratio"] == case["candidate_s"] / case["baseline_s"] > 0
-        assert case["off_again_ratio"] > 0 and case["ratio_of_minima"] > 0
+        assert case["off_again_ratio"] > 0 and case["ratio_of_minima"] > 0 and case["paired_ratio"] > 0
+        assert case["off_again_paired_ratio"] > 0
         assert case["threads"] == audit_suite.all_cores() == len(os.sched_getaffinity(0))
     assert cases["small-transformer step, audit params vs off"]["target"] == 1.03
     assert cases["small-transformer step, audit full vs off"]["target"] == 1.10
@@ -104,3 +105,14 @@ def test_balanced_orders_put_each_side_after_each_other_equally_often(n):
     assert len(counts) == n * (n - 1) and len(set(counts.values())) == 1
     rotated = [list(range(r, n)) + list(range(r)) for r in range(n)]
     assert len(follows(rotated)) == n if n >= 3 else follows(rotated) == counts
+
+
+def test_paired_ratio_is_the_median_of_each_repeats_ratio():
+    """paired_ratio pairs repeat r of one side with repeat r of `off`: a machine that slows
+    down tenfold between repeats leaves it at the sides' true ratio; sides of different lengths
+    are refused."""
+    off = [1.0, 1.0, 10.0, 10.0, 10.0, 1.0]
+    assert audit_suite.paired_ratio([2 * t for t in off], off) == 2.0
+    assert audit_suite.paired_ratio([1.0, 1.5, 10.0, 30.0, 10.0, 1.0], off) == 1.0  # the median
+    with pytest.raises(ValueError):
+        audit_suite.paired_ratio([1.0], off)

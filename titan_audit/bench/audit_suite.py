@@ -12,7 +12,11 @@ batch of records on all the intra-op threads, so its cost cannot hide on an idle
 are interleaved batch by batch, each repeat in one of `balanced_orders` (each side follows each
 other side equally often); a side's time is the median over the repeats, at least
 MODEL_REPEATS of them for the small-model cases (the ratio of the minima is the extra key
-`ratio_of_minima`). Records go to a temporary run directory deleted afterwards.
+`ratio_of_minima`). The extra key `paired_ratio` (and `off_again_paired_ratio`) is the median
+over repeats of the side's time over `off`'s in the same repeat: the machine's speed drifts over
+a run (a small-transformer step at `off` went from 34 to 60 ms over 300 steps of one process on
+the 2-core VM here), and in a pair of batches a fraction of a second apart the drift cancels.
+Records go to a temporary run directory deleted afterwards.
 
 Cases:
 - `small-transformer` (a plain `nn.Module` defined here: the Recorder assumes nothing about the
@@ -183,10 +187,10 @@ def balanced_orders(n: int) -> list[list[int]]:
     return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
 
 
-def time_medians(fns: dict[str, Callable[[], None]], options: BenchOptions) -> dict[str, tuple[float, float]]:
-    """Per-call seconds of each fn as (median, minimum) over `repeats` batches (core's batch
-    sizing), the fns interleaved batch by batch in `balanced_orders`; the garbage collector is
-    off while timing."""
+def time_sides(fns: dict[str, Callable[[], None]], options: BenchOptions) -> dict[str, list[float]]:
+    """Per-call seconds of each fn in each of `repeats` batches (core's batch sizing), the fns
+    interleaved batch by batch in `balanced_orders` (repeat r of every side ran within one
+    pass over the sides); the garbage collector is off while timing."""
     names = list(fns)
     orders = balanced_orders(len(names))
     was_enabled = gc.isenabled()
@@ -200,21 +204,28 @@ def time_medians(fns: dict[str, Callable[[], None]], options: BenchOptions) -> d
     finally:
         if was_enabled:
             gc.enable()
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+    return times
 
 
-def _level_case(label: str, level: str, times: dict[str, tuple[float, float]], target: float | None) -> Case:
-    (off, off_min), (on, on_min) = times["off"], times[level]
+def paired_ratio(on: list[float], off: list[float]) -> float:
+    """The median over repeats of on's batch time over off's in the same repeat: the machine's
+    drift over the run (tens of seconds) cancels in each pair."""
+    return statistics.median(a / b for a, b in zip(on, off, strict=True))
+
+
+def _level_case(label: str, level: str, times: dict[str, list[float]], target: float | None) -> Case:
+    off, on = times["off"], times[level]
     case = Case(
         case=f"{label} step, audit {level} vs off",
         baseline="Recorder level off",
         candidate=f"Recorder level {level}",
-        baseline_s=off,
-        candidate_s=on,
-        ratio=on / off,
+        baseline_s=statistics.median(off),
+        candidate_s=statistics.median(on),
+        ratio=statistics.median(on) / statistics.median(off),
         target=target,
     )
-    case.extra["ratio_of_minima"] = on_min / off_min
+    case.extra["ratio_of_minima"] = min(on) / min(off)
+    case.extra["paired_ratio"] = paired_ratio(on, off)
     return case
 
 
@@ -247,11 +258,12 @@ def _model_cases(
         return paused_step
 
     samples = options if options.quick else dataclasses.replace(options, repeats=max(options.repeats, MODEL_REPEATS))
-    times = time_medians({side: side_step(side) for side in levels}, samples)
+    times = time_sides({side: side_step(side) for side in levels}, samples)
     cases = []
     for level in ("params", "full"):
         case = _level_case(label, level, times, TARGETS[level])
-        case.extra["off_again_ratio"] = times["off_again"][0] / times["off"][0]
+        case.extra["off_again_ratio"] = statistics.median(times["off_again"]) / statistics.median(times["off"])
+        case.extra["off_again_paired_ratio"] = paired_ratio(times["off_again"], times["off"])
         case.extra["tokens"] = batch[0] * batch[1]
         cases.append(case)
     for recorder in recorders.values():
@@ -285,7 +297,7 @@ def _real_width_case(options: BenchOptions, tmp: str) -> Case:
         for step in steps.values():
             step()
     repeats = BenchOptions(repeats=max(options.repeats, 3), min_batch_s=options.min_batch_s)
-    case = _level_case(REAL_WIDTH_CASE, "params", time_medians(steps, repeats), TARGETS["real_width_params"])
+    case = _level_case(REAL_WIDTH_CASE, "params", time_sides(steps, repeats), TARGETS["real_width_params"])
     for recorder in recorders:
         recorder.close()
     case.extra["tokens"] = REAL_WIDTH_BATCH[0] * REAL_WIDTH_BATCH[1]
