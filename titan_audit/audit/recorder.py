@@ -361,7 +361,7 @@ class Recorder(ModuleHooks):
     def _record_step(self, phase: str, named: list[tuple[str, torch.Tensor]]) -> None:
         """Step-level records of `named` in order, the rows (and `seq`) _record makes one by one.
         When this rank writes them all, none is dumped and each is a plain CPU tensor of at most
-        C without statistics: one summarize_batch and no call per record."""
+        C without statistics: one kernel call (summary.batch_digests) and no call per record."""
         step = self._current_step()
         metas = tensors = None
         if self.rank == self.replicated_rank and phase not in self.stats_phases and not self.dump_names:

@@ -13,9 +13,9 @@ are interleaved batch by batch, each repeat in one of `balanced_orders` (each si
 other side equally often); a side's time is the median over the repeats, at least
 MODEL_REPEATS of them for the small-model cases (the ratio of the minima is the extra key
 `ratio_of_minima`). The extra key `paired_ratio` (and `off_again_paired_ratio`) is the median
-over repeats of the side's time over `off`'s in the same repeat: the machine's speed drifts over
-a run (a small-transformer step at `off` went from 34 to 60 ms over 300 steps of one process on
-the 2-core VM here), and in a pair of batches a fraction of a second apart the drift cancels.
+over repeats of the side's time over `off`'s in the same repeat: a shared machine's speed can
+drift by tens of percent over a run, and in a pair of batches a fraction of a second apart the
+drift cancels.
 Records go to a temporary run directory deleted afterwards.
 
 Cases:
