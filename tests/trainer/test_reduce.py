@@ -114,25 +114,6 @@ def _reduce_on_ranks(rank, world_size, num_microbatches, numel):
     return {"full": full, "chunk": chunk, "range": (c_start, c_stop), "naive": naive}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("num_microbatches, world_sizes", [(8, (1, 2, 4)), (6, (1, 2, 3))])
-def test_reduction_is_bitwise_identical_for_every_world_size(num_microbatches, world_sizes):
-    numel = 1001  # not a multiple of any W: exercises chunk padding
-    leaves = _leaves(num_microbatches, numel)
-    expected = _reference_tree_sum(leaves, 0, num_microbatches)
-    naive_results = []
-    for world_size in world_sizes:
-        results = run_ranks(_reduce_on_ranks, world_size, args=(num_microbatches, numel))
-        for rank, result in enumerate(results):
-            assert_bitwise_equal(result["full"], expected, f"W={world_size} rank {rank} all_reduce")
-            start, stop = result["range"]
-            assert_bitwise_equal(result["chunk"], expected[start:stop], f"W={world_size} rank {rank} chunk")
-        assert sum(r["range"][1] - r["range"][0] for r in results) == numel
-        naive_results.append(results[0]["naive"])
-    # negative control: plain local accumulation + all_reduce does depend on W
-    assert not all(bitwise_equal(naive_results[0], other) for other in naive_results[1:])
-
-
 def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes, collective_max_bytes, shared):
     """Several reductions through one reducer (its scratch buffers are reused or regrown), over
     gloo (`collective_max_bytes` picks its path) or the same-host shared file."""
@@ -152,17 +133,80 @@ def _reduce_rounds_on_ranks(rank, world_size, num_microbatches, sizes, collectiv
     return out
 
 
+def _jobs_on_ranks(rank, world_size, num_microbatches, jobs):
+    """Several reductions one after the other in the same ranks (process start-up dominates their
+    cost), each with its own reducer and from the process's own settings: ("tree", numel) is
+    `_reduce_on_ranks`, ("rounds", sizes, collective_max_bytes, shared) `_reduce_rounds_on_ranks`."""
+    collective_max_bytes, switch = reduce_module.COLLECTIVE_MAX_BYTES, os.environ.get(shared_exchange.ENV_SWITCH)
+    out = []
+    for kind, *args in jobs:
+        fn = {"tree": _reduce_on_ranks, "rounds": _reduce_rounds_on_ranks}[kind]
+        out.append(fn(rank, world_size, num_microbatches, *args))
+        reduce_module.COLLECTIVE_MAX_BYTES = collective_max_bytes
+        if switch is None:
+            os.environ.pop(shared_exchange.ENV_SWITCH, None)
+        else:
+            os.environ[shared_exchange.ENV_SWITCH] = switch
+    return out
+
+
+TREE_NUMEL = 1001  # not a multiple of any W: exercises chunk padding
+TREE_WORLD_SIZES = {8: (1, 2, 4), 6: (1, 2, 3)}  # num_microbatches: the world sizes compared
+ROUND_SIZES = [1, 3, 7, 1001, 5, 4096 + 3]  # below W (empty chunks), not divisible by W, growing and shrinking
+PATHS = [("point to point", 0, False), ("all_to_all", 1 << 40, False), ("shared memory", 0, True)]
+ROUND_LAYOUTS = [(8, 2), (8, 4), (6, 2), (6, 3)]
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """`launches(num_microbatches, world_size)`: one process group per layout runs every job of this
+    module at that layout (the tree reduction, then the rounds over each transport), launched once,
+    at its first use: {"tree": ranks' results, path: ranks' results}."""
+    done = {}
+
+    def get(num_microbatches, world_size):
+        if (num_microbatches, world_size) not in done:
+            jobs = [("tree", TREE_NUMEL)]
+            if (num_microbatches, world_size) in ROUND_LAYOUTS:
+                jobs += [("rounds", ROUND_SIZES, max_bytes, shared) for _, max_bytes, shared in PATHS]
+            results = run_ranks(_jobs_on_ranks, world_size, args=(num_microbatches, jobs))
+            names = ["tree"] + [path for path, _, _ in PATHS][: len(jobs) - 1]
+            done[num_microbatches, world_size] = {name: [r[i] for r in results] for i, name in enumerate(names)}
+        return done[num_microbatches, world_size]
+
+    return get
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "path, collective_max_bytes, shared",
-    [("point to point", 0, False), ("all_to_all", 1 << 40, False), ("shared memory", 0, True)],
-)
-@pytest.mark.parametrize("num_microbatches, world_size", [(8, 2), (8, 4), (6, 2), (6, 3)])
-def test_reductions_of_any_size_repeat_bitwise(num_microbatches, world_size, path, collective_max_bytes, shared):
-    # sizes below W (empty chunks), not divisible by W, growing and shrinking between calls
-    sizes = [1, 3, 7, 1001, 5, 4096 + 3]
-    args = (num_microbatches, sizes, collective_max_bytes, shared)
-    results = run_ranks(_reduce_rounds_on_ranks, world_size, args=args)
+@pytest.mark.parametrize("num_microbatches, world_sizes", list(TREE_WORLD_SIZES.items()))
+def test_reduction_is_bitwise_identical_for_every_world_size(num_microbatches, world_sizes, launches):
+    numel = TREE_NUMEL
+    leaves = _leaves(num_microbatches, numel)
+    expected = _reference_tree_sum(leaves, 0, num_microbatches)
+    naive_results = []
+    for world_size in world_sizes:
+        results = launches(num_microbatches, world_size)["tree"]
+        for rank, result in enumerate(results):
+            assert_bitwise_equal(result["full"], expected, f"W={world_size} rank {rank} all_reduce")
+            start, stop = result["range"]
+            assert_bitwise_equal(result["chunk"], expected[start:stop], f"W={world_size} rank {rank} chunk")
+        assert sum(r["range"][1] - r["range"][0] for r in results) == numel
+        naive_results.append(results[0]["naive"])
+    # negative control: plain local accumulation + all_reduce does depend on W
+    assert not all(bitwise_equal(naive_results[0], other) for other in naive_results[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, collective_max_bytes, shared", PATHS)
+@pytest.mark.parametrize("num_microbatches, world_size", ROUND_LAYOUTS)
+def test_reductions_of_any_size_repeat_bitwise(
+    num_microbatches, world_size, path, collective_max_bytes, shared, launches
+):
+    """Several reductions through one reducer, of sizes below W (empty chunks), not divisible by W,
+    growing and shrinking between calls, over `path`, have the reference tree's bits on every rank
+    and used that transport."""
+    sizes = ROUND_SIZES
+    results = launches(num_microbatches, world_size)[path]
     for round_, numel in enumerate(sizes):
         expected = _reference_tree_sum(_leaves(num_microbatches, numel, seed=round_), 0, num_microbatches)
         covered = 0

@@ -9,9 +9,12 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from distributed import run_ranks
 
 from titan_audit.audit import compare_runs
 from titan_audit.cli.main import cli
+from titan_audit.trainer.config import from_dict, load_config, to_dict
+from titan_audit.trainer.train import train
 
 
 def _cli(*args, env=None):
@@ -72,7 +75,13 @@ def test_sigkill_then_resume_gives_the_uninterrupted_trajectory(reference, tmp_p
     assert [h["start_step"] for h in history] == [0, 4]
 
 
+def _train_rank(rank, world_size, config_dict, out):
+    train(from_dict(config_dict), out, quiet=True)
+
+
 def test_replay_cli_verdicts(reference, tmp_path):
+    """`replay --verify-to` says identical (exit 0) for a batch-invariant run replayed at another
+    world size, and DIFFERENT (exit 1, naming the first divergence) for a conventional one."""
     same = _cli(
         "replay",
         str(reference),
@@ -89,22 +98,11 @@ def test_replay_cli_verdicts(reference, tmp_path):
     assert same.returncode == 0, same.stderr
     verdict = json.loads(same.stdout)
     assert verdict["verdict"] == "identical" and verdict["to_step"] == 6 and verdict["comparison"]["compared"] > 0
-    # negative control: a conventional run (plain all_reduce at W=2) replayed at W=1 is found different
+    # negative control: a conventional run (plain all_reduce at W=2) replayed at W=1 is found different;
+    # the run is trained on two spawned gloo ranks (the train CLI and torchrun are tested above)
     plain = tmp_path / "plain"
-    done = _cli(
-        "train",
-        "--config",
-        "tiny-dense",
-        "--out",
-        str(plain),
-        "--steps",
-        "5",
-        "--nproc",
-        "2",
-        "--set",
-        "determinism.enabled=false",
-    )
-    assert done.returncode == 0, done.stderr
+    config = load_config("tiny-dense", ["steps=5", "determinism.enabled=false"])
+    run_ranks(_train_rank, 2, args=(to_dict(config), str(plain)))
     differ = _cli("replay", str(plain), "--from-step", "4", "--out", str(tmp_path / "p1"), "--verify-to", "5")
     assert differ.returncode == 1, differ.stderr
     assert "DIFFERENT" in differ.stdout and "first divergence: step 5 phase grad" in differ.stdout
