@@ -128,14 +128,12 @@ def lanes(
     `piece` of its logical tensor (module doc)."""
     if tuple(local.shape) != piece.local_shape and not (local.dim() == 0 and piece.local_shape == ()):
         raise ValueError(f"lanes: local shape {tuple(local.shape)} is not the piece's {piece.local_shape}")
-    on_device = hashed_on_device(local)
-    if on_device and _kernel.version() != device_lanes.VERSION:
-        local, on_device = local.cpu(), False  # an older version's lanes: the CPU kernel
+    local, on_device = _hashed_where(local)
     if local.numel() == 0 or (positions is not None and any(len(p) == 0 for p in positions)):
         return 0, 0
     first = _row_block_start(local, piece) if positions is None else None
     if first is not None:
-        return _block_lanes(local, first, on_device, threads)
+        return _block_lanes(local, on_device, first, threads)
     words, run, local_off, global_off = word_rows(local, piece, positions)
     if on_device:
         return device_lanes.row_lanes(words, run, local_off, global_off)
@@ -150,14 +148,20 @@ def whole_lanes(tensor: torch.Tensor, threads: int | None = None) -> tuple[int, 
     value (contiguous, no conj/neg bit) no whole piece is built: its index would hold an int64
     per position of each dimension, for a 1-D tensor 8 bytes an element beside the data."""
     if tensor.numel() and _plain_row_major(tensor):
-        on_device = hashed_on_device(tensor)
-        if on_device and _kernel.version() != device_lanes.VERSION:
-            tensor, on_device = tensor.cpu(), False  # an older version's lanes: the CPU kernel
-        return _block_lanes(tensor, 0, on_device, threads)
+        return _block_lanes(*_hashed_where(tensor), 0, threads)
     return lanes(tensor, Piece.whole(tensor.shape), threads=threads)
 
 
-def _block_lanes(local: torch.Tensor, first: int, on_device: bool, threads: int | None) -> tuple[int, int]:
+def _hashed_where(local: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the tensor to hash, whether on its own device): a device's piece stays there unless the
+    kernel's lattice version is one device_lanes does not compute (then the CPU kernel)."""
+    on_device = hashed_on_device(local)
+    if on_device and _kernel.version() != device_lanes.VERSION:
+        return local.cpu(), False
+    return local, on_device
+
+
+def _block_lanes(local: torch.Tensor, on_device: bool, first: int, threads: int | None) -> tuple[int, int]:
     """The lanes of a contiguous `local` whose elements are the logical tensor's consecutive
     elements from global index `first` on: one run of words, no tables, no per-element index."""
     if on_device:

@@ -293,14 +293,10 @@ def batch_meta(tensor: torch.Tensor) -> _Meta | None:
 def batch_metas(tensors: Sequence[torch.Tensor]) -> list[_Meta] | None:
     """[batch_meta(t) for t in tensors] when every one is a tensor `summarize_batch` takes,
     else None (one loop: a step-level call asks it for every parameter each step)."""
-    limit = whole_hash_bytes()
-    cache = _meta_cache
     metas = []
     for t in tensors:
-        if not _is_plain(t):
-            return None
-        meta = cache.get((t.dtype, t.shape)) or _meta(t.dtype, t.shape)
-        if meta.nbytes > limit:
+        meta = batch_meta(t)
+        if meta is None:
             return None
         metas.append(meta)
     return metas
