@@ -179,6 +179,36 @@ def test_a_whole_tensor_is_hashed_without_a_per_element_index(monkeypatch, on_de
         assert control.peak["cpu"] > flat.nbytes + (1 << 20)
 
 
+def test_a_replicated_tensor_share_is_hashed_without_a_per_element_index():
+    """A tensor every rank holds whole (DDP): rank `part` of `parts` hashes the dim-0 rows that
+    share_of gives it of the whole piece, and the shares' lanes add up to the whole tensor's, for
+    contiguous tensors (no piece built) and strided ones (the piece path). Hashing half of a
+    4 MiB 1-D tensor keeps live tensor bytes within the tensor + 1 MiB: the whole piece's index
+    alone would be 8 MiB. Control: the same bound fails for share_of of the whole piece."""
+    from titan_audit.live_bytes import LiveBytes
+
+    cases = [torch.randn(10, 6), torch.randn(7), torch.randn(64, 96)[:, ::2], torch.randn(5, 3).t(), torch.randn(2, 3)]
+    for t in cases:
+        whole = layout.Piece.whole(t.shape)
+        for parts in (1, 2, 3):
+            got = []
+            for part in range(parts):
+                share = shards.replicated_share(t, part, parts)
+                expected = layout.share_of(t, whole, part, parts)
+                assert (share is None) == (expected is None), (tuple(t.shape), part, parts)
+                if share is not None:
+                    got.append(shards.share_lanes(*share))
+                    assert got[-1] == shards.lanes(*expected), (tuple(t.shape), part, parts)
+            assert shards.add_lanes(got) == shards.whole_lanes(t), (tuple(t.shape), parts)
+    flat = torch.randn(1 << 20)
+    with LiveBytes() as tracker:
+        shards.share_lanes(*shards.replicated_share(flat, 0, 2))
+    assert tracker.peak["cpu"] <= flat.nbytes + (1 << 20)
+    with LiveBytes() as control:
+        shards.lanes(*layout.share_of(flat, layout.Piece.whole(flat.shape), 0, 2))
+    assert control.peak["cpu"] > flat.nbytes + (1 << 20)
+
+
 def test_up_to_c_the_xxh3_fingerprint_is_unchanged_and_c_is_2_mib():
     assert WHOLE_HASH_BYTES == whole_hash_bytes() == 2 << 20
     at_c = torch.randn(2048, 256)  # the tiny goldens' largest record: exactly C bytes

@@ -20,7 +20,8 @@ Guarantees:
   one of at most `whole_bytes` gathered whole; one gather per process group and destination for
   all the items, and none in a group the destination is not part of. A plain tensor that every
   rank holds whole (DDP) is combined like a DTensor replicated over the default group: each
-  rank hashes its share of the dim-0 rows, so the work is split W ways. With `counters`
+  rank hashes its share of the dim-0 rows, so the work is split W ways (`replicated_share`: a
+  view of its rows, no index built when the tensor is row-major memory). With `counters`
   (`DigestCounters`) it adds the tensor bytes this rank hashed and the bytes it received from
   the other ranks (a few integer additions per call).
 """
@@ -150,6 +151,14 @@ def whole_lanes(tensor: torch.Tensor, threads: int | None = None) -> tuple[int, 
     if tensor.numel() and _plain_row_major(tensor):
         return _block_lanes(*_hashed_where(tensor), 0, threads)
     return lanes(tensor, Piece.whole(tensor.shape), threads=threads)
+
+
+def share_lanes(local: torch.Tensor, where: Piece | int) -> tuple[int, int]:
+    """The lanes of a share as `replicated_share` gives it: `lanes(local, where)` for a piece,
+    else those of contiguous `local`'s elements from global element index `where` on."""
+    if isinstance(where, Piece):
+        return lanes(local, where)
+    return _block_lanes(*_hashed_where(local), where, None)
 
 
 def _hashed_where(local: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -318,12 +327,12 @@ def _nan_max(values: list[float]) -> float:
 _F64 = torch.float64
 
 
-def _stats_row(local: torch.Tensor, piece: Piece, part: int, parts: int, with_stats: bool, partial_stats) -> list:
+def _stats_row(tensor: torch.Tensor, with_stats: bool, partial_stats) -> list:
     """One rank's row for a large tensor: lanes, absmax and sum (float64 bits), elements hashed."""
-    picked = share_of(local, piece, part, parts)
+    picked = _my_share(tensor)
     if picked is None:
         return [0, 0, 0, 0, 0]
-    a, b = lanes(*picked)
+    a, b = share_lanes(*picked)
     absmax = total = 0.0
     if with_stats:
         absmax, total = partial_stats(picked[0])
@@ -345,12 +354,27 @@ def _combine_large(rows: list[torch.Tensor], k: int, with_stats: bool) -> Combin
     return Combined(lanes=lane_pair, absmax=absmax, total=total)
 
 
-def _held(tensor: torch.Tensor) -> tuple[torch.Tensor, Piece, int, int]:
-    """(local tensor, its piece, replica part, parts) of a DTensor, or of a plain tensor that every
-    rank of the default group holds whole (DDP's replicated parameters: `combine`)."""
+def _my_share(tensor: torch.Tensor) -> tuple[torch.Tensor, Piece | int] | None:
+    """The elements this rank hashes of a DTensor (its replica's share of its local piece), or
+    of a plain tensor that every rank of the default group holds whole (DDP's replicated
+    parameters: `combine`), as (local elements, their piece); None when the share is empty."""
     if is_dtensor(tensor):
-        return tensor.to_local(), piece_of(tensor), *replica(tensor)
-    return tensor, Piece.whole(tensor.shape), dist.get_rank(), dist.get_world_size()
+        return share_of(tensor.to_local(), piece_of(tensor), *replica(tensor))
+    return replicated_share(tensor, dist.get_rank(), dist.get_world_size())
+
+
+def replicated_share(tensor: torch.Tensor, part: int, parts: int) -> tuple[torch.Tensor, Piece | int] | None:
+    """Share `part` of `parts` of a whole plain tensor (dim-0 rows, as `share_of` splits the
+    whole piece): (rows, their piece), or (rows, the global index of their first element) when
+    the tensor is plain row-major memory, so that no index is built (a 1-D tensor's would hold
+    an int64 per element of the share); None when the share is empty."""
+    if not _plain_row_major(tensor) or tensor.dim() == 0:
+        return share_of(tensor, Piece.whole(tensor.shape), part, parts)
+    rows = tensor.shape[0]
+    lo, hi = rows * part // parts, rows * (part + 1) // parts
+    if hi <= lo:
+        return None
+    return tensor[lo:hi], lo * math.prod(tensor.shape[1:])
 
 
 def combine(
@@ -392,7 +416,7 @@ def combine(
         if large:
             rows = []
             for i in large:
-                rows.append(_stats_row(*_held(tensors[i]), items[i][1], partial_stats))
+                rows.append(_stats_row(tensors[i], items[i][1], partial_stats))
             sent = torch.tensor(rows, dtype=torch.int64)
             gathered = gather(sent, group, ranks, dst)
             if gathered is not None:
