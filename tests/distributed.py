@@ -10,7 +10,9 @@ and runs the same `_entry` (its own gloo group, result file, exit).
 
 The server reads the environment once, when it starts (torch, MKL and the kernel library read
 some variables as they load). A call made while the environment differs from the server's (a
-test that set a variable for its ranks) spawns its ranks as `run_local_ranks` does.
+test that set a variable for its ranks) spawns its ranks as `run_local_ranks` does. The bench
+suites' tests put `run_ranks` in the place of the suites' `run_local_ranks` (those ranks are
+timed; no test asserts a time).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from titan_audit.trainer import local_ranks
+from titan_audit.trainer.local_ranks import run_local_ranks as spawn_ranks
 
 # What the server imports before it forks: what the rank functions' modules import, mostly.
 PRELOAD = ["pytest", "titan_audit.trainer.train", "titan_audit.trainer.replay", "titan_audit.live_bytes"]
@@ -58,7 +61,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), threads
         multiprocessing.forkserver.ensure_running()
         _server_env = _environment()
     if world_size < 1 or _environment() != _server_env:
-        return local_ranks.run_local_ranks(fn, world_size, args, threads)
+        return spawn_ranks(fn, world_size, args, threads)
     with tempfile.TemporaryDirectory(prefix="titan-audit-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         entry_args = (dict(os.environ), os.getpid(), fn, world_size, store, tmp, args, threads)
