@@ -10,9 +10,10 @@ and runs the same `_entry` (its own gloo group, result file, exit).
 
 The server reads the environment once, when it starts (torch, MKL and the kernel library read
 some variables as they load). A call made while the environment differs from the server's (a
-test that set a variable for its ranks) spawns its ranks as `run_local_ranks` does. The bench
-suites' tests put `run_ranks` in the place of the suites' `run_local_ranks` (those ranks are
-timed; no test asserts a time).
+test set a variable for its ranks; an in-process run set CUBLAS_WORKSPACE_CONFIG, the memory
+policy's variable, ...) first replaces the server with one started in the environment of now,
+so a rank always loads what a spawned rank would load. The bench suites' tests put `run_ranks`
+in the place of the suites' `run_local_ranks` (those ranks are timed; no test asserts a time).
 """
 
 from __future__ import annotations
@@ -54,14 +55,23 @@ def _forked_entry(rank: int, env: dict[str, str], parent: int, *entry_args: Any)
     local_ranks._entry(rank, *entry_args)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), threads: int = 1) -> list[Any]:
+def _server_in_this_environment() -> None:
+    """The forkserver started in the environment of now (one started in another is stopped)."""
     global _server_env
-    if _server_env is None:
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        multiprocessing.forkserver.ensure_running()
-        _server_env = _environment()
-    if world_size < 1 or _environment() != _server_env:
-        return spawn_ranks(fn, world_size, args, threads)
+    env = _environment()
+    if env == _server_env:
+        return
+    if _server_env is not None:
+        multiprocessing.forkserver._forkserver._stop()  # no rank of it is alive: each call joins its ranks
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+    _server_env = env
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), threads: int = 1) -> list[Any]:
+    if world_size < 1:
+        return spawn_ranks(fn, world_size, args, threads)  # its ValueError
+    _server_in_this_environment()
     with tempfile.TemporaryDirectory(prefix="titan-audit-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         entry_args = (dict(os.environ), os.getpid(), fn, world_size, store, tmp, args, threads)
