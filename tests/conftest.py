@@ -59,17 +59,20 @@ XDIST_SHARED_SCOPES = ("tests/report/",)
 # worker is left running one of them at the end while the other idles. Only the order depends on
 # this list: a stale entry costs time, never a test.
 XDIST_FIRST = (
-    "tests/trainer/test_train.py",
+    "tests/test_controls_under_variants.py",
     "tests/rl/test_loop.py",
-    "tests/trainer/test_train_cli.py",
     "tests/golden/test_committed_goldens.py",
-    "tests/trainer/test_train_bf16_moe_aux.py",
-    "tests/golden/test_plugin.py",
-    "tests/trainer/test_reduce.py",
+    "tests/trainer/test_train_cli.py",
+    "tests/rl/test_cli_rl.py",
+    "tests/test_readme.py",
     "tests/batch_invariant/test_knobs_train.py",
+    "tests/golden/test_plugin.py",
+    "tests/trainer/test_launch_errors.py",
     "tests/rl/test_learning.py",
-    "tests/trainer/test_multinode.py",
+    "tests/trainer/test_train.py",
+    "tests/batch_invariant/test_knobs.py",
     "tests/trainer/test_tensor_parallel.py",
+    "tests/trainer/test_multinode.py",
 )
 
 

@@ -72,13 +72,27 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in FORCED and not k.startswith("PYTEST_XDIST")}
 
 
+class _Collected:
+    """A plugin of the nested collection below: the node ids it selected."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.ids = [item.nodeid for item in session.items]
+
+
 @pytest.fixture(scope="module")
 def controls() -> list[str]:
-    """The node ids of the `control`-marked tests (a collection in a subprocess: the whole suite,
-    whatever this pytest run selected)."""
-    done = _pytest(["--collect-only", "-m", "control and not slow and not gpu and not vllm", "tests"], _clean_env())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    """The node ids of the `control`-marked tests: a collection of the whole suite, whatever this
+    pytest run selected, in a pytest session nested in this process (an xdist worker has
+    imported every test module already, which a subprocess would import again: ~12 s)."""
+    collected = _Collected()
+    marks = "control and not slow and not gpu and not vllm"
+    args = ["--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(REPO)]
+    code = pytest.main([*args, "-m", marks, str(REPO / "tests")], plugins=[collected])
+    assert code == pytest.ExitCode.OK, f"the collection of the suite exited {code!r}"
+    ids = collected.ids
     assert ids, "no test is marked control: the variant runs would check nothing"
     return ids
 

@@ -6,9 +6,11 @@ import os
 
 import pytest
 import torch
+from distributed import run_ranks
 
 from titan_audit.bench import BenchOptions, audit_suite, run_suite
 from titan_audit.models.presets import get_preset
+from titan_audit.trainer import local_ranks
 
 FSDP = "FSDP2 W=2 vs W=1, audit params: bytes hashed per rank per step"
 DDP = "DDP W=2 vs W=1, audit params: bytes hashed per rank per step"
@@ -17,7 +19,9 @@ DDP = "DDP W=2 vs W=1, audit params: bytes hashed per rank per step"
 @pytest.fixture(scope="module")
 def quick():  # one quick run of the suite for the module: ~15-25 s on 2 shared cores
     threads = torch.get_num_threads()
-    data = run_suite("audit", BenchOptions(quick=True, repeats=1, min_batch_s=0.001)).to_dict()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(local_ranks, "run_local_ranks", run_ranks)  # the W=1/W=2 ranks forked, not spawned
+        data = run_suite("audit", BenchOptions(quick=True, repeats=1, min_batch_s=0.001)).to_dict()
     assert torch.get_num_threads() == threads, "the suite restores the thread count"
     return {c["case"]: c for c in data["cases"]}
 

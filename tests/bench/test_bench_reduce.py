@@ -4,12 +4,15 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from distributed import run_ranks
 
+from titan_audit.bench import reduce_suite
 from titan_audit.cli.main import cli
 
 
 @pytest.mark.slow
-def test_bench_reduce_json_schema():
+def test_bench_reduce_json_schema(monkeypatch):
+    monkeypatch.setattr(reduce_suite, "run_local_ranks", run_ranks)  # ranks forked, not spawned
     result = CliRunner().invoke(cli, ["bench", "reduce", "--quick", "--repeats", "1", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

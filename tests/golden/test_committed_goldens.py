@@ -22,10 +22,36 @@ from pathlib import Path
 
 import pytest
 
-from titan_audit.golden import check_golden
+from titan_audit.golden import check_golden, pytest_plugin
+from titan_audit.golden.pytest_plugin import train_recipe
 from titan_audit.goldens import GOLDENS_DIR
 
 STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    """`train_recipe`, each (recipe, steps, nproc, overrides) trained once in this module and copied
+    to the next `out` that asks for it: test_tiny_dense[1] and test_tiny_dense_bi_is_exact[1]
+    train the runs that test_bi_golden_is_exact_on_another_cpu_and_the_plain_one_is_not checks."""
+    root = tmp_path_factory.mktemp("recipe-runs")
+    trained = {}
+
+    def train(out, recipe, *, steps=None, nproc=1, overrides=(), timeout=900):
+        key = (recipe, steps, nproc, tuple(overrides))
+        if key not in trained:
+            run = root / f"run-{len(trained)}"
+            train_recipe(run, recipe, steps=steps, nproc=nproc, overrides=overrides, timeout=timeout)
+            trained[key] = run
+        shutil.copytree(trained[key], out, symlinks=True)
+
+    return train
+
+
+@pytest.fixture(autouse=True)
+def _train_each_recipe_once(monkeypatch, recipe_runs):
+    """The `golden_run` fixture's recipe runs go through `recipe_runs`."""
+    monkeypatch.setattr(pytest_plugin, "train_recipe", recipe_runs)
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -68,18 +94,16 @@ def _as_if_on_another_cpu(run: Path, out: Path) -> Path:
 
 
 @pytest.mark.skipif("config.getoption('--golden-update')", reason="checks the committed goldens")
-def test_bi_golden_is_exact_on_another_cpu_and_the_plain_one_is_not(tmp_path):
+def test_bi_golden_is_exact_on_another_cpu_and_the_plain_one_is_not(tmp_path, recipe_runs):
     """The BI golden checks exact against a run whose fingerprint names another CPU; negative
     control: the plain (non-BI) golden cannot, and --require-exact fails it."""
-    from titan_audit.golden.pytest_plugin import train_recipe
-
     golden = GOLDENS_DIR
-    train_recipe(tmp_path / "bi", "tiny-dense", steps=STEPS, overrides=BI)
+    recipe_runs(tmp_path / "bi", "tiny-dense", steps=STEPS, overrides=BI)
     bi = check_golden(
         _as_if_on_another_cpu(tmp_path / "bi", tmp_path / "bi-amd"), golden / "tiny-dense-bi", require_exact=True
     )
     assert bi.passed and bi.mode == "exact", bi.to_dict()
-    train_recipe(tmp_path / "plain", "tiny-dense", steps=STEPS)
+    recipe_runs(tmp_path / "plain", "tiny-dense", steps=STEPS)
     plain = check_golden(
         _as_if_on_another_cpu(tmp_path / "plain", tmp_path / "plain-amd"), golden / "tiny-dense", require_exact=True
     )
@@ -97,8 +121,6 @@ def test_committed_golden_catches_a_changed_run(golden_run):
 def rl_warmup(tmp_path_factory):
     """tiny-dense warmed up for 20 steps, the init of the rl-tiny golden run (one per module).
     The warm-up trains in BI mode too: a native warm-up's weights would tie the golden to the CPU."""
-    from titan_audit.golden.pytest_plugin import train_recipe
-
     warm = tmp_path_factory.mktemp("rl-tiny") / "warmup"
     train_recipe(warm, "tiny-dense", steps=20, overrides=["checkpoint.interval=0", "data.synthetic_records=512", *BI])
     return warm
