@@ -357,7 +357,8 @@ def _combine_large(rows: list[torch.Tensor], k: int, with_stats: bool) -> Combin
 def _my_share(tensor: torch.Tensor) -> tuple[torch.Tensor, Piece | int] | None:
     """The elements this rank hashes of a DTensor (its replica's share of its local piece), or
     of a plain tensor that every rank of the default group holds whole (DDP's replicated
-    parameters: `combine`), as (local elements, their piece); None when the share is empty."""
+    parameters: `combine`), as `share_lanes` takes it: (local elements, their piece or the global
+    index of their first element); None when the share is empty."""
     if is_dtensor(tensor):
         return share_of(tensor.to_local(), piece_of(tensor), *replica(tensor))
     return replicated_share(tensor, dist.get_rank(), dist.get_world_size())
@@ -366,8 +367,9 @@ def _my_share(tensor: torch.Tensor) -> tuple[torch.Tensor, Piece | int] | None:
 def replicated_share(tensor: torch.Tensor, part: int, parts: int) -> tuple[torch.Tensor, Piece | int] | None:
     """Share `part` of `parts` of a whole plain tensor (dim-0 rows, as `share_of` splits the
     whole piece): (rows, their piece), or (rows, the global index of their first element) when
-    the tensor is plain row-major memory, so that no index is built (a 1-D tensor's would hold
-    an int64 per element of the share); None when the share is empty."""
+    the tensor is plain row-major memory, so that no index is built (the whole piece's holds an
+    int64 per row of the whole tensor: 8 bytes an element for a 1-D tensor); None when the share
+    is empty."""
     if not _plain_row_major(tensor) or tensor.dim() == 0:
         return share_of(tensor, Piece.whole(tensor.shape), part, parts)
     rows = tensor.shape[0]
