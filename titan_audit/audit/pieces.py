@@ -152,7 +152,11 @@ def replica(tensor: torch.Tensor, coord: Sequence[int] | None = None) -> tuple[i
 def share(piece: Piece, part: int, parts: int) -> tuple[int, int]:
     """Local dim-0 positions [lo, hi) that share `part` of `parts` of `piece` covers (a 0-d
     piece counts as one row)."""
-    rows = piece.local_shape[0] if piece.index else 1
+    return share_rows(piece.local_shape[0] if piece.index else 1, part, parts)
+
+
+def share_rows(rows: int, part: int, parts: int) -> tuple[int, int]:
+    """Rows [lo, hi) of `rows` that share `part` of `parts` covers: the one split rule."""
     return rows * part // parts, rows * (part + 1) // parts
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from titan_audit.audit import device_lanes
-from titan_audit.audit.pieces import Piece, coordinate, is_dtensor, piece_of, replica, share_of
+from titan_audit.audit.pieces import Piece, coordinate, is_dtensor, piece_of, replica, share_of, share_rows
 from titan_audit.batch_invariant.cpu import lattice as _kernel
 
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -372,8 +372,7 @@ def replicated_share(tensor: torch.Tensor, part: int, parts: int) -> tuple[torch
     is empty."""
     if not _plain_row_major(tensor) or tensor.dim() == 0:
         return share_of(tensor, Piece.whole(tensor.shape), part, parts)
-    rows = tensor.shape[0]
-    lo, hi = rows * part // parts, rows * (part + 1) // parts
+    lo, hi = share_rows(tensor.shape[0], part, parts)
     if hi <= lo:
         return None
     return tensor[lo:hi], lo * math.prod(tensor.shape[1:])
