@@ -209,6 +209,38 @@ def test_a_replicated_tensor_share_is_hashed_without_a_per_element_index():
     assert control.peak["cpu"] > flat.nbytes + (1 << 20)
 
 
+def test_a_sharded_piece_keeps_only_its_local_indices():
+    """piece_of's piece of a sharded tensor (`_placed`, from placements and a mesh coordinate)
+    holds the global indices of the local positions and no more: its index storage is 8 bytes
+    per local position of each dim, for Shard, _StridedShard, Replicate and two mesh dims on one
+    tensor. Control: the same pieces as views of each dim's whole arange exceed the bound."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def stored(piece):
+        return sum(i.untyped_storage().nbytes() for i in piece.index)
+
+    shape = torch.Size([40000, 6])
+    cases = [
+        ((Shard(0),), (4,), (1,), (torch.arange(10000, 20000), torch.arange(6))),
+        ((Shard(1), Replicate()), (3, 2), (2, 1), (torch.arange(40000), torch.arange(4, 6))),
+        ((Shard(0), Shard(0)), (2, 4), (1, 3), (torch.arange(35000, 40000), torch.arange(6))),
+        ((_StridedShard(0, split_factor=2), Shard(0)), (2, 2), (1, 0), None),
+    ]
+    for placements, sizes, coord, expected in cases:
+        mesh = SimpleNamespace(size=lambda d, sizes=sizes: sizes[d])
+        piece = layout._placed(SimpleNamespace(shape=shape, placements=placements), mesh, coord)
+        if expected is not None:
+            assert all(torch.equal(a, b) for a, b in zip(piece.index, expected)), placements
+        assert stored(piece) == 8 * sum(piece.local_shape), placements
+        if expected is not None and piece.local_shape[0] < shape[0]:  # runs: a view of arange each
+            views = tuple(torch.arange(n)[int(i[0]) :][: len(i)] for n, i in zip(shape, piece.index))
+            assert all(torch.equal(a, b) for a, b in zip(views, piece.index))
+            assert stored(layout.Piece(tuple(shape), views)) > 8 * sum(piece.local_shape), placements
+
+
 def test_up_to_c_the_xxh3_fingerprint_is_unchanged_and_c_is_2_mib():
     assert WHOLE_HASH_BYTES == whole_hash_bytes() == 2 << 20
     at_c = torch.randn(2048, 256)  # the tiny goldens' largest record: exactly C bytes

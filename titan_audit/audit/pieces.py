@@ -132,7 +132,9 @@ def _placed(tensor: torch.Tensor, mesh, coord: Sequence[int]) -> Piece:
             index[dim] = index[dim][offset : offset + size]
         elif not placement.is_replicate():
             raise ValueError(f"piece_of: placement {placement} holds no elements of the logical tensor (reduce it)")
-    return Piece(tuple(tensor.shape), tuple(index))
+    # A Shard slice is a view of its dimension's whole arange; the cached piece keeps only the
+    # local positions (a rank's pieces cost ~ the sum of its local dims, not of the global ones).
+    return Piece(tuple(tensor.shape), tuple(i.clone() if i.untyped_storage().nbytes() > i.nbytes else i for i in index))
 
 
 def replica(tensor: torch.Tensor, coord: Sequence[int] | None = None) -> tuple[int, int]:
