@@ -1,6 +1,10 @@
-"""device_lanes: the lattice lanes in torch integer ops (the path a GPU rank's piece takes) are
-the CPU kernel's integers, run here on CPU tensors through the same ops. Negative controls: one
-word changed, two elements swapped, and the same words at other global indices give other lanes."""
+"""device_lanes: the lattice lanes a GPU rank's piece takes, in torch integer ops and in the Triton
+kernel (batch_invariant/gpu/lattice.py), are the CPU kernel's integers, run here on CPU tensors
+(the same torch ops; the Triton kernel in Triton's interpreter, marker `triton`) and on CUDA by
+scripts/gpu_check.sh (marker `gpu`). Negative controls: one word changed, two elements swapped,
+and the same words at other global indices give other lanes."""
+
+import importlib.util
 
 import pytest
 import torch
@@ -8,6 +12,15 @@ import torch
 from titan_audit.audit import device_lanes, shards
 from titan_audit.audit.pieces import Piece
 from titan_audit.batch_invariant.cpu import lattice
+
+
+@pytest.fixture(params=["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def path(request, monkeypatch) -> str:
+    """Which device path `device_lanes.row_lanes` takes for the test's (CPU) words."""
+    if request.param == "triton":
+        pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
+    monkeypatch.setattr(device_lanes, "_use_triton", lambda words: request.param == "triton")
+    return request.param
 
 
 def _both(local: torch.Tensor, piece: Piece, positions=None) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -29,21 +42,21 @@ def _random(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.bool, torch.float64, torch.int64],
     ids=str,
 )
-def test_whole_tensor_lanes_are_the_kernels_in_every_word_width(dtype):
+def test_whole_tensor_lanes_are_the_kernels_in_every_word_width(dtype, path):
     t = _random((3, 2 * lattice.BLOCK + 77), dtype, 1)  # rows cross block boundaries
     kernel, ops = _both(t, Piece.whole(t.shape))
     assert ops == kernel
     assert lattice.version() == device_lanes.VERSION
 
 
-def test_complex_and_0d():
+def test_complex_and_0d(path):
     z = torch.randn(5, 7, dtype=torch.complex64)
     assert _both(z, Piece.whole(z.shape))[1] == _both(z, Piece.whole(z.shape))[0]
     s = torch.tensor(3.5)
     assert device_lanes.row_lanes(*shards.word_rows(s, Piece.whole(()))) == shards.lanes(s, Piece.whole(()))
 
 
-def test_pieces_positions_and_strided_views(monkeypatch):
+def test_pieces_positions_and_strided_views(monkeypatch, path):
     """A column shard (rows of a few words at scattered global indices), a subset of positions,
     and a transposed view, with slices of 1000 words so that several slices run (short rows) and
     a long row is cut into slices."""
@@ -65,7 +78,7 @@ def test_pieces_positions_and_strided_views(monkeypatch):
     assert ops == kernel
 
 
-def test_word_indices_past_two_to_the_32():
+def test_word_indices_past_two_to_the_32(path):
     """Three rows of a logical [2^21 + 8, 2^12] float32 tensor (2^33 words): the global indices
     and block numbers are past 2^32 (what a 70B model's embedding reaches)."""
     shape = ((1 << 21) + 8, 1 << 12)
@@ -78,7 +91,7 @@ def test_word_indices_past_two_to_the_32():
 
 @pytest.mark.control
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
-def test_controls_one_word_a_swap_and_another_index_move_the_lanes(dtype):
+def test_controls_one_word_a_swap_and_another_index_move_the_lanes(dtype, path):
     """Marked `control`, so it also runs under every forced ATen capability and kernel variant
     (tests/test_controls_under_variants.py): the torch-ops lanes equal the CPU kernel's there too
     (ATen's int64 vector code differs by capability), and each constructed difference moves both
@@ -142,19 +155,25 @@ def test_device_statistics_of_every_dtype_class(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_lanes_summary_and_fingerprint_are_the_cpu_ones():
+def test_on_cuda_the_lanes_summary_and_fingerprint_are_the_cpu_ones(monkeypatch):
     """On a GPU: a CUDA tensor above C (whole, a column piece, a bfloat16 one) gets the CPU
-    kernel's lanes, fingerprint and summary hash with no host copy of it. Control: one element
-    changed on the device changes the fingerprint."""
+    kernel's lanes, fingerprint and summary hash with no host copy of it, through the Triton
+    kernel and through the torch ops alike. Control: one element changed on the device changes
+    the fingerprint."""
     from titan_audit.audit import summary
     from titan_audit.audit.fingerprint import fingerprint, whole_hash_limit
 
     t = _random((257, 3 * lattice.BLOCK + 5), torch.float32, 7)
     dev = t.cuda()
     piece = Piece(tuple(t.shape), (torch.arange(257), torch.arange(100, 5000)))
-    assert shards.lanes(dev[:, 100:5000], piece) == shards.lanes(t[:, 100:5000].contiguous(), piece)
     b = t.bfloat16()
-    assert shards.lanes(b.cuda(), Piece.whole(b.shape)) == shards.lanes(b, Piece.whole(b.shape))
+    expected = [shards.lanes(t[:, 100:5000].contiguous(), piece), shards.lanes(b, Piece.whole(b.shape))]
+    assert device_lanes._use_triton(dev) == (importlib.util.find_spec("triton") is not None)
+    for triton in (True, False):
+        monkeypatch.setattr(device_lanes, "_use_triton", lambda words, triton=triton: triton)
+        got = [shards.lanes(dev[:, 100:5000], piece), shards.lanes(b.cuda(), Piece.whole(b.shape))]
+        assert got == expected, f"triton={triton}"
+    monkeypatch.undo()
     with whole_hash_limit(1024):
         assert fingerprint(dev) == fingerprint(t)
         on_gpu, on_cpu = summary.summarize(dev), summary.summarize(t)
@@ -164,7 +183,7 @@ def test_on_cuda_the_lanes_summary_and_fingerprint_are_the_cpu_ones():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex128, torch.bool, torch.bfloat16], ids=str)
-def test_row_blocks_through_shards_lanes_are_the_kernels(monkeypatch, dtype):
+def test_row_blocks_through_shards_lanes_are_the_kernels(monkeypatch, dtype, path):
     """shards.lanes routes a piece of whole dim-0 rows (a whole tensor, an FSDP2 shard) on a
     device as one row of words with no index tables: the CPU kernel's lanes for every word
     width, and for a 0-d tensor."""

@@ -1,5 +1,7 @@
-"""The lattice lanes of a tensor's words on the device that holds them (a GPU rank's piece), in
-torch integer ops: the digest of a CUDA tensor above C needs no host copy of it.
+"""The lattice lanes of a tensor's words on the device that holds them (a GPU rank's piece): the
+digest of a CUDA tensor above C needs no host copy of it. On CUDA, where Triton imports, one
+Triton kernel reads each word once (batch_invariant/gpu/lattice.py); otherwise the same lanes in
+torch integer ops (below), about 20 kernels over int64 temporaries per slice.
 
 Guarantees:
 - `row_lanes(words, run, local_off, global_off)` returns the two lanes that the CPU kernel
@@ -13,7 +15,9 @@ Guarantees:
   2^64 (two's complement) on the CPU and on CUDA. tests/audit/test_device_lanes.py checks the
   integers against the CPU kernel on CPU tensors (every word width, rows in and across blocks,
   word indices past 2^32); on a GPU the same ops run on the device.
-- Memory: the rows go in slices of at most SLICE_WORDS words, so the temporaries on the device
+- Both paths give the CPU kernel's integers: tests/audit/test_device_lanes.py runs each on CPU
+  tensors (the Triton kernel in Triton's interpreter) against the CPU kernel.
+- Memory (torch ops): the rows go in slices of at most SLICE_WORDS words, so the temporaries on the device
   are a few int64 tensors of SLICE_WORDS elements whatever the tensor's size (shards.lanes gives
   a block of whole rows as one row, with no per-element index). The host sends each
   slice its block keys (8 bytes per block of 4096 words, per lane) and reads back the two lanes
@@ -23,6 +27,9 @@ Guarantees:
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import numpy as np
 import torch
@@ -65,6 +72,16 @@ def _add_slice(acc: torch.Tensor, words: torch.Tensor, j: torch.Tensor, lowest: 
         acc[lane] += (keys[lane][block] * ((x ^ mix) * table[offset])).sum()
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(words: torch.Tensor) -> bool:
+    """Whether `row_lanes` takes the Triton kernel for these words: CUDA words, Triton present."""
+    return words.is_cuda and _triton_importable()
+
+
 def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
     """The lanes of the rows of `words` (module doc): `local_off` and `global_off` are int64 CPU
     tensors of one entry per row, `words` a word-dtype view (uint8, int16 or int32) on any device."""
@@ -78,6 +95,10 @@ def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off
     device = words.device
     extent = 1 + int(local_off.max()) + run - 1
     flat = words.as_strided((extent,), (1,))  # the memory the rows lie in, from the first element
+    if _use_triton(flat):
+        from titan_audit.batch_invariant.gpu import lattice as triton_lattice
+
+        return triton_lattice.row_lanes(flat, run, local_off, global_off)
     acc = torch.zeros(2, dtype=torch.int64, device=device)
     if run >= SLICE_WORDS:  # long rows: each in slices of consecutive words
         for r in range(rows):
