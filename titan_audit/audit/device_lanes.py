@@ -41,16 +41,6 @@ SLICE_WORDS = 1 << 21
 _SHIFT = _kernel.BLOCK.bit_length() - 1  # j >> _SHIFT is j's block
 assert 1 << _SHIFT == _kernel.BLOCK
 _WORD_MASK = {torch.uint8: 0xFF, torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
-_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _key_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """T_0, T_1 as int64 tensors on `device` (made once per device)."""
-    tables = _tables.get(device)
-    if tables is None:
-        tables = tuple(torch.from_numpy(t.astype(np.int64)).to(device) for t in _kernel.tables())
-        _tables[device] = tables
-    return tables
 
 
 def _block_keys(first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +58,7 @@ def _add_slice(acc: torch.Tensor, words: torch.Tensor, j: torch.Tensor, lowest: 
     keys = _block_keys(first_block, (highest >> _SHIFT) - first_block + 1, device)
     offset = j & (_kernel.BLOCK - 1)
     block = (j >> _SHIFT) - first_block
-    for lane, (table, mix) in enumerate(zip(_key_tables(device), (_kernel.X0, _kernel.X1))):
+    for lane, (table, mix) in enumerate(zip(_kernel.tables_on(device), (_kernel.X0, _kernel.X1))):
         acc[lane] += (keys[lane][block] * ((x ^ mix) * table[offset])).sum()
 
 

@@ -135,6 +135,19 @@ def tables() -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+_device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def tables_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tables()` as int64 tensors on `device` (the device paths' copy, made once per device)."""
+    found = _device_tables.get(device)
+    if found is None:
+        found = _device_tables.setdefault(
+            device, tuple(torch.from_numpy(t.astype(np.int64)).to(device) for t in tables())
+        )
+    return found
+
+
 def block_keys(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Version 2's block keys B_0(b), B_1(b) (odd uint64) of the block numbers `blocks` (uint64)."""
     with np.errstate(over="ignore"):

@@ -32,7 +32,6 @@ MAX_BLOCK = 4096  # words a program reads: at most two lattice blocks' keys per 
 WORD_MASK = {torch.uint8: 0xFF, torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
 _SHIFT = _cpu.BLOCK.bit_length() - 1
 assert 1 << _SHIFT == _cpu.BLOCK
-_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _keys: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -72,14 +71,6 @@ def _lanes_kernel(
     tl.store(out_ptr + 2 * pid + 1, lane1)
 
 
-def _key_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    tables = _tables.get(device)
-    if tables is None:
-        tables = tuple(torch.from_numpy(t.astype(np.int64)).to(device) for t in _cpu.tables())
-        _tables[device] = tables
-    return tables
-
-
 def _block_keys(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """B_0, B_1 (int64 holding the uint64 bits) of blocks 0 .. n - 1 on `device`, n >= blocks."""
     keys = _keys.get(device)
@@ -94,17 +85,15 @@ def _block_keys(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.
 
 def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
     """The lanes of the rows (module doc); `local_off` and `global_off` int64, one entry a row."""
-    if flat.dtype not in WORD_MASK or flat.dim() != 1:
-        raise ValueError(f"lattice (triton): words must be a 1-d {sorted(map(str, WORD_MASK))} tensor")
-    if _cpu.version() != VERSION:
-        raise ValueError(f"lattice (triton) computes version {VERSION}, not {_cpu.version()}")
+    assert flat.dtype in WORD_MASK and flat.dim() == 1, "1-d words of one width (device_lanes checks the input)"
+    assert _cpu.version() == VERSION, "version 2 lanes only (device_lanes checks the version)"
     rows = local_off.numel()
     if rows == 0 or run == 0:
         return 0, 0
     device = flat.device
     block = min(MAX_BLOCK, triton.next_power_of_2(run))
     chunks = triton.cdiv(run, block)
-    t0, t1 = _key_tables(device)
+    t0, t1 = _cpu.tables_on(device)
     b0, b1 = _block_keys(device, ((int(global_off.max()) + run - 1) >> _SHIFT) + 1)
     out = torch.empty(rows * chunks, 2, dtype=torch.int64, device=device)
     options = {} if interpreted(flat) else {"num_warps": 4}
