@@ -222,3 +222,20 @@ def test_control_plain_division_and_sqrt_compile_to_approximations() -> None:
 
     ptx = _compile(plain, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, dict(BLOCK=1024)).asm["ptx"]
     assert re.search(r"\bdiv\.(full|approx)", ptx) and re.search(r"\bsqrt\.approx", ptx)
+
+
+def test_lattice_kernel_compiles_for_sm90_with_wrapping_64_bit_products() -> None:
+    """The audit's device lattice kernel (batch_invariant/gpu/lattice.py), for each word width:
+    two low 64-bit products per word and lane (the lanes are sums modulo 2^64: mul.lo keeps the
+    low 64 bits, as the CPU kernel's uint64 arithmetic does) and no atomics (the programs'
+    partial lanes are added by torch afterwards)."""
+    from titan_audit.batch_invariant.gpu import lattice
+
+    block, warps = lattice.MAX_BLOCK, 4
+    ptrs = {n: "*i64" for n in ("local_ptr", "global_ptr", "t0_ptr", "t1_ptr", "b0_ptr", "b1_ptr", "out_ptr")}
+    for ty, dtype in (("*u8", lattice.torch.uint8), ("*i16", lattice.torch.int16), ("*i32", lattice.torch.int32)):
+        constexprs = dict(MASK=lattice.WORD_MASK[dtype], X0=lattice._cpu.X0, X1=lattice._cpu.X1, SHIFT=12, BLOCK=block)
+        kernel = _compile(lattice._lanes_kernel, {**ptrs, "words_ptr": ty}, constexprs, num_warps=warps)
+        _no_atomics(kernel)
+        products = re.findall(r"\bmul\.lo\.[su]64\b", kernel.asm["ptx"])
+        assert len(products) == 4 * block // (32 * warps), ty
