@@ -5,6 +5,7 @@ scripts/gpu_check.sh (marker `gpu`). Negative controls: one word changed, two el
 and the same words at other global indices give other lanes."""
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -110,6 +111,42 @@ def test_controls_one_word_a_swap_and_another_index_move_the_lanes(dtype, path):
         other = device_lanes.row_lanes(*shards.word_rows(local, where))
         assert other == shards.lanes(local, where)
         assert all(a != b for a, b in zip(other, base))  # both lanes move
+
+
+@pytest.mark.triton
+def test_a_triton_kernel_that_cannot_run_leaves_the_lanes_to_the_torch_ops(monkeypatch):
+    """Where the Triton kernel cannot be compiled or launched (a launch made to raise here, as on
+    a GPU or Triton build it does not support), row_lanes warns once for the device and the torch
+    ops give the lanes, the CPU kernel's; later calls do not try the kernel again. Any other
+    error (a bug of ours) is raised."""
+    pytest.importorskip("triton", reason="triton is not installed (the `test` extra brings it)")
+    from titan_audit.batch_invariant.gpu import lattice as triton_lattice
+
+    calls = []
+
+    def fails(*args):
+        calls.append(args)
+        raise RuntimeError("PTXAS error: Value 'sm_60' is not defined for option 'gpu-name'")
+
+    monkeypatch.setattr(triton_lattice, "row_lanes", fails)
+    monkeypatch.setattr(device_lanes, "_use_triton", lambda words: True)
+    monkeypatch.setattr(device_lanes, "_triton_failed", {})
+    t = _random((3, 5000), torch.float32, 11)
+    piece = Piece.whole(t.shape)
+    with pytest.warns(RuntimeWarning, match="cannot run on cpu .*PTXAS error"):
+        assert device_lanes.row_lanes(*shards.word_rows(t, piece)) == shards.lanes(t, piece)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert device_lanes.row_lanes(*shards.word_rows(t, piece)) == shards.lanes(t, piece)
+    assert len(calls) == 1
+
+    def has_a_bug(*args):
+        raise AssertionError("a bug")
+
+    monkeypatch.setattr(device_lanes, "_triton_failed", {})
+    monkeypatch.setattr(triton_lattice, "row_lanes", has_a_bug)
+    with pytest.raises(AssertionError, match="a bug"):
+        device_lanes.row_lanes(*shards.word_rows(t, piece))
 
 
 def test_refuses_other_versions_and_word_types():

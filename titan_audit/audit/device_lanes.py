@@ -16,7 +16,9 @@ Guarantees:
   integers against the CPU kernel on CPU tensors (every word width, rows in and across blocks,
   word indices past 2^32); on a GPU the same ops run on the device.
 - Both paths give the CPU kernel's integers: tests/audit/test_device_lanes.py runs each on CPU
-  tensors (the Triton kernel in Triton's interpreter) against the CPU kernel.
+  tensors (the Triton kernel in Triton's interpreter) against the CPU kernel. Where the Triton
+  kernel cannot be compiled or launched (a GPU or Triton build it does not support), a warning
+  says so once per device and the torch ops take over there.
 - Memory (torch ops): the rows go in slices of at most SLICE_WORDS words, so the temporaries on the device
   are a few int64 tensors of SLICE_WORDS elements whatever the tensor's size (shards.lanes gives
   a block of whole rows as one row, with no per-element index). The host sends each
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import numpy as np
 import torch
@@ -67,9 +70,35 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+_triton_failed: dict[torch.device, str] = {}  # device -> why the Triton kernel could not run there
+
+
 def _use_triton(words: torch.Tensor) -> bool:
     """Whether `row_lanes` takes the Triton kernel for these words: CUDA words, Triton present."""
     return words.is_cuda and _triton_importable()
+
+
+def _triton_row_lanes(
+    flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor
+) -> tuple[int, int] | None:
+    """The Triton kernel's lanes; None (once per device, with a warning) where it cannot be
+    compiled or launched there: the torch ops then give the same lanes."""
+    from triton.compiler.errors import CompilationError
+
+    from titan_audit.batch_invariant.gpu import lattice as triton_lattice
+
+    try:
+        return triton_lattice.row_lanes(flat, run, local_off, global_off)
+    except (CompilationError, RuntimeError) as error:
+        why = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        _triton_failed[flat.device] = why
+        warnings.warn(
+            f"audit: the Triton lattice kernel cannot run on {flat.device} ({why}); digests there come "
+            "from torch integer ops instead (the same digests, more memory traffic)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
@@ -85,10 +114,10 @@ def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off
     device = words.device
     extent = 1 + int(local_off.max()) + run - 1
     flat = words.as_strided((extent,), (1,))  # the memory the rows lie in, from the first element
-    if _use_triton(flat):
-        from titan_audit.batch_invariant.gpu import lattice as triton_lattice
-
-        return triton_lattice.row_lanes(flat, run, local_off, global_off)
+    if _use_triton(flat) and device not in _triton_failed:
+        lanes = _triton_row_lanes(flat, run, local_off, global_off)
+        if lanes is not None:
+            return lanes
     acc = torch.zeros(2, dtype=torch.int64, device=device)
     if run >= SLICE_WORDS:  # long rows: each in slices of consecutive words
         for r in range(rows):
