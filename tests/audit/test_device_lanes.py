@@ -191,6 +191,25 @@ def test_device_statistics_of_every_dtype_class(monkeypatch):
     assert summary.absmax_sum(torch.tensor([1.0, float("-inf")])) == (float("inf"), float("-inf"))
 
 
+def test_device_statistics_read_half_precision_in_place(monkeypatch):
+    """A float16 piece's device statistics (aminmax and a float64 sum, read as it is) allocate
+    nothing of its size: peak live bytes within the piece + 64 KiB; absmax exact, the sum the
+    float64 one. Control: widening it to float32 first (what float8 needs) exceeds the bound."""
+    from titan_audit.audit import summary
+    from titan_audit.live_bytes import LiveBytes
+
+    monkeypatch.setattr(shards, "hashed_on_device", lambda local: True)
+    t = _random((1 << 20,), torch.float16, 12)
+    with LiveBytes() as tracker:
+        absmax, total = summary.absmax_sum(t)
+    assert tracker.peak["cpu"] <= t.nbytes + (1 << 16)
+    assert absmax == float(t.float().abs().max())
+    assert total == pytest.approx(float(t.double().sum()), rel=1e-12)
+    with LiveBytes() as control:
+        summary.absmax_sum(t.float())
+    assert control.peak["cpu"] > t.nbytes + (1 << 16)
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_lanes_summary_and_fingerprint_are_the_cpu_ones(monkeypatch):
     """On a GPU: a CUDA tensor above C (whole, a column piece, a bfloat16 one) gets the CPU

@@ -193,8 +193,8 @@ def _device_absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
     own order, so a mean's last bits may differ from a CPU run's (it is informational)."""
     if tensor.dtype is torch.bool:
         tensor = tensor.view(torch.uint8)
-    elif tensor.dtype in _WIDEN:
-        tensor = tensor.float()  # exact
+    elif tensor.dtype in _WIDEN and tensor.dtype is not torch.float16:
+        tensor = tensor.float()  # exact; float8 has no aminmax (float16 is read as it is)
     low, high = torch.aminmax(tensor)
     total = tensor.sum(dtype=torch.float64 if tensor.dtype.is_floating_point else torch.int64)
     low, high, total = torch.stack([low.double(), high.double(), total.double()]).tolist()
