@@ -25,7 +25,7 @@ def path(request, monkeypatch) -> str:
 
 
 def _both(local: torch.Tensor, piece: Piece, positions=None) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(the CPU kernel's lanes, the torch-ops lanes) of the same elements."""
+    """(the CPU kernel's lanes, the device path's lanes) of the same elements."""
     return shards.lanes(local, piece, positions), device_lanes.row_lanes(*shards.word_rows(local, piece, positions))
 
 
@@ -94,7 +94,7 @@ def test_word_indices_past_two_to_the_32(path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
 def test_controls_one_word_a_swap_and_another_index_move_the_lanes(dtype, path):
     """Marked `control`, so it also runs under every forced ATen capability and kernel variant
-    (tests/test_controls_under_variants.py): the torch-ops lanes equal the CPU kernel's there too
+    (tests/test_controls_under_variants.py): the device path's lanes equal the CPU kernel's there too
     (ATen's int64 vector code differs by capability), and each constructed difference moves both
     lanes: one bit of one word, two swapped elements, the same words one row later."""
     t = _random((4, 5000), dtype, 5)
