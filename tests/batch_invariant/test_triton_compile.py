@@ -235,7 +235,11 @@ def test_lattice_kernel_compiles_for_sm90_with_wrapping_64_bit_products() -> Non
     ptrs = {n: "*i64" for n in ("local_ptr", "global_ptr", "t0_ptr", "t1_ptr", "b0_ptr", "b1_ptr", "out_ptr")}
     for ty, dtype in (("*u8", lattice.torch.uint8), ("*i16", lattice.torch.int16), ("*i32", lattice.torch.int32)):
         constexprs = dict(
-            MASK=lattice.WORD_MASK[dtype], X0=lattice._cpu.X0, X1=lattice._cpu.X1, SHIFT=lattice._SHIFT, BLOCK=block
+            MASK=lattice._cpu.WORD_MASK[dtype],
+            X0=lattice._cpu.X0,
+            X1=lattice._cpu.X1,
+            SHIFT=lattice._cpu.BLOCK_SHIFT,
+            BLOCK=block,
         )
         kernel = _compile(lattice._lanes_kernel, {**ptrs, "words_ptr": ty}, constexprs, num_warps=warps)
         _no_atomics(kernel)

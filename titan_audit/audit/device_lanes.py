@@ -41,9 +41,6 @@ from titan_audit.batch_invariant.cpu import lattice as _kernel
 
 VERSION = 2
 SLICE_WORDS = 1 << 21
-_SHIFT = _kernel.BLOCK.bit_length() - 1  # j >> _SHIFT is j's block
-assert 1 << _SHIFT == _kernel.BLOCK
-_WORD_MASK = {torch.uint8: 0xFF, torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
 
 
 def _block_keys(first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,11 +53,11 @@ def _add_slice(acc: torch.Tensor, words: torch.Tensor, j: torch.Tensor, lowest: 
     """acc[L] += the lane-L terms of `words` (1-d, one word dtype) at global word indices `j`
     (1-d int64, every value in [lowest, highest])."""
     device = words.device
-    x = words.to(torch.int64) & _WORD_MASK[words.dtype]
-    first_block = lowest >> _SHIFT
-    keys = _block_keys(first_block, (highest >> _SHIFT) - first_block + 1, device)
+    x = words.to(torch.int64) & _kernel.WORD_MASK[words.dtype]
+    first_block = lowest >> _kernel.BLOCK_SHIFT
+    keys = _block_keys(first_block, (highest >> _kernel.BLOCK_SHIFT) - first_block + 1, device)
     offset = j & (_kernel.BLOCK - 1)
-    block = (j >> _SHIFT) - first_block
+    block = (j >> _kernel.BLOCK_SHIFT) - first_block
     for lane, (table, mix) in enumerate(zip(_kernel.tables_on(device), (_kernel.X0, _kernel.X1))):
         acc[lane] += (keys[lane][block] * ((x ^ mix) * table[offset])).sum()
 
@@ -104,8 +101,8 @@ def _triton_row_lanes(
 def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
     """The lanes of the rows of `words` (module doc): `local_off` and `global_off` are int64 CPU
     tensors of one entry per row, `words` a word-dtype view (uint8, int16 or int32) on any device."""
-    if words.dtype not in _WORD_MASK:
-        raise ValueError(f"device lanes: words must be one of {sorted(map(str, _WORD_MASK))}, got {words.dtype}")
+    if words.dtype not in _kernel.WORD_MASK:
+        raise ValueError(f"device lanes: words must be one of {sorted(map(str, _kernel.WORD_MASK))}, got {words.dtype}")
     if _kernel.version() != VERSION:
         raise ValueError(f"device lanes compute lattice version {VERSION}, not {_kernel.version()}")
     rows = local_off.numel()

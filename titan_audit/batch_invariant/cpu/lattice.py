@@ -34,6 +34,10 @@ VERSION = 2
 K0, K1, KH = 0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D1
 KT0, KT1, X0, X1 = 0x082EFA98EC4E6C89, 0x452821E638D01377, 0xBE5466CF, 0x34E90C6C
 BLOCK = 4096
+BLOCK_SHIFT = BLOCK.bit_length() - 1  # j >> BLOCK_SHIFT is word j's block
+assert 1 << BLOCK_SHIFT == BLOCK
+# The word dtypes the device paths read (a word zero-extended: its value & the mask).
+WORD_MASK = {torch.uint8: 0xFF, torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
 MASK = (1 << 64) - 1
 
 _version = VERSION

@@ -29,9 +29,6 @@ from titan_audit.batch_invariant.gpu._runtime import interpreted, jit
 
 VERSION = 2
 MAX_BLOCK = 4096  # words a program reads: at most two lattice blocks' keys per program
-WORD_MASK = {torch.uint8: 0xFF, torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
-_SHIFT = _cpu.BLOCK.bit_length() - 1
-assert 1 << _SHIFT == _cpu.BLOCK
 _keys: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -85,7 +82,7 @@ def _block_keys(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.
 
 def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
     """The lanes of the rows (module doc); `local_off` and `global_off` int64, one entry a row."""
-    assert flat.dtype in WORD_MASK and flat.dim() == 1, "1-d words of one width (device_lanes checks the input)"
+    assert flat.dtype in _cpu.WORD_MASK and flat.dim() == 1, "1-d words of one width (device_lanes checks the input)"
     assert _cpu.version() == VERSION, "version 2 lanes only (device_lanes checks the version)"
     rows = local_off.numel()
     if rows == 0 or run == 0:
@@ -94,7 +91,7 @@ def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off:
     block = min(MAX_BLOCK, triton.next_power_of_2(run))
     chunks = triton.cdiv(run, block)
     t0, t1 = _cpu.tables_on(device)
-    b0, b1 = _block_keys(device, ((int(global_off.max()) + run - 1) >> _SHIFT) + 1)
+    b0, b1 = _block_keys(device, ((int(global_off.max()) + run - 1) >> _cpu.BLOCK_SHIFT) + 1)
     out = torch.empty(rows * chunks, 2, dtype=torch.int64, device=device)
     options = {} if interpreted(flat) else {"num_warps": 4}
     _lanes_kernel[(rows * chunks,)](
@@ -108,10 +105,10 @@ def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off:
         b0,
         b1,
         out,
-        MASK=WORD_MASK[flat.dtype],
+        MASK=_cpu.WORD_MASK[flat.dtype],
         X0=_cpu.X0,
         X1=_cpu.X1,
-        SHIFT=_SHIFT,
+        SHIFT=_cpu.BLOCK_SHIFT,
         BLOCK=block,
         **options,
     )
