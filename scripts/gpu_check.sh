@@ -30,6 +30,7 @@ WHEELS=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 p
     sortedcontainers==2.4.0 attrs==26.1.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1)
 MODULES=(torch triton numpy pyarrow matplotlib zarr xxhash click safetensors rich tqdm pytest hypothesis yaml)
 GPU_TESTS=(tests/batch_invariant/test_gpu_ops.py tests/batch_invariant/test_gpu_embedding.py tests/audit/test_device_lanes.py
+    tests/audit/test_later_records.py
     tests/batch_invariant/test_triton_pointwise.py tests/models/test_triton_model.py)
 DEVICE_TESTS=(tests/trainer/test_device_key.py)  # G1 / G5 / G4 runs on cuda through the CLI, with controls
 INTERPRETER_TESTS=(tests/batch_invariant/test_triton_mode.py tests/batch_invariant/test_mode.py)

@@ -128,7 +128,7 @@ def test_a_triton_kernel_that_cannot_run_leaves_the_lanes_to_the_torch_ops(monke
         calls.append(args)
         raise RuntimeError("PTXAS error: Value 'sm_60' is not defined for option 'gpu-name'")
 
-    monkeypatch.setattr(triton_lattice, "row_lanes", fails)
+    monkeypatch.setattr(triton_lattice, "lanes_on_device", fails)
     monkeypatch.setattr(device_lanes, "_use_triton", lambda words: True)
     monkeypatch.setattr(device_lanes, "_triton_failed", {})
     t = _random((3, 5000), torch.float32, 11)
@@ -144,7 +144,7 @@ def test_a_triton_kernel_that_cannot_run_leaves_the_lanes_to_the_torch_ops(monke
         raise AssertionError("a bug")
 
     monkeypatch.setattr(device_lanes, "_triton_failed", {})
-    monkeypatch.setattr(triton_lattice, "row_lanes", has_a_bug)
+    monkeypatch.setattr(triton_lattice, "lanes_on_device", has_a_bug)
     with pytest.raises(AssertionError, match="a bug"):
         device_lanes.row_lanes(*shards.word_rows(t, piece))
 

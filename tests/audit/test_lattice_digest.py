@@ -120,19 +120,19 @@ def test_pieces_of_any_layout_add_up_to_the_whole(dtype):
         for rows, cols in blocks:
             index = (torch.arange(11)[rows], torch.arange(13)[cols], torch.arange(6))
             parts.append(shards.lanes(t[rows, cols], layout.Piece(tuple(t.shape), index)))
-        assert shards.add_lanes(parts) == whole, what
+        assert lattice.add_lanes(parts) == whole, what
     # strided index sets (a _StridedShard's): even and odd rows, each a non-contiguous view
     even, odd = torch.arange(0, 11, 2), torch.arange(1, 11, 2)
     parts = [
         shards.lanes(t[i], layout.Piece(tuple(t.shape), (i, torch.arange(13), torch.arange(6)))) for i in (even, odd)
     ]
-    assert shards.add_lanes(parts) == whole
+    assert lattice.add_lanes(parts) == whole
     # positions: the elements of a piece inside another piece
     full = layout.Piece.whole(t.shape)
     top = layout.Piece(tuple(t.shape), (torch.arange(4), torch.arange(13), torch.arange(6)))
     rest = layout.Piece(tuple(t.shape), (torch.arange(4, 11), torch.arange(13), torch.arange(6)))
     pieces = [shards.lanes(t, full, full.positions_in(p)) for p in (top, rest)]
-    assert shards.add_lanes(pieces) == whole
+    assert lattice.add_lanes(pieces) == whole
 
 
 def test_strided_and_transposed_views_hash_as_their_logical_tensor():
@@ -199,7 +199,7 @@ def test_a_replicated_tensor_share_is_hashed_without_a_per_element_index():
                 if share is not None:
                     got.append(shards.share_lanes(*share))
                     assert got[-1] == shards.lanes(*expected), (tuple(t.shape), part, parts)
-            assert shards.add_lanes(got) == shards.whole_lanes(t), (tuple(t.shape), parts)
+            assert lattice.add_lanes(got) == shards.whole_lanes(t), (tuple(t.shape), parts)
     flat = torch.randn(1 << 20)
     with LiveBytes() as tracker:
         shards.share_lanes(*shards.replicated_share(flat, 0, 2))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from titan_audit.audit import pieces, shards
 from titan_audit.audit.fingerprint import fingerprint, lattice_digest, whole_hash_bytes
+from titan_audit.batch_invariant.cpu import lattice
 
 
 def _distributed() -> bool:
@@ -79,7 +80,7 @@ def _hex(lanes: tuple[int, int]) -> str:
 
 
 def _unsigned_pair(row: torch.Tensor) -> tuple[int, int]:
-    return shards.to_unsigned(int(row[0])), shards.to_unsigned(int(row[1]))
+    return int(row[0]) & lattice.MASK, int(row[1]) & lattice.MASK
 
 
 def _unhex(text: str) -> tuple[int, int]:
@@ -101,7 +102,7 @@ def digests_by_piece(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any
         rows = []
         for i in members:
             picked = held[i].share()
-            rows.append([shards.to_signed(v) for v in (shards.lanes(*picked) if picked else (0, 0))])
+            rows.append([lattice.to_signed(v) for v in (shards.lanes(*picked) if picked else (0, 0))])
         gathered = shards.gather(torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), held[members[0]].group, ranks, 0)
         if gathered is None:
             continue
@@ -115,10 +116,10 @@ def digests_by_piece(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any
                     runs = runs_of[id(piece)] = piece.runs()
                 entry = by_key.setdefault(repr(runs), {"index": runs, "lanes": (0, 0), "ranks": []})
                 share = _unsigned_pair(gathered[j][k])
-                entry["lanes"] = shards.add_lanes([entry["lanes"], share])
+                entry["lanes"] = lattice.add_lanes([entry["lanes"], share])
                 entry["ranks"].append(rank)
             name = named[i][0]
-            totals[name] = shards.add_lanes([e["lanes"] for e in by_key.values()])
+            totals[name] = lattice.add_lanes([e["lanes"] for e in by_key.values()])
             pieces[name] = [{**e, "lanes": _hex(e["lanes"])} for e in by_key.values()]
     digests = _fingerprints(named, held, totals, me)
     if me != 0:
@@ -196,7 +197,7 @@ def _piece_rows(h: _Held, stored: list[pieces.Piece]) -> list[list[int]]:
         positions = mine.positions_in(piece)
         count = math.prod(len(p) for p in positions)
         a, b = shards.lanes(local, mine, positions) if count else (0, 0)
-        rows.append([shards.to_signed(a), shards.to_signed(b), count])
+        rows.append([lattice.to_signed(a), lattice.to_signed(b), count])
     return rows
 
 
@@ -220,7 +221,7 @@ def _piece_checks(
             for piece, entry in zip(stored[i], expected[i]):
                 parts = [g[at] for g in gathered]
                 at += 1
-                lanes = shards.add_lanes([_unsigned_pair(p) for p in parts])
+                lanes = lattice.add_lanes([_unsigned_pair(p) for p in parts])
                 total.append(lanes)
                 count = sum(int(p[2]) for p in parts)
                 if lanes != _unhex(entry["lanes"]) or count != piece.numel:
@@ -232,7 +233,7 @@ def _piece_checks(
                     )
             t = h.tensor
             if t.numel() * t.element_size() > limit and not out[i]:
-                if lattice_digest(t.dtype, tuple(t.shape), shards.add_lanes(total)) != digests[name]:
+                if lattice_digest(t.dtype, tuple(t.shape), lattice.add_lanes(total)) != digests[name]:
                     out[i].append(f"{name}: its pieces do not add up to its digest")
     return out
 

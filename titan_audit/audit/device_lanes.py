@@ -19,11 +19,15 @@ Guarantees:
   tensors (the Triton kernel in Triton's interpreter) against the CPU kernel. Where the Triton
   kernel cannot be compiled or launched (a GPU or Triton build it does not support), a warning
   says so once per device and the torch ops take over there.
+- `lanes_on_device(...)` leaves the two sums on the device (int64 [2], before the mask) for a
+  caller that reads many records' lanes in one copy (audit/summary.py `summarize_later`); what
+  the host sends (row offsets, block keys) goes through pinned memory without blocking, so
+  neither path waits for the device.
 - Memory (torch ops): the rows go in slices of at most SLICE_WORDS words, so the temporaries on the device
   are a few int64 tensors of SLICE_WORDS elements whatever the tensor's size (shards.lanes gives
   a block of whole rows as one row, with no per-element index). The host sends each
-  slice its block keys (8 bytes per block of 4096 words, per lane) and reads back the two lanes
-  once per call.
+  slice its block keys (8 bytes per block of 4096 words, per lane); `row_lanes` reads back the
+  two lanes once per call.
 - Only the current version (2) is computed here; a caller checking version-1 lanes copies the
   piece to the host (shards.lanes).
 """
@@ -46,7 +50,7 @@ SLICE_WORDS = 1 << 21
 def _block_keys(first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """B_0, B_1 of blocks first .. first + count - 1, as int64 (the uint64 bits) on `device`."""
     keys = _kernel.block_keys(np.arange(first, first + count, dtype=np.uint64))
-    return tuple(torch.from_numpy(k.view(np.int64)).to(device) for k in keys)
+    return tuple(_kernel.sent_to(torch.from_numpy(k.view(np.int64)), device) for k in keys)
 
 
 def _add_slice(acc: torch.Tensor, words: torch.Tensor, j: torch.Tensor, lowest: int, highest: int) -> None:
@@ -77,7 +81,7 @@ def _use_triton(words: torch.Tensor) -> bool:
 
 def _triton_row_lanes(
     flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor
-) -> tuple[int, int] | None:
+) -> torch.Tensor | None:
     """The Triton kernel's lanes; None (once per device, with a warning) where it cannot be
     compiled or launched there: the torch ops then give the same lanes."""
     from triton.compiler.errors import CompilationError
@@ -85,7 +89,7 @@ def _triton_row_lanes(
     from titan_audit.batch_invariant.gpu import lattice as triton_lattice
 
     try:
-        return triton_lattice.row_lanes(flat, run, local_off, global_off)
+        return triton_lattice.lanes_on_device(flat, run, local_off, global_off)
     except (CompilationError, RuntimeError) as error:
         why = " ".join(f"{type(error).__name__}: {error}".split())[:300]
         _triton_failed[flat.device] = why
@@ -101,14 +105,20 @@ def _triton_row_lanes(
 def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
     """The lanes of the rows of `words` (module doc): `local_off` and `global_off` are int64 CPU
     tensors of one entry per row, `words` a word-dtype view (uint8, int16 or int32) on any device."""
+    a, b = lanes_on_device(words, run, local_off, global_off).tolist()
+    return a & _kernel.MASK, b & _kernel.MASK
+
+
+def lanes_on_device(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> torch.Tensor:
+    """row_lanes' two sums as int64 [2] on words' device, not read (module doc)."""
     if words.dtype not in _kernel.WORD_MASK:
         raise ValueError(f"device lanes: words must be one of {sorted(map(str, _kernel.WORD_MASK))}, got {words.dtype}")
     if _kernel.version() != VERSION:
         raise ValueError(f"device lanes compute lattice version {VERSION}, not {_kernel.version()}")
     rows = local_off.numel()
-    if rows == 0 or run == 0:
-        return 0, 0
     device = words.device
+    if rows == 0 or run == 0:
+        return torch.zeros(2, dtype=torch.int64, device=device)
     extent = 1 + int(local_off.max()) + run - 1
     flat = words.as_strided((extent,), (1,))  # the memory the rows lie in, from the first element
     if _use_triton(flat) and device not in _triton_failed:
@@ -128,8 +138,7 @@ def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off
         columns = torch.arange(run, dtype=torch.int64, device=device)
         for r in range(0, rows, per):
             lo, go = local_off[r : r + per], global_off[r : r + per]
-            index = (lo.to(device)[:, None] + columns).reshape(-1)
-            j = (go.to(device)[:, None] + columns).reshape(-1)
+            index = (_kernel.sent_to(lo, device)[:, None] + columns).reshape(-1)
+            j = (_kernel.sent_to(go, device)[:, None] + columns).reshape(-1)
             _add_slice(acc, flat[index], j, int(go.min()), int(go.max()) + run - 1)
-    a, b = acc.tolist()
-    return a & _kernel.MASK, b & _kernel.MASK
+    return acc

@@ -56,12 +56,13 @@ Guarantees:
 - `absmax`/`mean` (informational, never compared) for the phases in `stats` (default: all but
   grad, optim, param and ckpt, where the statistics kernel would add a pass over the model's
   memory each step; `stats=True` for all); elsewhere null.
+- On a GPU a plain tensor's record does not wait for the device: its summary is queued there
+  (summary.summarize_later) and read with the others at end_step, flush or LATER_RECORDS.
 - Cost: a few microseconds of Python per record. A call that records many tensors hashes its
   plain CPU tensors of at most C bytes (no statistics) in one kernel call on every intra-op
-  thread (summary.summarize_batch; the same rows, order and `seq`); record_grads, record_params
-  and record_optimizer, when all their tensors are such and this rank writes them, make their
-  rows in one list with no call per record. A hook record of a tensor recorded in the same
-  (step, microbatch), its version counter unchanged, reuses that summary. `counters`
+  thread (summary.summarize_batch; the same rows, order and `seq`), with no call per record
+  when this rank writes them all. A hook record of a tensor recorded in the same (step,
+  microbatch), its version counter unchanged, reuses that summary. `counters`
   (audit.shards.DigestCounters) counts the bytes this rank hashed and received.
 """
 
@@ -86,13 +87,17 @@ from titan_audit.audit.pieces import is_dtensor
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
 from titan_audit.audit.shards import DigestCounters, rank_and_world
 from titan_audit.audit.summary import (
+    Later,
     Summary,
     batch_digests,
     batch_meta,
     batch_metas,
+    read_back,
     summarize,
     summarize_batch,
+    summarize_later,
     summarize_sharded,
+    summarized_later,
 )
 
 LEVELS = ("off", "params", "full")
@@ -106,6 +111,7 @@ DEFAULT_STATS_PHASES = ("rollout", "data", "forward", "logprob", "loss", "backwa
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _RECENT_SUMMARIES = 8  # hook records whose summary a second record of the same tensor can reuse
+LATER_RECORDS = 1024  # device records queued at most before they are read back (pinned copies of <= C each)
 # A record is one tuple: step, phase, microbatch, name, the Summary's fields, rank, seq.
 assert SCHEMA.names[4:9] == list(Summary._fields), "Summary's fields must be SCHEMA's columns 4-8"
 
@@ -153,7 +159,7 @@ class Recorder(ModuleHooks):
         self.step: int | None = None
         self.microbatch = STEP_LEVEL
         self._paused = False
-        self._recent: dict[tuple[int, bool], tuple[weakref.ref, int, Summary]] = {}  # (id, with_stats)
+        self._recent: dict[tuple[int, bool], tuple[weakref.ref, int, Summary | Later]] = {}  # (id, with_stats)
         self._rows: list[tuple] = []  # one tuple per record, in SCHEMA's column order
         # DTensor (and split replicated) records of the current batch (slot in _rows or None, the
         # row's fields, the item for summarize_sharded), summarised together when the batch ends
@@ -161,6 +167,7 @@ class Recorder(ModuleHooks):
         # plain records of the current batch that summary.summarize_batch takes (slot in _rows,
         # the row's fields, the tensor, its batch_meta), hashed together when the batch ends
         self._deferred: list[tuple[int, tuple, torch.Tensor, Any]] | None = None
+        self._later: list[tuple[int, tuple, Later]] = []  # device records not read yet: slot, fields, Later
         self.counters = DigestCounters()  # bytes this rank hashed and received for its records
         self._seq: dict[int, int] = {}
         self._calls: dict[tuple[int, str], int] = {}
@@ -198,6 +205,7 @@ class Recorder(ModuleHooks):
         """End the step; every `flush_every_steps` steps the buffered records go to a part
         written in the background (audit.log's `submit`; `flush` waits for it)."""
         self._steps_since_flush += 1
+        self._read_later()
         if self._steps_since_flush >= self.flush_every_steps:
             self._steps_since_flush = 0
             if self._writer is not None and self._rows:
@@ -210,6 +218,7 @@ class Recorder(ModuleHooks):
         self._steps_since_flush = 0
         if self._writer is None:
             return None
+        self._read_later()
         self._writer.wait()
         if not self._rows:
             return None
@@ -353,8 +362,12 @@ class Recorder(ModuleHooks):
             self._rows.append(None)
         else:
             summary = self._summarize(phase, tensor)
-            # SCHEMA's order: step, phase, microbatch, name, dtype, shape, hash, absmax, mean, rank, seq
-            self._rows.append((step, phase, microbatch, name, *summary, self.rank, seq))
+            if type(summary) is not Later:  # SCHEMA's order: step, phase, microbatch, name, dtype, shape, hash, ...
+                self._rows.append((step, phase, microbatch, name, *summary, self.rank, seq))
+            else:  # its row when it is read back
+                self._later.append((len(self._rows), (step, phase, microbatch, name, seq), summary))
+                self._rows.append(None)
+                self._read_later(LATER_RECORDS)
         if self._dump_wanted(name, step):
             self._dump(step, phase, microbatch, name, tensor)
 
@@ -421,6 +434,7 @@ class Recorder(ModuleHooks):
             self._pending = None
             deferred, self._deferred = self._deferred, None
             self._summarize_deferred(deferred)
+            self._read_later()
             self._rows = [row for row in self._rows if row is not None]
             raise
         pending, self._pending = self._pending, None
@@ -439,6 +453,13 @@ class Recorder(ModuleHooks):
         for (slot, (step, phase, microbatch, name, seq), _, meta), summary in zip(deferred, summaries):
             self._rows[slot] = (step, phase, microbatch, name, *summary, self.rank, seq)
             self.counters.hashed_bytes += meta.nbytes
+
+    def _read_later(self, waiting: int = 1) -> None:
+        """Fill the rows of the device records queued so far, when `waiting` are (one read per device)."""
+        if len(self._later) >= waiting:
+            later, self._later = self._later, []
+            for (slot, (step, phase, mb, name, seq), _), summary in zip(later, read_back([i[2] for i in later])):
+                self._rows[slot] = (step, phase, mb, name, *summary, self.rank, seq)
 
     def _summarize_pending(self, pending: list[tuple[int | None, tuple, tuple]]) -> None:
         if not pending:
@@ -460,7 +481,7 @@ class Recorder(ModuleHooks):
             self._dumps = DumpWriter(self.run_dir)
         self._dumps.write(step, phase, microbatch, name, tensor)
 
-    def _summarize(self, phase: str, tensor: torch.Tensor) -> Summary:
+    def _summarize(self, phase: str, tensor: torch.Tensor) -> Summary | Later:
         """The record's Summary. Inside one forward or backward pass the hooks often meet one
         tensor object twice (a model returning its head's output; one gradient reaching a
         residual branch and the block's output). While the object is alive and its version
@@ -471,18 +492,20 @@ class Recorder(ModuleHooks):
         # `.data`, which bumps no counter), an inference tensor (it keeps no version counter).
         # DTensors do not come here (_record_shared).
         if phase not in _HOOK_PHASES or type(tensor) not in _PLAIN_TYPES or tensor.is_inference():
-            summary = summarize(tensor, with_stats=with_stats)
-            self.counters.hashed_bytes += tensor.nbytes
-            return summary
+            return self._summary_of(tensor, with_stats)
         key = (id(tensor), with_stats)
         seen = self._recent.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             return seen[2]
-        summary = summarize(tensor, with_stats=with_stats)
-        self.counters.hashed_bytes += tensor.nbytes
+        summary = self._summary_of(tensor, with_stats)
         if len(self._recent) >= _RECENT_SUMMARIES:
             del self._recent[next(iter(self._recent))]  # the oldest
         self._recent[key] = (weakref.ref(tensor), tensor._version, summary)
+        return summary
+
+    def _summary_of(self, tensor: torch.Tensor, with_stats: bool) -> Summary | Later:
+        summary = (summarize_later if summarized_later(tensor) else summarize)(tensor, with_stats=with_stats)
+        self.counters.hashed_bytes += tensor.nbytes  # after it: what cannot be hashed counts nothing
         return summary
 
 

@@ -153,6 +153,14 @@ def whole_lanes(tensor: torch.Tensor, threads: int | None = None) -> tuple[int, 
     return lanes(tensor, Piece.whole(tensor.shape), threads=threads)
 
 
+def whole_lanes_on_device(tensor: torch.Tensor) -> torch.Tensor:
+    """whole_lanes of a tensor on its device (hashed_on_device, lattice version device_lanes
+    computes), left there: int64 [2] before the mask, for a caller that reads many at once."""
+    if tensor.numel() and _plain_row_major(tensor):
+        return _device_block(tensor, 0)
+    return device_lanes.lanes_on_device(*word_rows(tensor, Piece.whole(tensor.shape)))
+
+
 def share_lanes(local: torch.Tensor, where: Piece | int) -> tuple[int, int]:
     """The lanes of a share as `replicated_share` gives it: `lanes(local, where)` for a piece,
     else those of contiguous `local`'s elements from global element index `where` on."""
@@ -174,13 +182,17 @@ def _block_lanes(local: torch.Tensor, on_device: bool, first: int, threads: int 
     """The lanes of a contiguous `local` whose elements are the logical tensor's consecutive
     elements from global index `first` on: one run of words, no tables, no per-element index."""
     if on_device:
-        words = _flat_words(local)
-        q = words.numel() // local.numel()
-        start = torch.tensor([first * q], dtype=torch.int64)
-        return device_lanes.row_lanes(words, words.numel(), torch.zeros(1, dtype=torch.int64), start)
+        a, b = _device_block(local, first).tolist()
+        return a & _kernel.MASK, b & _kernel.MASK
     out = _kernel.new_lanes()
     flat_lanes(out, local, 0, local.numel(), threads or torch.get_num_threads(), first=first)
     return out[0], out[1]
+
+
+def _device_block(local: torch.Tensor, first: int) -> torch.Tensor:
+    words = _flat_words(local)
+    start = torch.tensor([first * (words.numel() // local.numel())], dtype=torch.int64)
+    return device_lanes.lanes_on_device(words, words.numel(), torch.zeros(1, dtype=torch.int64), start)
 
 
 def word_rows(
@@ -196,20 +208,6 @@ def word_rows(
     given = tuple(positions) if local.dim() else (torch.zeros(1, dtype=torch.int64),)
     positions = (*given, *(torch.arange(len(i)) for i in wpiece.index[dims:]))
     return words, *row_tables(words.stride(), wpiece, positions)
-
-
-def add_lanes(values: Sequence[tuple[int, int]]) -> tuple[int, int]:
-    """Lanes of disjoint pieces -> lanes of their union (addition modulo 2^64)."""
-    return sum(v[0] for v in values) & _kernel.MASK, sum(v[1] for v in values) & _kernel.MASK
-
-
-def to_signed(value: int) -> int:
-    """A uint64 as the int64 with its bits (what an int64 tensor can carry)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def to_unsigned(value: int) -> int:
-    return value & _kernel.MASK
 
 
 # ------------------------------------------------------------------ collectives
@@ -337,13 +335,13 @@ def _stats_row(tensor: torch.Tensor, with_stats: bool, partial_stats) -> list:
     if with_stats:
         absmax, total = partial_stats(picked[0])
     bits = torch.tensor([absmax, total], dtype=_F64).view(torch.int64).tolist()
-    return [to_signed(a), to_signed(b), *bits, picked[0].numel()]
+    return [_kernel.to_signed(a), _kernel.to_signed(b), *bits, picked[0].numel()]
 
 
 def _combine_large(rows: list[torch.Tensor], k: int, with_stats: bool) -> Combined:
     """Rank rows (group order) of large tensor k -> lanes, and absmax / sum in rank order."""
     mine = [r[k] for r in rows if int(r[k, 4]) > 0]
-    lane_pair = add_lanes([(to_unsigned(int(r[0])), to_unsigned(int(r[1]))) for r in mine])
+    lane_pair = _kernel.add_lanes([(int(r[0]), int(r[1])) for r in mine])
     if not with_stats:
         return Combined(lanes=lane_pair)
     stats = [r[2:4].view(_F64).tolist() for r in mine]

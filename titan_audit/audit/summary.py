@@ -29,6 +29,12 @@ Guarantees:
 - A tensor on a GPU (or a rank's GPU piece) above C is hashed and summarised on its device
   (audit/device_lanes.py: the same hash; absmax exact, the sum torch's float64 sum there, so a
   mean's last bits may differ from a CPU run's); one of at most C is copied to the CPU once.
+- `summarize_later` / `read_back`: the same summaries of plain GPU tensors without waiting for
+  the GPU per record. summarize_later queues the work on the device's current stream at once
+  (above C the lanes and statistics stay there as 40 bytes; at most C the bytes are copied to
+  pinned host memory without blocking), so what is done to the tensor afterwards (an in-place
+  op, its memory freed and reused), queued after it, cannot change the record; read_back of
+  many waits once per device and copies their values in one transfer.
 - Per-(dtype, shape) text (dtype name, shape, hash header) is cached, so a record of a small
   tensor costs a few microseconds of Python.
 - `summarize_many` / `summarize_batch`: the summaries without statistics of many tensors, the
@@ -48,8 +54,9 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-from titan_audit.audit import pieces, shards
+from titan_audit.audit import device_lanes, pieces, shards
 from titan_audit.audit.fingerprint import _header, fingerprint, lattice_digest, whole_hash_bytes
+from titan_audit.batch_invariant.cpu import lattice as _lattice
 from titan_audit.batch_invariant.cpu import stats as _stats
 from titan_audit.batch_invariant.cpu.digest import xxh3_128_many, xxh3_128_stats
 
@@ -191,13 +198,21 @@ def _device_absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
     """absmax_sum of a tensor on another device (a GPU rank's piece), computed there: absmax
     exact; the sum is torch's (float64 for floating types, int64 for integers) in the device's
     own order, so a mean's last bits may differ from a CPU run's (it is informational)."""
+    return _absmax_total(*_device_stats(tensor).tolist())
+
+
+def _device_stats(tensor: torch.Tensor) -> torch.Tensor:
+    """min, max and sum of a non-empty real tensor as float64 [3] on its device (not read)."""
     if tensor.dtype is torch.bool:
         tensor = tensor.view(torch.uint8)
     elif tensor.dtype in _WIDEN and tensor.dtype is not torch.float16:
         tensor = tensor.float()  # exact; float8 has no aminmax (float16 is read as it is)
     low, high = torch.aminmax(tensor)
     total = tensor.sum(dtype=torch.float64 if tensor.dtype.is_floating_point else torch.int64)
-    low, high, total = torch.stack([low.double(), high.double(), total.double()]).tolist()
+    return torch.stack([low.double(), high.double(), total.double()])
+
+
+def _absmax_total(low: float, high: float, total: float) -> tuple[float, float]:
     if math.isnan(low) or math.isnan(high):
         return math.nan, total
     return max(abs(low), abs(high)), total
@@ -278,6 +293,70 @@ def summarize(tensor: torch.Tensor, *, with_stats: bool = True) -> Summary:
     digest = fingerprint(plain)  # raises for what cannot be fingerprinted (sparse, quantized, meta)
     absmax, mean = stats(plain) if with_stats else (None, None)
     return Summary(dtype_name(plain.dtype), shape_text(plain.shape), digest, absmax, mean)
+
+
+class Later(NamedTuple):
+    """A summary queued on a device by `summarize_later`; `read_back` gives the Summary."""
+
+    device: torch.device
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    with_stats: bool
+    values: torch.Tensor | None  # above C, on the device: int64 lanes [2], then min, max, sum's float64 bits
+    host: torch.Tensor | None  # at most C: the copy on the host, complete once the device is synchronised
+
+
+def summarized_later(tensor: torch.Tensor) -> bool:
+    """Whether `summarize_later` takes `tensor`: a plain tensor on a device (not the CPU) whose
+    lattice lanes device_lanes computes."""
+    return _on_device(tensor) and _lattice.version() == device_lanes.VERSION
+
+
+def summarize_later(tensor: torch.Tensor, *, with_stats: bool) -> Later:
+    """summarize() of a tensor `summarized_later` takes, queued on its device's current stream
+    now and read by `read_back` (module doc): nothing here waits for the device."""
+    tensor = tensor.detach()
+    values = host = None
+    if tensor.nbytes > whole_hash_bytes():
+        parts = [shards.whole_lanes_on_device(tensor)]
+        if with_stats and not tensor.is_complex():
+            parts.append(_device_stats(tensor).view(torch.int64))
+        values = torch.cat(parts)
+    elif tensor.is_cpu:  # a CPU tensor routed here (tests): a copy taken now
+        host = tensor.clone()
+    else:  # pinned, not blocking: complete once the device is synchronised
+        host = tensor.to("cpu", non_blocking=True)
+    return Later(tensor.device, tensor.dtype, tuple(tensor.shape), with_stats, values, host)
+
+
+def read_back(items: Sequence[Later]) -> list[Summary]:
+    """The Summaries of `summarize_later`'s results, in order (the same as summarize()'s of the
+    tensors as they were): per device one synchronisation and one copy of all the values."""
+    read: dict[int, torch.Tensor] = {}
+    for device in dict.fromkeys(item.device for item in items):
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)  # every pinned copy is complete
+        mine = [item for item in items if item.device == device and item.values is not None]
+        if mine:
+            flat = torch.cat([item.values for item in mine]).cpu()
+            for item, values in zip(mine, flat.split([item.values.numel() for item in mine])):
+                read[id(item)] = values
+    out = []
+    for item in items:
+        if item.host is not None:
+            out.append(summarize(item.host, with_stats=item.with_stats))
+            continue
+        values = read[id(item)]
+        absmax = mean = None
+        if item.with_stats:
+            absmax, total = (
+                _absmax_total(*values[2:].view(torch.float64).tolist()) if len(values) > 2 else (math.nan,) * 2
+            )
+            mean = total / math.prod(item.shape)
+        lanes = (int(values[0]) & _lattice.MASK, int(values[1]) & _lattice.MASK)
+        digest = lattice_digest(item.dtype, item.shape, lanes)
+        out.append(Summary(dtype_name(item.dtype), shape_text(item.shape), digest, absmax, mean))
+    return out
 
 
 def batch_meta(tensor: torch.Tensor) -> _Meta | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -150,6 +150,26 @@ def tables_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             device, tuple(torch.from_numpy(t.astype(np.int64)).to(device) for t in tables())
         )
     return found
+
+
+def add_lanes(values: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Lanes of disjoint pieces -> lanes of their union (addition modulo 2^64; each value may be
+    a lane's uint64 or the int64 with its bits)."""
+    return sum(v[0] for v in values) & MASK, sum(v[1] for v in values) & MASK
+
+
+def to_signed(value: int) -> int:
+    """A uint64 as the int64 with its bits (what an int64 tensor can carry)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def sent_to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device: through pinned memory, a
+    copy that does not block (a copy from pageable memory may wait for the stream). On the CPU
+    the tensor itself."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def block_keys(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

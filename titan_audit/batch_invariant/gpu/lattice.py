@@ -10,11 +10,15 @@ modulo 2^64 (two's complement): the bits of the unsigned lane terms. The program
 added by torch's int64 sum. Integer addition modulo 2^64 does not depend on order, so the lanes
 do not depend on BLOCK, the grid or the reduction tree.
 
+`lanes_on_device(...)` is the same sum left on the device (int64 [2], the lanes' bits before the
+mask), so that a caller reads many records' lanes in one copy; it waits for nothing on the host
+(the row offsets go through pinned memory without blocking) once the block keys it needs exist.
+
 Memory on the device besides the words: 16 bytes per program of partial lanes (one program per
 BLOCK <= 4096 words of a row), the key tables T_L (64 KiB) and the block keys B_L of blocks
 0 .. the highest block a call reaches (16 bytes per 4096 words), made once on the host and kept
 per device, grown when a call needs more. The host sends the row offsets (16 bytes a row) and
-reads back two integers.
+reads back two integers (`row_lanes`).
 """
 
 from __future__ import annotations
@@ -82,12 +86,18 @@ def _block_keys(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.
 
 def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
     """The lanes of the rows (module doc); `local_off` and `global_off` int64, one entry a row."""
+    a, b = lanes_on_device(flat, run, local_off, global_off).tolist()
+    return a & _cpu.MASK, b & _cpu.MASK
+
+
+def lanes_on_device(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> torch.Tensor:
+    """row_lanes' two sums as int64 [2] on flat's device, not read (module doc)."""
     assert flat.dtype in _cpu.WORD_MASK and flat.dim() == 1, "1-d words of one width (device_lanes checks the input)"
     assert _cpu.version() == VERSION, "version 2 lanes only (device_lanes checks the version)"
+    device = flat.device
     rows = local_off.numel()
     if rows == 0 or run == 0:
-        return 0, 0
-    device = flat.device
+        return torch.zeros(2, dtype=torch.int64, device=device)
     block = min(MAX_BLOCK, triton.next_power_of_2(run))
     chunks = triton.cdiv(run, block)
     t0, t1 = _cpu.tables_on(device)
@@ -96,8 +106,8 @@ def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off:
     options = {} if interpreted(flat) else {"num_warps": 4}
     _lanes_kernel[(rows * chunks,)](
         flat,
-        local_off.to(device=device, dtype=torch.int64),
-        global_off.to(device=device, dtype=torch.int64),
+        _cpu.sent_to(local_off.to(torch.int64), device),
+        _cpu.sent_to(global_off.to(torch.int64), device),
         run,
         chunks,
         t0,
@@ -112,5 +122,4 @@ def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off:
         BLOCK=block,
         **options,
     )
-    a, b = out.sum(0).tolist()
-    return a & _cpu.MASK, b & _cpu.MASK
+    return out.sum(0)
