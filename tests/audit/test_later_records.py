@@ -118,7 +118,7 @@ def test_a_change_after_the_record_does_not_reach_the_row(tmp_path, monkeypatch,
     assert after[6] == summary.summarize(t).hash != before[6]  # control: read late, it would differ
 
 
-def test_queued_records_are_read_once_per_step_or_when_many_wait(tmp_path, monkeypatch, routed):
+def test_queued_records_are_read_once_per_step_or_when_they_hold_too_much(tmp_path, monkeypatch, routed):
     reads = []
     real = recorder.read_back
 
@@ -135,10 +135,10 @@ def test_queued_records_are_read_once_per_step_or_when_many_wait(tmp_path, monke
     rows = list(rec._rows)
     rec.close()
     reads.clear()
-    monkeypatch.setattr(recorder, "LATER_RECORDS", 3)
+    monkeypatch.setattr(recorder, "LATER_BYTES", 1200)  # two device values and a small copy
     rec = Recorder(tmp_path / "b", _model(), level="full")
     _step(rec, rec.module, x)
-    assert reads and all(n == 3 for n in reads)  # read as soon as three wait, inside the step
+    assert len(reads) > 1 and min(reads) > 1  # read inside the step once they hold more than LATER_BYTES
     rec.end_step()
     assert sum(reads) == len(rows) and rec._rows == rows
     rec.close()

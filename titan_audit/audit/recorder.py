@@ -56,8 +56,7 @@ Guarantees:
 - `absmax`/`mean` (informational, never compared) for the phases in `stats` (default: all but
   grad, optim, param and ckpt, where the statistics kernel would add a pass over the model's
   memory each step; `stats=True` for all); elsewhere null.
-- On a GPU a plain tensor's record does not wait for the device: its summary is queued there
-  (summary.summarize_later) and read with the others at end_step, flush or LATER_RECORDS.
+- On a GPU a plain tensor's record does not wait: queued there, read at end_step / flush.
 - Cost: a few microseconds of Python per record. A call that records many tensors hashes its
   plain CPU tensors of at most C bytes (no statistics) in one kernel call on every intra-op
   thread (summary.summarize_batch; the same rows, order and `seq`), with no call per record
@@ -111,7 +110,7 @@ DEFAULT_STATS_PHASES = ("rollout", "data", "forward", "logprob", "loss", "backwa
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _RECENT_SUMMARIES = 8  # hook records whose summary a second record of the same tensor can reuse
-LATER_RECORDS = 1024  # device records queued at most before they are read back (pinned copies of <= C each)
+LATER_BYTES = 64 << 20  # what queued device records may hold (Later.held) before they are read back
 # A record is one tuple: step, phase, microbatch, name, the Summary's fields, rank, seq.
 assert SCHEMA.names[4:9] == list(Summary._fields), "Summary's fields must be SCHEMA's columns 4-8"
 
@@ -168,6 +167,7 @@ class Recorder(ModuleHooks):
         # the row's fields, the tensor, its batch_meta), hashed together when the batch ends
         self._deferred: list[tuple[int, tuple, torch.Tensor, Any]] | None = None
         self._later: list[tuple[int, tuple, Later]] = []  # device records not read yet: slot, fields, Later
+        self._later_bytes = 0  # what they hold (Later.held)
         self.counters = DigestCounters()  # bytes this rank hashed and received for its records
         self._seq: dict[int, int] = {}
         self._calls: dict[tuple[int, str], int] = {}
@@ -367,7 +367,8 @@ class Recorder(ModuleHooks):
             else:  # its row when it is read back
                 self._later.append((len(self._rows), (step, phase, microbatch, name, seq), summary))
                 self._rows.append(None)
-                self._read_later(LATER_RECORDS)
+                self._later_bytes += summary.held
+                self._read_later(beyond=LATER_BYTES)
         if self._dump_wanted(name, step):
             self._dump(step, phase, microbatch, name, tensor)
 
@@ -454,10 +455,10 @@ class Recorder(ModuleHooks):
             self._rows[slot] = (step, phase, microbatch, name, *summary, self.rank, seq)
             self.counters.hashed_bytes += meta.nbytes
 
-    def _read_later(self, waiting: int = 1) -> None:
-        """Fill the rows of the device records queued so far, when `waiting` are (one read per device)."""
-        if len(self._later) >= waiting:
-            later, self._later = self._later, []
+    def _read_later(self, beyond: int = -1) -> None:
+        """Fill the rows of the device records queued so far, if they hold more than `beyond`."""
+        if self._later and self._later_bytes > beyond:
+            later, self._later, self._later_bytes = self._later, [], 0
             for (slot, (step, phase, mb, name, seq), _), summary in zip(later, read_back([i[2] for i in later])):
                 self._rows[slot] = (step, phase, mb, name, *summary, self.rank, seq)
 
@@ -482,15 +483,14 @@ class Recorder(ModuleHooks):
         self._dumps.write(step, phase, microbatch, name, tensor)
 
     def _summarize(self, phase: str, tensor: torch.Tensor) -> Summary | Later:
-        """The record's Summary. Inside one forward or backward pass the hooks often meet one
-        tensor object twice (a model returning its head's output; one gradient reaching a
-        residual branch and the block's output). While the object is alive and its version
-        counter unchanged (every in-place op bumps it; autograd's saved-tensor check relies on
-        the same counter) its bytes are those just hashed, so the summary is reused."""
+        """The record's Summary (or Later). Inside one forward or backward pass the hooks often
+        meet one tensor object twice (a model returning its head's output; one gradient reaching
+        a residual branch and the block's output). While the object is alive and its version
+        counter unchanged (every in-place op bumps it; autograd's saved-tensor check relies on the
+        same counter) its bytes are those just hashed, so the summary is reused. Never reused:
+        explicit records (a parameter after an optimizer that writes through `.data`, which bumps
+        no counter), an inference tensor (no version counter). DTensors go to _record_shared."""
         with_stats = phase in self.stats_phases
-        # Never reused: explicit records (a parameter after an optimizer that writes through
-        # `.data`, which bumps no counter), an inference tensor (it keeps no version counter).
-        # DTensors do not come here (_record_shared).
         if phase not in _HOOK_PHASES or type(tensor) not in _PLAIN_TYPES or tensor.is_inference():
             return self._summary_of(tensor, with_stats)
         key = (id(tensor), with_stats)

@@ -305,6 +305,11 @@ class Later(NamedTuple):
     values: torch.Tensor | None  # above C, on the device: int64 lanes [2], then min, max, sum's float64 bits
     host: torch.Tensor | None  # at most C: the copy on the host, complete once the device is synchronised
 
+    @property
+    def held(self) -> int:
+        """Bytes it holds until read: its host copy, or a device allocator's smallest block."""
+        return self.host.nbytes if self.host is not None else 512
+
 
 def summarized_later(tensor: torch.Tensor) -> bool:
     """Whether `summarize_later` takes `tensor`: a plain tensor on a device (not the CPU) whose
