@@ -33,8 +33,9 @@ Guarantees:
   the GPU per record. summarize_later queues the work on the device's current stream at once
   (above C the lanes and statistics stay there as 40 bytes; at most C the bytes are copied to
   pinned host memory without blocking), so what is done to the tensor afterwards (an in-place
-  op, its memory freed and reused), queued after it, cannot change the record; read_back of
-  many waits once per device and copies their values in one transfer.
+  op, its memory freed and reused; `record_stream` covers a tensor made on another stream),
+  queued after it, cannot change the record; read_back of many waits once per device and
+  copies their values in one transfer.
 - Per-(dtype, shape) text (dtype name, shape, hash header) is cached, so a record of a small
   tensor costs a few microseconds of Python.
 - `summarize_many` / `summarize_batch`: the summaries without statistics of many tensors, the
@@ -321,6 +322,8 @@ def summarize_later(tensor: torch.Tensor, *, with_stats: bool) -> Later:
     """summarize() of a tensor `summarized_later` takes, queued on its device's current stream
     now and read by `read_back` (module doc): nothing here waits for the device."""
     tensor = tensor.detach()
+    if tensor.is_cuda:  # its memory, once freed, is not reused on its own stream before these reads
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
     values = host = None
     if tensor.nbytes > whole_hash_bytes():
         parts = [shards.whole_lanes_on_device(tensor)]
