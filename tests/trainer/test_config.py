@@ -35,6 +35,7 @@ def test_toml_file_with_base_recipe_and_overrides(tmp_path):
         (["parallel.threads=0"], "parallel.threads must be >= 1"),
         (["parallel.mode=tp"], "parallel.mode: 'tp' is not one of 'dp', 'fsdp'"),
         (["audit.level=everything"], "audit.level"),
+        (['audit.stats=["data", "activations"]'], "audit.stats[1]: 'activations' is not a phase"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -60,8 +61,34 @@ def test_world_size_must_divide_v():
 
 def test_resume_may_change_steps_and_checkpointing_but_nothing_that_decides_the_bits():
     saved = to_dict(load_config("tiny-dense"))
-    assert resume_differences(saved, load_config("tiny-dense", ["steps=40", "checkpoint.interval=2"])) == []
+    assert (
+        resume_differences(saved, load_config("tiny-dense", ["steps=40", "checkpoint.interval=2", "audit.stats=[]"]))
+        == []
+    )
     assert resume_differences(saved, load_config("tiny-dense", ["parallel.threads=2"])) == ["parallel.threads: 1 -> 2"]
     assert resume_differences(saved, load_config("tiny-dense", ["model.overrides.rope_theta=1.0"])) == [
         "model.overrides: {} -> {'rope_theta': 1.0}"
     ]
+
+
+def test_audit_stats_chooses_the_phases_with_statistics_and_never_a_hash(tmp_path):
+    """`audit.stats` goes to the Recorder: with [] a full-level run's records carry no absmax or
+    mean, with the default its forward records do; the hashes are the same (control: the forward
+    records' statistics are there in the default run, so the check can see them)."""
+    from titan_audit.audit import read_audit_log
+    from titan_audit.trainer.train import train
+
+    tiny = [
+        "steps=1",
+        "audit.level=full",
+        "checkpoint.interval=0",
+        "data.global_batch_size=2",
+        "data.microbatch_size=1",
+    ]
+    rows = {}
+    for name, extra in (("default", []), ("none", ["audit.stats=[]"])):
+        train(load_config("tiny-dense", [*tiny, *extra]), tmp_path / name, quiet=True)
+        rows[name] = read_audit_log(tmp_path / name).to_pylist()
+    assert [r["hash"] for r in rows["none"]] == [r["hash"] for r in rows["default"]]
+    assert all(r["absmax"] is None and r["mean"] is None for r in rows["none"])
+    assert all(r["absmax"] is not None for r in rows["default"] if r["phase"] == "forward")

@@ -38,6 +38,7 @@ CONFIG_KEYS_IGNORED: tuple[str, ...] = (
     "steps",
     "checkpoint.",
     "audit.flush_every_steps",
+    "audit.stats",  # which records carry absmax / mean (never compared)
     "parallel.backend",
     "parallel.tp",  # a layout, like the world size (never the bits in BI mode: tests/trainer/test_tensor_parallel.py)
     "data.workers",

@@ -16,10 +16,10 @@ Guarantees:
   (token store or the built-in synthetic corpus; seq_len, global_batch_size, microbatch_size ->
   V), optimizer, schedule, parallel (mode dp | fsdp, tp: the tensor-parallel degree, threads per
   rank, backend, device cpu | cuda), checkpoint (interval, keep_last, fallback), audit (level, modules,
-  flush_every_steps), determinism (enabled, strict, batch_invariant, bi_kernels: the gemm order),
-  logging (jsonl, tensorboard: the metrics streams beside metrics.parquet,
-  trainer/metrics_out.py); top-level
-  `seed` (model init and the data order) and `steps`.
+  flush_every_steps, stats: the phases with absmax / mean), determinism (enabled, strict,
+  batch_invariant, bi_kernels: the gemm order), logging (jsonl, tensorboard: the metrics streams
+  beside metrics.parquet, trainer/metrics_out.py); top-level `seed` (model init and the data
+  order) and `steps`.
 - Recipes `tiny-dense` and `tiny-moe`: V = 8 virtual microbatches of 1 x 64 tokens, a step well
   under a second on 2 CPU cores, a checkpoint every 4 steps; tiny-moe trains with the
   load-balancing loss at `model.router_aux_loss_coef = 0.01`.
@@ -41,6 +41,8 @@ from typing import Any, Literal
 
 import torch
 
+from titan_audit.audit.recorder import DEFAULT_STATS_PHASES
+from titan_audit.audit.schema import PHASES
 from titan_audit.models import ModelConfig, get_preset
 from titan_audit.trainer import typed_config
 from titan_audit.trainer.optim import OptimizerConfig, ScheduleConfig
@@ -56,6 +58,7 @@ RUN_MUTABLE_KEYS = frozenset(
         "checkpoint.keep_last",
         "checkpoint.fallback",
         "audit.flush_every_steps",
+        "audit.stats",  # which records carry absmax / mean: never a hash
         "parallel.backend",
         "determinism.census",  # record or stop: never the bits of a step (a strict run that passes is the same run)
         "logging.jsonl",  # where the metrics go besides metrics.parquet: never the bits of a step
@@ -193,10 +196,16 @@ class AuditSection:
     level: Literal["off", "params", "full"] = "params"
     modules: list[str] = field(default_factory=lambda: ["*"])  # globs (level full)
     flush_every_steps: int = 50  # also flushed at every checkpoint and at the end
+    # the phases whose records carry absmax and mean (informational, never compared); [] for none:
+    # level full then pays only for its hashes (audit/recorder.py DEFAULT_STATS_PHASES)
+    stats: list[str] = field(default_factory=lambda: list(DEFAULT_STATS_PHASES))
 
     def __post_init__(self) -> None:
         if self.flush_every_steps < 1:
             raise ValueError(f"audit.flush_every_steps must be >= 1, got {self.flush_every_steps}")
+        for i, phase in enumerate(self.stats):
+            if phase not in PHASES:
+                raise ValueError(f"audit.stats[{i}]: {phase!r} is not a phase; choose from {', '.join(PHASES)}")
 
 
 @dataclass

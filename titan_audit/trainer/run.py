@@ -211,6 +211,7 @@ class Run:
                 level=audit.level,
                 modules=audit.modules,
                 flush_every_steps=audit.flush_every_steps,
+                stats=audit.stats,
                 writes_microbatches=self.mesh.tp_rank == 0,  # TP peers hold the same microbatches
                 # DDP: every rank holds the same parameters, gradients and moments; each hashes 1/W
                 split_replicated=self.mesh.tp == 1 and getattr(self.config.parallel, "mode", "dp") == "dp",
