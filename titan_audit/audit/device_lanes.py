@@ -105,7 +105,12 @@ def _triton_row_lanes(
 def row_lanes(words: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
     """The lanes of the rows of `words` (module doc): `local_off` and `global_off` are int64 CPU
     tensors of one entry per row, `words` a word-dtype view (uint8, int16 or int32) on any device."""
-    a, b = lanes_on_device(words, run, local_off, global_off).tolist()
+    return read_lanes(lanes_on_device(words, run, local_off, global_off))
+
+
+def read_lanes(sums: torch.Tensor) -> tuple[int, int]:
+    """The two lanes of `lanes_on_device`'s sums, read to the host (one wait for the device)."""
+    a, b = sums.tolist()
     return a & _kernel.MASK, b & _kernel.MASK
 
 

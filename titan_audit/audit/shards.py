@@ -182,8 +182,7 @@ def _block_lanes(local: torch.Tensor, on_device: bool, first: int, threads: int 
     """The lanes of a contiguous `local` whose elements are the logical tensor's consecutive
     elements from global index `first` on: one run of words, no tables, no per-element index."""
     if on_device:
-        a, b = _device_block(local, first).tolist()
-        return a & _kernel.MASK, b & _kernel.MASK
+        return device_lanes.read_lanes(_device_block(local, first))
     out = _kernel.new_lanes()
     flat_lanes(out, local, 0, local.numel(), threads or torch.get_num_threads(), first=first)
     return out[0], out[1]

@@ -1,24 +1,23 @@
 """The audit's lattice lanes (version 2, batch_invariant/cpu/lattice.py) of words on a GPU, in one
 Triton kernel that reads each word once.
 
-Guarantee: `row_lanes(flat, run, local_off, global_off)` returns the two lanes the CPU kernel
-gives for the same rows: row r is `run` words of `flat` (a 1-d uint8, int16 or int32 view) from
-local_off[r], at global word indices global_off[r], global_off[r] + 1, ...; a word is
-zero-extended from its width. Each program takes BLOCK consecutive words of one row and adds
-B_L(j >> 12) * ((x_j ^ X_L) * T_L[j & 4095]) over them in int64, whose multiplication and sum wrap
-modulo 2^64 (two's complement): the bits of the unsigned lane terms. The program partials are
-added by torch's int64 sum. Integer addition modulo 2^64 does not depend on order, so the lanes
-do not depend on BLOCK, the grid or the reduction tree.
+Guarantee: `lanes_on_device(flat, run, local_off, global_off)` gives the two lanes the CPU kernel
+gives for the same rows (int64 [2] on the device, the lanes' bits before the mask): row r is `run`
+words of `flat` (a 1-d uint8, int16 or int32 view) from local_off[r], at global word indices
+global_off[r], global_off[r] + 1, ...; a word is zero-extended from its width. Each program takes
+BLOCK consecutive words of one row and adds B_L(j >> 12) * ((x_j ^ X_L) * T_L[j & 4095]) over them
+in int64, whose multiplication and sum wrap modulo 2^64 (two's complement): the bits of the
+unsigned lane terms. The program partials are added by torch's int64 sum. Integer addition modulo
+2^64 does not depend on order, so the lanes do not depend on BLOCK, the grid or the reduction tree.
 
-`lanes_on_device(...)` is the same sum left on the device (int64 [2], the lanes' bits before the
-mask), so that a caller reads many records' lanes in one copy; it waits for nothing on the host
-(the row offsets go through pinned memory without blocking) once the block keys it needs exist.
+The sums stay on the device, so that a caller reads many records' lanes in one copy; nothing
+here waits for the device (the row offsets go through pinned memory without blocking) once the
+block keys it needs exist.
 
 Memory on the device besides the words: 16 bytes per program of partial lanes (one program per
 BLOCK <= 4096 words of a row), the key tables T_L (64 KiB) and the block keys B_L of blocks
 0 .. the highest block a call reaches (16 bytes per 4096 words), made once on the host and kept
-per device, grown when a call needs more. The host sends the row offsets (16 bytes a row) and
-reads back two integers (`row_lanes`).
+per device, grown when a call needs more. The host sends the row offsets (16 bytes a row).
 """
 
 from __future__ import annotations
@@ -84,14 +83,8 @@ def _block_keys(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.
     return keys
 
 
-def row_lanes(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> tuple[int, int]:
-    """The lanes of the rows (module doc); `local_off` and `global_off` int64, one entry a row."""
-    a, b = lanes_on_device(flat, run, local_off, global_off).tolist()
-    return a & _cpu.MASK, b & _cpu.MASK
-
-
 def lanes_on_device(flat: torch.Tensor, run: int, local_off: torch.Tensor, global_off: torch.Tensor) -> torch.Tensor:
-    """row_lanes' two sums as int64 [2] on flat's device, not read (module doc)."""
+    """The lanes of the rows (module doc), not read; `local_off` and `global_off` int64, one entry a row."""
     assert flat.dtype in _cpu.WORD_MASK and flat.dim() == 1, "1-d words of one width (device_lanes checks the input)"
     assert _cpu.version() == VERSION, "version 2 lanes only (device_lanes checks the version)"
     device = flat.device
