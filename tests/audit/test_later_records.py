@@ -177,3 +177,80 @@ def test_on_cuda_a_full_step_records_without_synchronising(tmp_path, monkeypatch
         direct = two_steps("direct", watch=False)
     assert len(queued) == len(direct) > 0
     assert [r[:7] for r in queued] == [r[:7] for r in direct]
+
+
+@pytest.mark.gpu
+def test_on_cuda_fsdp2_records_read_the_device_once_per_exchange(tmp_path, monkeypatch):
+    """A params-level Recorder over an FSDP2 model on one GPU (a mesh of one rank, NCCL): its
+    second step's record calls run with torch's sync debug mode set to error except inside
+    exchange._read, the one read of each exchange's gathered rows or pieces (at most two a call:
+    the lanes of the tensors above C, the pieces of those of at most C); every grad and param
+    record's digest is the fingerprint of the full tensor. Control: with each share's lanes read
+    at once, the grads' summaries raise under the same watch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_audit.audit import exchange, fingerprint
+    from titan_audit.batch_invariant.cpu import lattice
+
+    reads = []
+    real_read = exchange._read
+
+    def allowed_read(gathered):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            if reads:  # inside a watched call
+                reads[-1] += 1
+            return real_read(gathered)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def watched(call, *args) -> None:
+        torch.cuda.synchronize()
+        reads.append(0)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = _model("cuda")
+        fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5)).cuda()
+        monkeypatch.setattr(exchange, "_read", allowed_read)
+        with whole_hash_limit(C):
+            rec = Recorder(tmp_path / "run", model, level="params")
+            for step in range(2):
+                rec.start_step(step)
+                model(x).square().mean().backward()
+                record = watched if step == 1 else (lambda call, *args: call(*args))
+                record(rec.record_grads)
+                opt.step()
+                record(rec.record_optimizer, opt)
+                record(rec.record_params)
+                rec.end_step()
+                if step == 0:
+                    opt.zero_grad(set_to_none=True)
+            rows = {(r[1], r[3]): r[6] for r in rec._rows if r[0] == 1}
+            for name, p in model.named_parameters():
+                assert rows[("grad", name)] == fingerprint(p.grad.full_tensor().cpu()), name
+                assert rows[("param", name)] == fingerprint(p.full_tensor().cpu()), name
+            rec.close()
+            assert len(reads) == 3 and all(1 <= n <= 2 for n in reads), reads
+
+            def read_at_once(local, where):
+                return torch.tensor([lattice.to_signed(v) for v in shards.share_lanes(local, where)]).cuda()
+
+            monkeypatch.setattr(exchange, "share_sums", read_at_once)
+            grads = [(p.grad, True, 0) for p in model.parameters()]  # what record_grads summarises
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                watched(summary.summarize_sharded, grads)
+    finally:
+        dist.destroy_process_group()

@@ -11,10 +11,17 @@
 - controls: a one-element change on one rank's shard, and two elements swapped between the
   pieces of two ranks, give other digests; a DDP replica perturbed in its own share changes the
   record;
+- routed through the device path (as a GPU rank's pieces are: audit/exchange.py), the same
+  summaries and FSDP2 records come from lanes and statistics left where they were computed, with
+  no per-tensor read (no call of the functions that read one record's lanes or statistics);
+  control: reading each share's lanes and statistics at once gives the same summaries and makes
+  those reads;
 - (slow) the trainer's audit logs at W = 1, 2, 4 in DP and FSDP2 and at (dp, tp) = (1, 2) and
   (2, 2), with C = 16 KiB so that tiny-dense's tensors (up to 128 C) take the lattice path
   sharded, are identical record for record.
 """
+
+import struct
 
 import pytest
 import torch
@@ -151,7 +158,61 @@ def _rank(rank, world_size, root):
             split_replicated=True,
             perturb=("0.weight", (13, 5)) if rank == 2 else None,
         )
+        out["routed"] = _routed(rank, root)
         DTensor.full_tensor = saved_full_tensor
+    return out
+
+
+def _routed(rank, root):
+    """The layouts' summaries and an FSDP2 step's records with every piece hashed as a GPU
+    rank's (shards.hashed_on_device), queued where computed (exchange.combine); and, as the
+    control, the same summaries with each share's lanes and statistics read at once. Returns
+    both, and the per-tensor reads each made."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from titan_audit.audit import device_lanes, exchange, shards, summary
+    from titan_audit.batch_invariant.cpu import lattice
+
+    reads = [0]
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            reads[0] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    def read_at_once(local, where):
+        return torch.tensor([lattice.to_signed(v) for v in shards.share_lanes(local, where)], dtype=torch.int64)
+
+    def stats_at_once(local):
+        return torch.tensor(summary.absmax_sum(local), dtype=torch.float64)
+
+    saved = (shards.hashed_on_device, device_lanes.read_lanes, summary._device_absmax_sum)
+    saved_partial, saved_sums = summary.partial_stats, exchange.share_sums
+    shards.hashed_on_device = lambda local: True
+    device_lanes.read_lanes = counted(device_lanes.read_lanes)
+    summary._device_absmax_sum = counted(summary._device_absmax_sum)
+    out = {}
+    try:
+        meshes = {(4,): init_device_mesh("cpu", (4,)), (2, 2): init_device_mesh("cpu", (2, 2))}
+        tensors = [
+            distribute_tensor(_full(name), meshes[shape], placements, src_data_rank=None)
+            for name, shape, placements in _layouts()
+        ]
+        out["summaries"] = [tuple(summarize(dt, with_stats=True)) for dt in tensors]
+        fsdp = _model()
+        fully_shard(fsdp)
+        _record_step(fsdp, f"{root}/fsdp4-routed", rank)
+        out["reads"] = reads[0]
+        exchange.share_sums, summary.partial_stats = read_at_once, stats_at_once
+        out["at_once"] = [tuple(summarize(dt, with_stats=True)) for dt in tensors]
+        out["at_once_reads"] = reads[0] - out["reads"]
+    finally:
+        shards.hashed_on_device, device_lanes.read_lanes, summary._device_absmax_sum = saved
+        summary.partial_stats, exchange.share_sums = saved_partial, saved_sums
     return out
 
 
@@ -201,6 +262,31 @@ def test_fsdp2_and_fsdp2_x_tp_records_are_the_unsharded_runs_without_full_tensor
     assert {r["rank"] for r in rows} == {0}
     big = [r for r in rows if r["name"] == "0.weight" and r["phase"] == "grad"]
     assert big and big[0]["shape"] == "[24, 32]"
+
+
+def test_device_pieces_are_summarised_without_reading_each_tensor(ranks):
+    """Pieces hashed on their device (routed here): every summary is the read-at-once one, bit
+    for bit (mean included), its digest and absmax those of the unsharded CPU summary, and an
+    FSDP2 step writes the unsharded run's records, all without reading one tensor's lanes or
+    statistics. Control: reading at once is counted (the count can fail)."""
+    root, results, _ = ranks
+    with whole_hash_limit(C):
+        cpu = [summarize(_full(name), with_stats=True) for name, _, _ in _layouts()]
+    for rank, result in enumerate(results):
+        routed = result["routed"]
+        assert routed["reads"] == 0, rank
+        assert routed["at_once_reads"] > 0, rank
+        for k, (got, at_once) in enumerate(zip(routed["summaries"], routed["at_once"])):
+            assert _bits(got) == _bits(at_once), (rank, _layouts()[k])
+            assert got[:4] == tuple(cpu[k])[:4], (rank, _layouts()[k])
+    result = compare_runs(root / "w1", root / "fsdp4-routed")
+    assert result.identical, result.first_divergence
+    assert result.compared == 3 * 5
+
+
+def _bits(summary):
+    """A summary with its floats as their IEEE bits (NaN included)."""
+    return tuple(struct.pack("<d", v) if isinstance(v, float) else v for v in summary)
 
 
 TRAIN_C = 16 << 10  # tiny-dense's embedding [2048, 256] fp32 is 128 C; its norms (1 KiB) stay whole

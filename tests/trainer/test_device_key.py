@@ -166,7 +166,7 @@ def test_a_cuda_mesh_without_a_gpu_names_the_key():
 
 @pytest.mark.skipif(dist.is_initialized(), reason="a process group is already joined in this process")
 def test_a_cpu_mesh_where_cuda_is_visible_is_a_gloo_cpu_mesh(monkeypatch):
-    from titan_audit.audit.shards import transport_device
+    from titan_audit.audit.exchange import transport_device
     from titan_audit.trainer.reduce import gather_in_index_order
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # before: auto meant nccl here

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_audit.audit import pieces, shards
+from titan_audit.audit import exchange, pieces, shards
 from titan_audit.audit.fingerprint import fingerprint, lattice_digest, whole_hash_bytes
 from titan_audit.batch_invariant.cpu import lattice
 
@@ -45,8 +45,8 @@ class _Held:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.dtensor = pieces.is_dtensor(tensor)
         if self.dtensor:
-            tensor = shards.reduced(tensor)
-            self.group, self.ranks = shards.group_of(tensor.device_mesh)
+            tensor = exchange.reduced(tensor)
+            self.group, self.ranks = exchange.group_of(tensor.device_mesh)
             self.local = tensor.to_local()
             self.part, self.parts = pieces.replica(tensor)
         else:
@@ -103,7 +103,9 @@ def digests_by_piece(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any
         for i in members:
             picked = held[i].share()
             rows.append([lattice.to_signed(v) for v in (shards.lanes(*picked) if picked else (0, 0))])
-        gathered = shards.gather(torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), held[members[0]].group, ranks, 0)
+        gathered = exchange.gather(
+            torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), held[members[0]].group, ranks, 0
+        )
         if gathered is None:
             continue
         for k, i in enumerate(members):
@@ -135,7 +137,7 @@ def _fingerprints(
     (a small DTensor's pieces gathered to rank 0 in one exchange per mesh)."""
     limit = whole_hash_bytes()
     small = [(name, h) for (name, _), h in zip(named, held) if h.tensor.numel() * h.tensor.element_size() <= limit]
-    gathered = shards.combine(
+    gathered = exchange.combine(
         [(h.tensor, False, 0) for _, h in small if h.dtensor], whole_bytes=limit, partial_stats=None
     )
     full = iter(gathered)
@@ -213,7 +215,7 @@ def _piece_checks(
         }
         rows = [row for i in members for row in _piece_rows(held[i][1], stored[i])]
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
-        gathered = shards.gather(table, held[members[0]][1].group, ranks, None)
+        gathered = exchange.gather(table, held[members[0]][1].group, ranks, None)
         at = 0
         for i in members:
             name, h = held[i]

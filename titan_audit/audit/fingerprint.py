@@ -26,7 +26,7 @@ every rank and in every run compared; `whole_hash_limit` changes it for tests an
   b"|"):
     digest = "%016x%016x" % ((lane_0 + k_0) mod 2^64, (lane_1 + k_1) mod 2^64)
   A sum does not depend on order, so a rank adds the terms of the elements it holds and only the
-  16 bytes of its two lanes travel (audit/shards.py): the same digest at any DP, FSDP2 (uneven
+  16 bytes of its two lanes travel (audit/shards.py, audit/exchange.py): the same digest at any DP, FSDP2 (uneven
   dim-0 chunks included), TP (dim 0 or 1) or composed layout, from one pass over each rank's
   own memory (our compiled kernel, vectorised; threads split it without changing the sum).
   Version 1 (the key b"...lattice.v1|", one 64-bit bijection of (index, word) per term and lane)
@@ -64,7 +64,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import xxhash
 
-from titan_audit.audit import pieces, shards
+from titan_audit.audit import exchange, pieces, shards
 from titan_audit.batch_invariant.cpu import lattice as _lattice
 
 HEADER_PREFIX = b"titan-audit.tensor.v1|"
@@ -201,7 +201,7 @@ def fingerprint(tensor: torch.Tensor) -> str:
 def _fingerprint_dtensor(tensor: torch.Tensor) -> str:
     if tensor.is_meta:
         raise ValueError("cannot fingerprint a meta tensor: it has no data")
-    (combined,) = shards.combine([(tensor, False, None)], whole_bytes=_whole_bytes, partial_stats=None)
+    (combined,) = exchange.combine([(tensor, False, None)], whole_bytes=_whole_bytes, partial_stats=None)
     assert combined is not None, "every rank receives a fingerprint"
     if combined.full is not None:
         return _xxh3(combined.full)

@@ -62,7 +62,7 @@ Guarantees:
   thread (summary.summarize_batch; the same rows, order and `seq`), with no call per record
   when this rank writes them all. A hook record of a tensor recorded in the same (step,
   microbatch), its version counter unchanged, reuses that summary. `counters`
-  (audit.shards.DigestCounters) counts the bytes this rank hashed and received.
+  (audit.exchange.DigestCounters) counts the bytes this rank hashed and received.
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ import torch
 import torch.distributed as dist
 
 from titan_audit.audit.dumps import DumpWriter
+from titan_audit.audit.exchange import DigestCounters, rank_and_world
 from titan_audit.audit.fingerprint import whole_hash_bytes
 from titan_audit.audit.hooks import ModuleHooks
 from titan_audit.audit.log import AuditLogWriter
 from titan_audit.audit.pieces import is_dtensor
 from titan_audit.audit.schema import PHASES, SCHEMA, check_phase
-from titan_audit.audit.shards import DigestCounters, rank_and_world
 from titan_audit.audit.summary import (
     Later,
     Summary,

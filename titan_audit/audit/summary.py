@@ -55,7 +55,7 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-from titan_audit.audit import device_lanes, pieces, shards
+from titan_audit.audit import device_lanes, exchange, pieces, shards
 from titan_audit.audit.fingerprint import _header, fingerprint, lattice_digest, whole_hash_bytes
 from titan_audit.batch_invariant.cpu import lattice as _lattice
 from titan_audit.batch_invariant.cpu import stats as _stats
@@ -211,6 +211,15 @@ def _device_stats(tensor: torch.Tensor) -> torch.Tensor:
     low, high = torch.aminmax(tensor)
     total = tensor.sum(dtype=torch.float64 if tensor.dtype.is_floating_point else torch.int64)
     return torch.stack([low.double(), high.double(), total.double()])
+
+
+def partial_stats(local: torch.Tensor) -> torch.Tensor:
+    """absmax_sum of a rank's share as float64 [absmax, sum], computed where the share is hashed
+    and left there (a GPU piece's: not read, so its record waits for nothing; exchange.combine)."""
+    if shards.hashed_on_device(local) and local.numel() and not local.is_complex() and local.layout is torch.strided:
+        low, high, total = _device_stats(local).unbind()
+        return torch.stack([torch.maximum(low.abs(), high.abs()), total])  # NaN if either is (_absmax_total)
+    return torch.tensor(absmax_sum(local), dtype=torch.float64)
 
 
 def _absmax_total(low: float, high: float, total: float) -> tuple[float, float]:
@@ -423,19 +432,19 @@ def summarize_many(tensors: Sequence[torch.Tensor], *, threads: int = 1) -> list
 
 
 def summarize_sharded(
-    items: list[tuple[torch.Tensor, bool, int | None]], counters: shards.DigestCounters | None = None
+    items: list[tuple[torch.Tensor, bool, int | None]], counters: exchange.DigestCounters | None = None
 ) -> list[Summary | None]:
     """Summaries of DTensors (or of plain tensors above C that every rank holds whole, as under
-    DDP: shards.combine), each (tensor, with_stats, dst), from the pieces the ranks hold: on
-    rank `dst` (every rank when None), None elsewhere. Collective (audit/shards.py `combine`):
+    DDP: exchange.combine), each (tensor, with_stats, dst), from the pieces the ranks hold: on
+    rank `dst` (every rank when None), None elsewhere. Collective (audit/exchange.py `combine`):
     every rank of each tensor's mesh calls it with the same items in the same order; one
     exchange per process group and dst for the whole list. A tensor of at most C bytes is
     gathered to dst and summarised whole (the same bits as unsharded); a larger one is hashed
     by each rank over its piece (16 bytes of lanes travel) and its absmax / mean come from the
     ranks' partial statistics: absmax exact, the sum added in the group's rank order, so mean's
     last bits may depend on the layout (informational). `counters`: the bytes this rank hashes
-    and receives for them are added to it (shards.DigestCounters)."""
-    combined = shards.combine(items, whole_bytes=whole_hash_bytes(), partial_stats=absmax_sum, counters=counters)
+    and receives for them are added to it (exchange.DigestCounters)."""
+    combined = exchange.combine(items, whole_bytes=whole_hash_bytes(), partial_stats=partial_stats, counters=counters)
     out: list[Summary | None] = []
     for (tensor, with_stats, _), c in zip(items, combined):
         if c is None:

@@ -29,7 +29,7 @@ Cases:
 - FSDP2 W=2 against W=1 (spawned gloo ranks, trainer/local_ranks.py, one intra-op thread each):
   tiny-dense widened (FSDP_MODEL; --quick: FSDP_MODEL_QUICK) fully_shard-ed per block and at the
   root, one microbatch per rank per step, a Recorder at params. Per rank, the last step's bytes
-  hashed and received by its records (Recorder.counters, audit/shards.py DigestCounters): the
+  hashed and received by its records (Recorder.counters, audit/exchange.py DigestCounters): the
   case's sides are bytes hashed per step at W=1 and the most any W=2 rank hashed (target 0.6: each
   rank hashes its shard of the tensors above C; the writer also hashes the tensors of at most C,
   gathered to it whole). Extra keys: bytes received per lattice record (5 int64 from the other

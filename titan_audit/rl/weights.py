@@ -29,7 +29,7 @@ Copies of the weights per rank (besides the optimizer's own state):
 
 Fingerprints: `shard_fingerprints` is audit/fingerprint.py's digest of each logical tensor (xxh3
 of the bytes up to 2 MiB, the lattice digest above), computed from the pieces each rank holds
-(audit/shards.py `combine`: 16 bytes per tensor above 2 MiB and rank; a smaller tensor's pieces
+(audit/exchange.py `combine`: 16 bytes per tensor above 2 MiB and rank; a smaller tensor's pieces
 go to one rank, which hashes it and sends the digest string; no full_tensor, no clone). The
 generator hashes its full tensors with the same `fingerprint`; the digest does not depend on the
 layout, so the two sides' strings are equal exactly when the bits are, name by name, and strings
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_audit.audit import shards
+from titan_audit.audit import exchange
 from titan_audit.audit.fingerprint import fingerprint, lattice_digest, whole_hash_bytes
 
 
@@ -126,14 +126,14 @@ def shard_fingerprints(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
     small = [n for n in sharded if n not in large]
     if large:
         items = [(weights[n], False, None) for n in large]
-        for n, c in zip(large, shards.combine(items, whole_bytes=limit, partial_stats=None), strict=True):
+        for n, c in zip(large, exchange.combine(items, whole_bytes=limit, partial_stats=None), strict=True):
             assert c is not None and c.lanes is not None, "every rank receives the lanes"
             out[n] = lattice_digest(weights[n].dtype, tuple(weights[n].shape), c.lanes)
     hashed: dict[str, str] = {}
     for i, n in enumerate(small):
-        _, ranks = shards.group_of(weights[n].device_mesh)
+        _, ranks = exchange.group_of(weights[n].device_mesh)
         dst = ranks[i % len(ranks)]  # the hashing spreads over the mesh's ranks
-        (c,) = shards.combine([(weights[n], False, dst)], whole_bytes=limit, partial_stats=None)
+        (c,) = exchange.combine([(weights[n], False, dst)], whole_bytes=limit, partial_stats=None)
         if c is not None:
             hashed[n] = fingerprint(c.full)
     if small:

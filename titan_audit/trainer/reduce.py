@@ -60,7 +60,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from titan_audit.audit.shards import transport_device
+from titan_audit.audit.exchange import transport_device
 from titan_audit.trainer.shared_exchange import SharedExchange
 
 Node = tuple[int, int]  # [lo, hi) over microbatch indices
