@@ -183,7 +183,7 @@ def test_on_cuda_a_full_step_records_without_synchronising(tmp_path, monkeypatch
 def test_on_cuda_fsdp2_records_read_the_device_once_per_exchange(tmp_path, monkeypatch):
     """A params-level Recorder over an FSDP2 model on one GPU (a mesh of one rank, NCCL): its
     second step's record calls run with torch's sync debug mode set to error except inside
-    exchange._read, the one read of each exchange's gathered rows or pieces (at most two a call:
+    exchange.read, the one read of each exchange's gathered rows or pieces (at most two a call:
     the lanes of the tensors above C, the pieces of those of at most C); every grad and param
     record's digest is the fingerprint of the full tensor. Control: with each share's lanes read
     at once, the grads' summaries raise under the same watch."""
@@ -197,7 +197,7 @@ def test_on_cuda_fsdp2_records_read_the_device_once_per_exchange(tmp_path, monke
     from titan_audit.batch_invariant.cpu import lattice
 
     reads = []
-    real_read = exchange._read
+    real_read = exchange.read
 
     def allowed_read(gathered):
         torch.cuda.set_sync_debug_mode("default")
@@ -224,7 +224,7 @@ def test_on_cuda_fsdp2_records_read_the_device_once_per_exchange(tmp_path, monke
         fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5)).cuda()
-        monkeypatch.setattr(exchange, "_read", allowed_read)
+        monkeypatch.setattr(exchange, "read", allowed_read)
         with whole_hash_limit(C):
             rec = Recorder(tmp_path / "run", model, level="params")
             for step in range(2):

@@ -11,7 +11,7 @@
 - controls: a one-element change on one rank's shard, and two elements swapped between the
   pieces of two ranks, give other digests; a DDP replica perturbed in its own share changes the
   record;
-- routed through the device path (as a GPU rank's pieces are: audit/exchange.py), the same
+- routed through the device path (as a GPU rank's pieces are: tests/device_routing.py), the same
   summaries and FSDP2 records come from lanes and statistics left where they were computed, with
   no per-tensor read (no call of the functions that read one record's lanes or statistics);
   control: reading each share's lanes and statistics at once gives the same summaries and makes
@@ -165,38 +165,16 @@ def _rank(rank, world_size, root):
 
 def _routed(rank, root):
     """The layouts' summaries and an FSDP2 step's records with every piece hashed as a GPU
-    rank's (shards.hashed_on_device), queued where computed (exchange.combine); and, as the
-    control, the same summaries with each share's lanes and statistics read at once. Returns
-    both, and the per-tensor reads each made."""
+    rank's (tests/device_routing.py), left where computed until the exchange (exchange.combine);
+    and, as the control, the same summaries with each share read at once. Returns both, and
+    the per-tensor reads each made."""
+    from device_routing import read_at_once, routed_to_device
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from titan_audit.audit import device_lanes, exchange, shards, summary
-    from titan_audit.batch_invariant.cpu import lattice
-
-    reads = [0]
-
-    def counted(fn):
-        def call(*args, **kwargs):
-            reads[0] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    def read_at_once(local, where):
-        return torch.tensor([lattice.to_signed(v) for v in shards.share_lanes(local, where)], dtype=torch.int64)
-
-    def stats_at_once(local):
-        return torch.tensor(summary.absmax_sum(local), dtype=torch.float64)
-
-    saved = (shards.hashed_on_device, device_lanes.read_lanes, summary._device_absmax_sum)
-    saved_partial, saved_sums = summary.partial_stats, exchange.share_sums
-    shards.hashed_on_device = lambda local: True
-    device_lanes.read_lanes = counted(device_lanes.read_lanes)
-    summary._device_absmax_sum = counted(summary._device_absmax_sum)
     out = {}
-    try:
+    with routed_to_device() as reads:
         meshes = {(4,): init_device_mesh("cpu", (4,)), (2, 2): init_device_mesh("cpu", (2, 2))}
         tensors = [
             distribute_tensor(_full(name), meshes[shape], placements, src_data_rank=None)
@@ -207,12 +185,9 @@ def _routed(rank, root):
         fully_shard(fsdp)
         _record_step(fsdp, f"{root}/fsdp4-routed", rank)
         out["reads"] = reads[0]
-        exchange.share_sums, summary.partial_stats = read_at_once, stats_at_once
-        out["at_once"] = [tuple(summarize(dt, with_stats=True)) for dt in tensors]
+        with read_at_once():
+            out["at_once"] = [tuple(summarize(dt, with_stats=True)) for dt in tensors]
         out["at_once_reads"] = reads[0] - out["reads"]
-    finally:
-        shards.hashed_on_device, device_lanes.read_lanes, summary._device_absmax_sum = saved
-        summary.partial_stats, exchange.share_sums = saved_partial, saved_sums
     return out
 
 

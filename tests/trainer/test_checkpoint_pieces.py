@@ -91,6 +91,35 @@ def test_flipped_byte_names_the_piece_and_format_1_still_loads(tmp_path):
         ckpt.load(1, *_model_and_optimizer())
 
 
+def test_pieces_hashed_on_a_device_are_recorded_and_verified_without_reading_each_one():
+    """Routed through the device path (tests/device_routing.py, as a GPU rank's pieces are): the
+    digests and pieces are those of the CPU kernel and verify, and no tensor's or piece's lanes
+    are read alone (the device is read once per exchange). Controls: reading each share at once
+    is counted; an element changed after the record is found under the routing."""
+    from device_routing import read_at_once, routed_to_device
+
+    from titan_audit.audit.by_piece import digests_by_piece, verify_by_piece
+
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer)
+    named = [(name, p.detach()) for name, p in model.named_parameters()]
+    with whole_hash_limit(C):
+        expected = digests_by_piece(named)
+        with routed_to_device() as reads:
+            got = digests_by_piece(named)
+            problems = verify_by_piece(named, got, "the record")
+            routed_reads = reads[0]
+            with read_at_once():
+                at_once = digests_by_piece(named)
+            changed = [(name, t.clone()) for name, t in named]
+            changed[2][1][3, 5] += 1.0  # 2.weight [8, 48]: above C
+            found = verify_by_piece(changed, got, "the record")
+    assert got == expected == at_once
+    assert problems == [] and routed_reads == 0
+    assert reads[0] > routed_reads  # control: the reads at once were counted
+    assert len(found) == 1 and found[0].startswith("2.weight: piece [0, 8) x [0, 48)")
+
+
 def test_format_2_checkpoints_verify_with_lattice_version_1(tmp_path):
     """A checkpoint an older titan-audit wrote (format 2: lattice version 1 lanes) still loads and
     verifies; control: the same lanes labelled format 3 are checked as version 2's and refused."""

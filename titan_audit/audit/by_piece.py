@@ -19,6 +19,8 @@ Guarantees:
   shares do not add up to, or whose elements they do not cover exactly once, is reported with
   its index runs, the ranks that held it when recorded and the ranks that read it now; dtype
   and shape are checked too. No tensor is gathered.
+- A GPU rank's lanes stay on its device until the exchange (audit/exchange.py `stacked`,
+  `read`): each call reads the device once per mesh, not once per tensor or piece.
 """
 
 from __future__ import annotations
@@ -102,12 +104,12 @@ def digests_by_piece(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any
         rows = []
         for i in members:
             picked = held[i].share()
-            rows.append([lattice.to_signed(v) for v in (shards.lanes(*picked) if picked else (0, 0))])
-        gathered = exchange.gather(
-            torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), held[members[0]].group, ranks, 0
-        )
+            rows.append(shards.sums(*picked) if picked else torch.zeros(2, dtype=torch.int64))
+        group = held[members[0]].group
+        gathered = exchange.gather(exchange.stacked(rows, group, ranks), group, ranks, 0)
         if gathered is None:
             continue
+        gathered = exchange.read(gathered)
         for k, i in enumerate(members):
             by_key: dict[str, dict[str, Any]] = {}
             runs_of: dict[int, list] = {}  # a replicated piece is one object on every rank
@@ -187,19 +189,19 @@ def _meta(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
 
 
-def _piece_rows(h: _Held, stored: list[pieces.Piece]) -> list[list[int]]:
-    """This rank's (lanes, element count) of its share within each stored piece."""
+def _piece_rows(h: _Held, stored: list[pieces.Piece]) -> list[torch.Tensor]:
+    """This rank's (lanes, element count) of its share within each stored piece, as int64 [3]
+    on the device that hashed it (not read) or the host."""
     picked = h.share()
     rows = []
     for piece in stored:
-        if picked is None:
-            rows.append([0, 0, 0])
+        positions = None if picked is None else picked[1].positions_in(piece)
+        count = 0 if positions is None else math.prod(len(p) for p in positions)
+        if not count:
+            rows.append(torch.zeros(3, dtype=torch.int64))
             continue
-        local, mine = picked
-        positions = mine.positions_in(piece)
-        count = math.prod(len(p) for p in positions)
-        a, b = shards.lanes(local, mine, positions) if count else (0, 0)
-        rows.append([lattice.to_signed(a), lattice.to_signed(b), count])
+        lanes = shards.sums(picked[0], picked[1], positions)
+        rows.append(torch.cat([lanes, torch.full((1,), count, dtype=torch.int64, device=lanes.device)]))
     return rows
 
 
@@ -214,8 +216,8 @@ def _piece_checks(
             i: [pieces.Piece.from_runs(held[i][1].tensor.shape, p["index"]) for p in expected[i]] for i in members
         }
         rows = [row for i in members for row in _piece_rows(held[i][1], stored[i])]
-        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
-        gathered = exchange.gather(table, held[members[0]][1].group, ranks, None)
+        group = held[members[0]][1].group
+        gathered = exchange.read(exchange.gather(exchange.stacked(rows, group, ranks), group, ranks, None))
         at = 0
         for i in members:
             name, h = held[i]

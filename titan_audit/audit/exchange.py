@@ -141,8 +141,15 @@ def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _kernel.sent_to(tensor, device) if tensor.is_cpu else tensor.to(device)
 
 
-def _read(gathered: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The ranks' gathered tensors on the host: one copy (one wait) when they are on a device."""
+def stacked(rows: Sequence[torch.Tensor], group: object | None, ranks: Sequence[int]) -> torch.Tensor:
+    """The rows (one shape and dtype) as one tensor on the device `gather` moves for the group
+    (a group of one: the first row's), a host row sent there without blocking."""
+    wire = rows[0].device if len(ranks) == 1 else transport_device(group)
+    return torch.stack([_on(row, wire) for row in rows])
+
+
+def read(gathered: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`gather`'s tensors on the host: one copy (one wait) when they are on a device."""
     if gathered[0].is_cpu:
         return gathered
     return list(torch.stack(gathered).cpu().unbind(0))
@@ -166,15 +173,13 @@ _F64 = torch.float64
 PartialStats = Callable[[torch.Tensor], torch.Tensor]  # a share -> float64 [absmax, sum], where it was hashed
 
 
-def _lanes_row(
-    tensor: torch.Tensor, with_stats: bool, partial_stats: PartialStats | None, wire: torch.device
-) -> tuple[torch.Tensor, int]:
+def _lanes_row(tensor: torch.Tensor, with_stats: bool, partial_stats: PartialStats | None) -> tuple[torch.Tensor, int]:
     """(this rank's row for a large tensor: int64 [5] = its share's two lanes, absmax and sum as
-    float64 bits, elements hashed, on the device that hashed the share (not read), the host, or
-    `wire` for an empty share; the elements hashed)."""
+    float64 bits, elements hashed, on the device that hashed the share (not read) or the host;
+    the elements hashed)."""
     picked = _my_share(tensor)
     if picked is None:
-        return torch.zeros(5, dtype=torch.int64, device=wire), 0
+        return torch.zeros(5, dtype=torch.int64), 0
     local, where = picked
     sums = share_sums(local, where)
     device = sums.device
@@ -248,12 +253,11 @@ def combine(
         small = [i for i in batch if tensors[i].numel() * tensors[i].element_size() <= whole_bytes]
         large = [i for i in batch if tensors[i].numel() * tensors[i].element_size() > whole_bytes]
         if large:
-            wire = transport_device(group)
-            rows, counts = zip(*(_lanes_row(tensors[i], items[i][1], partial_stats, wire) for i in large))
-            sent = torch.stack([_on(row, wire) for row in rows])
+            rows, counts = zip(*(_lanes_row(tensors[i], items[i][1], partial_stats) for i in large))
+            sent = stacked(rows, group, ranks)
             gathered = gather(sent, group, ranks, dst)
             if gathered is not None:
-                gathered = _read(gathered)
+                gathered = read(gathered)
                 for k, i in enumerate(large):
                     out[i] = _combine_large(gathered, k, items[i][1])
             if counters is not None:
@@ -290,7 +294,8 @@ def _gather_small(
         layout.append(per_rank)
     totals = [sum(per_rank[j][1] for per_rank in layout) for j in range(len(ranks))]
     me = ranks.index(dist.get_rank())
-    buffer = torch.zeros(max(totals), dtype=torch.uint8, device=transport_device(group))
+    wire = tensors[0].device if len(ranks) == 1 else transport_device(group)
+    buffer = torch.zeros(max(totals), dtype=torch.uint8, device=wire)
     at = 0
     for t, per_rank in zip(tensors, layout):
         if per_rank[me][0] is not None and per_rank[me][1]:
@@ -300,7 +305,7 @@ def _gather_small(
     gathered = gather(buffer, group, ranks, dst)
     if gathered is None:
         return [None] * len(tensors), 0
-    gathered = _read(gathered)
+    gathered = read(gathered)
     fulls = []
     offsets = [0] * len(ranks)
     for t, per_rank in zip(tensors, layout):

@@ -12,9 +12,10 @@ Guarantees:
   strided view costs nothing unless its last dimension is not contiguous (then one copy). A
   piece on another device (a GPU rank's) is hashed there (audit/device_lanes.py: the same
   integers, no host copy).
-- `share_sums(local, where)`: `share_lanes` as int64 [2] (the lanes' bits), left on the device
-  that hashed them: a GPU piece's lanes are not read back, so a caller exchanging many records'
-  lanes waits for the device once, not once a tensor.
+- `sums(local, piece, positions)` and `share_sums(local, where)`: `lanes` and `share_lanes` as
+  int64 [2] (the lanes' bits), left on the device that hashed them: a GPU piece's lanes are not
+  read back, so a caller exchanging many tensors' lanes waits for the device once, not once a
+  tensor (audit/exchange.py).
 """
 
 from __future__ import annotations
@@ -166,17 +167,24 @@ def share_lanes(local: torch.Tensor, where: Piece | int) -> tuple[int, int]:
     return _block_lanes(*_hashed_where(local), where, None)
 
 
+def sums(local: torch.Tensor, piece: Piece, positions: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """lanes(local, piece, positions) as int64 [2] with the lanes' bits: on the device that hashed
+    them, not read, for a piece hashed there; on the host otherwise."""
+    return _as_sums(_lanes(local, piece, positions, None))
+
+
 def share_sums(local: torch.Tensor, where: Piece | int) -> torch.Tensor:
-    """share_lanes(local, where) as int64 [2] with the lanes' bits: on the device that hashed them,
-    not read, for a piece hashed there; on the host otherwise."""
+    """share_lanes(local, where) as `sums` gives lanes."""
     if isinstance(where, Piece):
-        sums = _lanes(local, where, None, None)
-    else:
-        hashed, on_device = _hashed_where(local)
-        sums = _device_block(hashed, where) if on_device else _block_lanes(hashed, False, where, None)
-    if isinstance(sums, torch.Tensor):
-        return sums
-    return torch.tensor([_kernel.to_signed(v) for v in sums], dtype=torch.int64)
+        return sums(local, where)
+    hashed, on_device = _hashed_where(local)
+    return _as_sums(_device_block(hashed, where) if on_device else _block_lanes(hashed, False, where, None))
+
+
+def _as_sums(lanes_or_sums: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+    if isinstance(lanes_or_sums, torch.Tensor):
+        return lanes_or_sums
+    return torch.tensor([_kernel.to_signed(v) for v in lanes_or_sums], dtype=torch.int64)
 
 
 def _hashed_where(local: torch.Tensor) -> tuple[torch.Tensor, bool]:
