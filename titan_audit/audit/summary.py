@@ -31,7 +31,7 @@ Guarantees:
   mean's last bits may differ from a CPU run's); one of at most C is copied to the CPU once.
 - `summarize_later` / `read_back`: the same summaries of plain GPU tensors without waiting for
   the GPU per record. summarize_later queues the work on the device's current stream at once
-  (above C the lanes and statistics stay there as 40 bytes; at most C the bytes are copied to
+  (above C the lanes and statistics stay there as 32 bytes; at most C the bytes are copied to
   pinned host memory without blocking), so what is done to the tensor afterwards (an in-place
   op, its memory freed and reused; `record_stream` covers a tensor made on another stream),
   queued after it, cannot change the record; read_back of many waits once per device and
@@ -199,33 +199,34 @@ def _device_absmax_sum(tensor: torch.Tensor) -> tuple[float, float]:
     """absmax_sum of a tensor on another device (a GPU rank's piece), computed there: absmax
     exact; the sum is torch's (float64 for floating types, int64 for integers) in the device's
     own order, so a mean's last bits may differ from a CPU run's (it is informational)."""
-    return _absmax_total(*_device_stats(tensor).tolist())
+    absmax, total = _device_stats(tensor).tolist()
+    return _one_nan(absmax), total
 
 
 def _device_stats(tensor: torch.Tensor) -> torch.Tensor:
-    """min, max and sum of a non-empty real tensor as float64 [3] on its device (not read)."""
+    """absmax and sum of a non-empty real tensor as float64 [2] on its device (not read); absmax
+    is NaN when any element is (torch.maximum propagates it, in whatever NaN the device makes)."""
     if tensor.dtype is torch.bool:
         tensor = tensor.view(torch.uint8)
     elif tensor.dtype in _WIDEN and tensor.dtype is not torch.float16:
         tensor = tensor.float()  # exact; float8 has no aminmax (float16 is read as it is)
     low, high = torch.aminmax(tensor)
     total = tensor.sum(dtype=torch.float64 if tensor.dtype.is_floating_point else torch.int64)
-    return torch.stack([low.double(), high.double(), total.double()])
+    return torch.stack([torch.maximum(low.double().abs(), high.double().abs()), total.double()])
 
 
 def partial_stats(local: torch.Tensor) -> torch.Tensor:
     """absmax_sum of a rank's share as float64 [absmax, sum], computed where the share is hashed
-    and left there (a GPU piece's: not read, so its record waits for nothing; exchange.combine)."""
+    and left there (a GPU piece's: not read, so its record waits for nothing; exchange.combine,
+    whose NaN check makes any NaN the one quiet NaN)."""
     if shards.hashed_on_device(local) and local.numel() and not local.is_complex() and local.layout is torch.strided:
-        low, high, total = _device_stats(local).unbind()
-        return torch.stack([torch.maximum(low.abs(), high.abs()), total])  # NaN if either is (_absmax_total)
+        return _device_stats(local)
     return torch.tensor(absmax_sum(local), dtype=torch.float64)
 
 
-def _absmax_total(low: float, high: float, total: float) -> tuple[float, float]:
-    if math.isnan(low) or math.isnan(high):
-        return math.nan, total
-    return max(abs(low), abs(high)), total
+def _one_nan(value: float) -> float:
+    """`value`, with any NaN as math.nan (the host's quiet NaN, whatever the device made)."""
+    return math.nan if math.isnan(value) else value
 
 
 def _summarize_on_device(tensor: torch.Tensor, with_stats: bool) -> Summary:
@@ -312,7 +313,7 @@ class Later(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     with_stats: bool
-    values: torch.Tensor | None  # above C, on the device: int64 lanes [2], then min, max, sum's float64 bits
+    values: torch.Tensor | None  # above C, on the device: int64 lanes [2], then absmax's and sum's float64 bits
     host: torch.Tensor | None  # at most C: the copy on the host, complete once the device is synchronised
 
     @property
@@ -366,10 +367,8 @@ def read_back(items: Sequence[Later]) -> list[Summary]:
         values = read[id(item)]
         absmax = mean = None
         if item.with_stats:
-            absmax, total = (
-                _absmax_total(*values[2:].view(torch.float64).tolist()) if len(values) > 2 else (math.nan,) * 2
-            )
-            mean = total / math.prod(item.shape)
+            absmax, total = values[2:].view(torch.float64).tolist() if len(values) > 2 else (math.nan,) * 2
+            absmax, mean = _one_nan(absmax), total / math.prod(item.shape)
         lanes = (int(values[0]) & _lattice.MASK, int(values[1]) & _lattice.MASK)
         digest = lattice_digest(item.dtype, item.shape, lanes)
         out.append(Summary(dtype_name(item.dtype), shape_text(item.shape), digest, absmax, mean))
